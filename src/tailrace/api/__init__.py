@@ -1,0 +1,7 @@
+"""Pipeline API: builder, stage specs, YAML loader. Imports nothing heavy."""
+
+from .pipeline import CONTRACT_KEYS, BatchSpec, Contract, Pipeline, StageSpec, Stream
+from .records import ErrorRecord
+
+__all__ = ["CONTRACT_KEYS", "BatchSpec", "Contract", "ErrorRecord", "Pipeline", "StageSpec",
+           "Stream"]

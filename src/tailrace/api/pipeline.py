@@ -1,0 +1,288 @@
+"""Pipeline and Stream: the builder. Building records stage specs; it runs nothing.
+
+    >>> import tailrace as tr
+    >>> p = tr.Pipeline("double")
+    >>> out = []
+    >>> p.source(range(4)).map(lambda x: 2 * x).sink(out)
+    >>> _ = tr.run(p)
+    >>> out
+    [0, 2, 4, 6]
+
+Records are any Python objects. Stages that name record fields (``input=``,
+``output=``, ``key=``) read and write dict records, as YAML pipelines do.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import PlanError
+
+#: The contract keys every stage accepts (YAML and Python alike).
+CONTRACT_KEYS = ("replicas", "batch", "timeout_ms", "retries", "queue", "blocking")
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """Call the operator on lists: up to ``max_size`` records, waiting at most
+    ``max_wait_ms`` after the first record of a batch for the rest to arrive."""
+
+    max_size: int
+    max_wait_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class Contract:
+    """What a stage promises and needs; the compiler and runtime honour it.
+
+    replicas:   parallel copies of the stage (stateless stages only).
+    batch:      call the operator on lists (see ``BatchSpec``).
+    timeout_ms: per-record (or per-batch) limit; the record becomes an error record.
+    retries:    extra attempts after an exception or timeout.
+    queue:      bound, in records, of the stage's input channel (None: plan default).
+    blocking:   the operator blocks (I/O, native code): run it in a worker thread.
+    """
+
+    replicas: int = 1
+    batch: BatchSpec | None = None
+    timeout_ms: float | None = None
+    retries: int = 0
+    queue: int | None = None
+    blocking: bool = False
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One declared stage: operator name, parameters, upstream refs, contract.
+
+    ``upstream`` holds stage ids, or ``"id.port"`` for a branch's ``true``/``false``
+    output. ``where`` is the declaration's location (``file.yaml:12`` or
+    ``script.py:34``), used in error messages.
+    """
+
+    id: str
+    op: str
+    upstream: tuple[str, ...] = ()
+    params: dict[str, Any] = field(default_factory=dict)
+    contract: Contract = field(default_factory=Contract)
+    where: str | None = field(default=None, compare=False)
+
+
+def _caller_location(depth: int = 3) -> str:
+    frame = sys._getframe(depth)
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+def _contract(kw: dict[str, Any]) -> Contract:
+    batch = kw.pop("batch", None)
+    if isinstance(batch, dict):
+        batch = BatchSpec(**batch)
+    c = Contract(
+        replicas=kw.pop("replicas", 1),
+        batch=batch,
+        timeout_ms=kw.pop("timeout_ms", None),
+        retries=kw.pop("retries", 0),
+        queue=kw.pop("queue", None),
+        blocking=kw.pop("blocking", False),
+    )
+    if kw:
+        raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(kw))}; "
+                        f"contract keys are: {', '.join(CONTRACT_KEYS)}")
+    return c
+
+
+class Pipeline:
+    """A named dataflow under construction. Building runs nothing; ``tr.run`` does.
+
+    name:    the pipeline's name (used in stats, plans and, later, serving).
+    slo:     optional ``{"p99_ms": ..., "priority": ...}`` (read by the control plane).
+    engines: optional engine declarations (read by engine-backed operators).
+    """
+
+    def __init__(self, name: str, *, slo: dict | None = None,
+                 engines: dict | None = None, source_file: str | None = None) -> None:
+        self.name = name
+        self.slo = slo
+        self.engines = dict(engines or {})
+        self.source_file = source_file
+        self._stages: dict[str, StageSpec] = {}
+        self._counts: dict[str, int] = {}
+
+    # -- construction -------------------------------------------------------------
+    @property
+    def stages(self) -> tuple[StageSpec, ...]:
+        return tuple(self._stages.values())
+
+    def add_stage(self, spec: StageSpec) -> None:
+        """Add a stage spec (used by the builder and the YAML loader)."""
+        if spec.id in self._stages:
+            first = self._stages[spec.id].where
+            raise PlanError(
+                f"duplicate stage id (first defined at {first}); give each stage a unique id",
+                where=spec.where, stage=spec.id)
+        self._stages[spec.id] = spec
+
+    def _new_id(self, op: str, given: str | None) -> str:
+        if given is not None:
+            return given
+        n = self._counts.get(op, 0)
+        while True:
+            candidate = op if n == 0 else f"{op}_{n}"
+            n += 1
+            if candidate not in self._stages:
+                self._counts[op] = n
+                return candidate
+
+    def _add(self, op: str, upstream: tuple[str, ...], params: dict[str, Any],
+             kw: dict[str, Any], id: str | None) -> str:
+        where = _caller_location()
+        sid = self._new_id(op, id)
+        try:
+            contract = _contract(kw)
+        except TypeError as e:
+            raise PlanError(str(e), where=where, stage=sid) from None
+        self.add_stage(StageSpec(sid, op, upstream, params, contract, where))
+        return sid
+
+    def source(self, data: Iterable[Any] | None = None, *, id: str | None = None,
+               fields: list[str] | None = None, **contract: Any) -> Stream:
+        """Start a stream from an iterable or async iterable.
+
+        data:   the records; ``None`` to bind them at run time (``tr.run(p, input=...)``).
+        fields: the record fields the source provides (lets the compiler check fields).
+        """
+        params: dict[str, Any] = {"data": data}
+        if fields is not None:
+            params["fields"] = tuple(fields)
+        return Stream(self, self._add("source", (), params, contract, id))
+
+    def merge(self, *streams: Stream, id: str | None = None, **contract: Any) -> Stream:
+        """Interleave several streams into one (no ordering across inputs)."""
+        ups = tuple(s._ref for s in streams)
+        return Stream(self, self._add("merge", ups, {}, contract, id))
+
+    @classmethod
+    def from_yaml(cls, path: str) -> Pipeline:
+        """Load a pipeline from a YAML v1 file (see docs/pipeline-yaml.md)."""
+        from .yaml_loader import load_pipeline
+
+        return load_pipeline(path)
+
+    def __repr__(self) -> str:
+        return f"Pipeline({self.name!r}, stages={list(self._stages)})"
+
+
+@dataclass(frozen=True)
+class Stream:
+    """The output of a stage; the builder methods add a stage consuming it."""
+
+    pipeline: Pipeline
+    stage_id: str
+    port: str | None = None
+
+    @property
+    def _ref(self) -> str:
+        return self.stage_id if self.port is None else f"{self.stage_id}.{self.port}"
+
+    def _then(self, op: str, params: dict[str, Any], kw: dict[str, Any],
+              id: str | None) -> str:
+        return self.pipeline._add(op, (self._ref,), params, kw, id)
+
+    def map(self, fn: Callable | str, *, id: str | None = None, input: str | None = None,
+            output: str | None = None, **contract: Any) -> Stream:
+        """Transform each record: ``fn(record)``, or ``record[output] = fn(record[input])``.
+
+        >>> # [1, 2] -> map(lambda x: x + 1) -> [2, 3]
+        fn:     a callable or a dotted path ``"pkg.module.function"``; async allowed.
+        input:  read this field of a dict record instead of the whole record.
+        output: write the result to this field (of a copy of the record).
+        With ``batch=`` in the contract, ``fn`` takes and returns lists.
+        """
+        params = {"fn": fn, "input": input, "output": output}
+        return Stream(self.pipeline, self._then("map", params, contract, id))
+
+    def filter(self, fn: Callable | str, *, id: str | None = None,
+               input: str | None = None, **contract: Any) -> Stream:
+        """Keep the records for which ``fn`` is truthy.
+
+        >>> # [1, 2, 3, 4] -> filter(lambda x: x % 2) -> [1, 3]
+        fn:    predicate (callable or dotted path).
+        input: apply the predicate to this field of a dict record.
+        """
+        params = {"fn": fn, "input": input}
+        return Stream(self.pipeline, self._then("filter", params, contract, id))
+
+    def flat_map(self, fn: Callable | str, *, id: str | None = None,
+                 input: str | None = None, output: str | None = None,
+                 **contract: Any) -> Stream:
+        """Emit every item of the iterable ``fn`` returns (zero or more per record).
+
+        >>> # ["a b", "c"] -> flat_map(str.split) -> ["a", "b", "c"]
+        fn:     returns an iterable (callable or dotted path).
+        input:  apply ``fn`` to this field; output: each item goes to a copy's field.
+        """
+        params = {"fn": fn, "input": input, "output": output}
+        return Stream(self.pipeline, self._then("flat_map", params, contract, id))
+
+    def key_by(self, fn: Callable | str, *, id: str | None = None,
+               **contract: Any) -> Stream:
+        """Turn each record into ``(fn(record), record)`` for keyed stages.
+
+        >>> # ["ab", "c"] -> key_by(len) -> [(2, "ab"), (1, "c")]
+        fn: the key function (callable or dotted path).
+        """
+        return Stream(self.pipeline, self._then("key_by", {"fn": fn}, contract, id))
+
+    def branch(self, fn: Callable | str, *, id: str | None = None,
+               input: str | None = None, **contract: Any) -> tuple[Stream, Stream]:
+        """Split into ``(trues, falses)`` by a predicate; each record goes one way.
+
+        >>> # [1, 2, 3] -> branch(lambda x: x > 1) -> trues [2, 3], falses [1]
+        fn:    predicate (callable or dotted path).
+        input: apply the predicate to this field of a dict record.
+        """
+        sid = self._then("branch", {"fn": fn, "input": input}, contract, id)
+        return Stream(self.pipeline, sid, "true"), Stream(self.pipeline, sid, "false")
+
+    def merge(self, *others: Stream, id: str | None = None, **contract: Any) -> Stream:
+        """Interleave this stream with others."""
+        ups = (self._ref,) + tuple(s._ref for s in others)
+        return Stream(self.pipeline, self.pipeline._add("merge", ups, {}, contract, id))
+
+    def batch(self, max_size: int, max_wait_ms: float = 0.0, *, id: str | None = None,
+              output: str | None = None, **contract: Any) -> Stream:
+        """Group records into lists of up to ``max_size``, waiting at most
+        ``max_wait_ms`` after a list's first record (a partial list is emitted then,
+        and at end of input).
+
+        >>> # [1, 2, 3] -> batch(2) -> [[1, 2], [3]]
+        output: emit ``{output: [records]}`` instead of the bare list.
+        """
+        params = {"max_size": max_size, "max_wait_ms": max_wait_ms, "output": output}
+        return Stream(self.pipeline, self._then("batch", params, contract, id))
+
+    def stateful(self, fn: Callable | str, *, id: str | None = None,
+                 key: str | None = None, input: str | None = None,
+                 output: str | None = None, **contract: Any) -> Stream:
+        """Keyed state: ``fn(state, value) -> (new_state, emit)``; state starts as None.
+
+        Without ``key``, records must be ``(key, value)`` pairs (see ``key_by``) and
+        ``(key, emit)`` pairs come out. With ``key="field"``, dict records are keyed
+        by that field and ``emit`` is written to ``output``. A ``None`` new state
+        forgets the key.
+
+        >>> # [("a", 1), ("a", 2)] -> stateful(running sum) -> [("a", 1), ("a", 3)]
+        """
+        params = {"fn": fn, "key": key, "input": input, "output": output}
+        return Stream(self.pipeline, self._then("stateful", params, contract, id))
+
+    def sink(self, target: list | Callable | None = None, *, id: str | None = None,
+             **contract: Any) -> None:
+        """End the stream: append records to a list, or call ``target(record)``.
+
+        target: a list, a callable, or None to bind at run time (``output=``).
+        """
+        self._then("sink", {"target": target}, contract, id)

@@ -1,0 +1,232 @@
+"""Compile-time checks of a pipeline: operators, parameters, contracts, graph, fields.
+
+Every failure is a ``PlanError`` naming the stage, its location and the likely fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import numbers
+from typing import Any
+
+from ..api.pipeline import Pipeline, StageSpec
+from ..errors import PlanError
+from ..operators import OpDef, known_ops, lookup, resolve
+
+
+def _hint(word: str, choices: Any) -> str:
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _err(spec: StageSpec, msg: str) -> PlanError:
+    return PlanError(msg, where=spec.where, stage=spec.id)
+
+
+def check_op(spec: StageSpec) -> OpDef:
+    try:
+        return lookup(spec.op)
+    except LookupError:
+        raise _err(spec, f"unknown operator '{spec.op}'{_hint(spec.op, known_ops())} "
+                   f"(known: {', '.join(known_ops())}; or a dotted path to a "
+                   "tailrace.Operator subclass)") from None
+    except ValueError as e:
+        raise _err(spec, f"operator '{spec.op}': {e}") from None
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def check_params(spec: StageSpec, op: OpDef) -> dict[str, Any]:
+    """Validate the stage's parameters; return them with defaults and fns resolved."""
+    by_name = {p.name: p for p in op.params}
+    out: dict[str, Any] = {}
+    for k in spec.params:
+        if k not in by_name:
+            allowed = ", ".join(by_name) or "none"
+            raise _err(spec, f"unknown parameter '{k}' for operator '{op.name}'"
+                       f"{_hint(k, list(by_name))} (its parameters: {allowed}; contract keys: "
+                       "replicas, batch, timeout_ms, retries, queue, blocking)")
+    for p in op.params:
+        v = spec.params.get(p.name)
+        if v is None:
+            if p.required:
+                raise _err(spec, f"operator '{op.name}' needs '{p.name}' ({p.doc or p.want})")
+            out[p.name] = p.default
+            continue
+        if p.callable and callable(v):
+            out[p.name] = v
+        elif not isinstance(v, p.types) or (isinstance(v, bool) and object not in p.types):
+            raise _err(spec, f"'{p.name}' must be {p.want or p.types[0].__name__}, got {v!r}")
+        else:
+            out[p.name] = v
+        if p.want == "a positive integer" and (not _is_int(v) or v < 1):
+            raise _err(spec, f"'{p.name}' must be a positive integer, got {v!r}")
+        if p.name == "max_wait_ms" and v < 0:
+            raise _err(spec, f"'max_wait_ms' must be a non-negative number, got {v!r}")
+        if p.callable:
+            try:
+                out[p.name] = resolve(v)
+            except ValueError as e:
+                raise _err(spec, f"'{p.name}': {e}") from None
+    return out
+
+
+def check_contract(spec: StageSpec, op: OpDef) -> None:
+    c = spec.contract
+    if not _is_int(c.replicas) or c.replicas < 1:
+        raise _err(spec, f"'replicas' must be a positive integer, got {c.replicas!r}")
+    if not _is_int(c.retries) or c.retries < 0:
+        raise _err(spec, f"'retries' must be a non-negative integer, got {c.retries!r}")
+    if c.timeout_ms is not None and (not _is_num(c.timeout_ms) or c.timeout_ms <= 0):
+        raise _err(spec, f"'timeout_ms' must be a positive number, got {c.timeout_ms!r}")
+    if c.queue is not None and (not _is_int(c.queue) or c.queue < 1):
+        raise _err(spec, f"'queue' must be a positive integer (records), got {c.queue!r}")
+    if not isinstance(c.blocking, bool):
+        raise _err(spec, f"'blocking' must be true or false, got {c.blocking!r}")
+    if c.batch is not None:
+        if not op.batchable:
+            raise _err(spec, f"operator '{op.name}' does not take a 'batch' contract; "
+                       "use a 'batch' stage to group records")
+        if not _is_int(c.batch.max_size) or c.batch.max_size < 1:
+            raise _err(spec, f"'batch.max_size' must be a positive integer, "
+                       f"got {c.batch.max_size!r}")
+        if not _is_num(c.batch.max_wait_ms) or c.batch.max_wait_ms < 0:
+            raise _err(spec, f"'batch.max_wait_ms' must be a non-negative number, "
+                       f"got {c.batch.max_wait_ms!r}")
+    if c.replicas > 1 and op.state != "stateless":
+        raise _err(spec, f"a {op.state}-state operator cannot have replicas (got "
+                   f"{c.replicas}); its state lives in one replica — remove 'replicas'")
+    if op.kind in ("source", "sink") and (c.replicas > 1 or c.retries or c.timeout_ms
+                                          or c.batch):
+        raise _err(spec, f"'{op.kind}' stages take no replicas, retries, timeout_ms or "
+                   "batch; put that work in a stage before it")
+
+
+def check_graph(p: Pipeline) -> list[str]:
+    """Upstream references, dangling outputs and cycles; returns a topological order."""
+    specs = {s.id: s for s in p.stages}
+    consumers: dict[str, list[str]] = {sid: [] for sid in specs}
+    for s in p.stages:
+        if s.op == "source":
+            if s.upstream:
+                raise _err(s, "a source has no upstream stages")
+            continue
+        if not s.upstream:
+            raise _err(s, "stage has no upstream; give it 'after: [stage_id]'")
+        for ref in s.upstream:
+            sid, _, port = ref.partition(".")
+            if sid not in specs:
+                raise _err(s, f"'after' names unknown stage '{sid}'{_hint(sid, specs)}")
+            if sid == s.id:
+                raise _err(s, f"cycle: {s.id} -> {s.id}; a stage cannot consume itself")
+            up = specs[sid]
+            if up.op == "branch":
+                if port not in ("true", "false"):
+                    raise _err(s, f"'{sid}' is a branch; consume '{sid}.true' or "
+                               f"'{sid}.false', not '{ref}'")
+            elif port:
+                raise _err(s, f"'{ref}': only branch stages have ports; use '{sid}'")
+            if up.op == "sink":
+                raise _err(s, f"'{sid}' is a sink and has no output to consume")
+            consumers[sid].append(ref)
+    if not any(s.op == "source" for s in p.stages):
+        raise PlanError("the pipeline has no source; start it with p.source(...)",
+                        where=p.source_file)
+    order = _toposort(p, specs)
+    for s in p.stages:
+        refs = consumers[s.id]
+        if s.op == "sink":
+            continue
+        ports = ("true", "false") if s.op == "branch" else (None,)
+        for port in ports:
+            want = s.id if port is None else f"{s.id}.{port}"
+            if want not in refs:
+                raise _err(s, f"output{'' if port is None else ' ' + repr(port)} has no "
+                           "consumer, so its records would be dropped; add a sink (or a "
+                           "stage after it)")
+    return order
+
+
+def _toposort(p: Pipeline, specs: dict[str, StageSpec]) -> list[str]:
+    indeg = {sid: 0 for sid in specs}
+    down: dict[str, list[str]] = {sid: [] for sid in specs}
+    for s in p.stages:
+        for ref in set(r.partition(".")[0] for r in s.upstream):
+            indeg[s.id] += 1
+            down[ref].append(s.id)
+    ready = [sid for sid in specs if indeg[sid] == 0]
+    order: list[str] = []
+    while ready:
+        sid = ready.pop(0)
+        order.append(sid)
+        for d in down[sid]:
+            indeg[d] -= 1
+            if indeg[d] == 0:
+                ready.append(d)
+    if len(order) < len(specs):
+        stuck = [sid for sid in specs if sid not in order]
+        cycle = _find_cycle(stuck, specs)
+        raise _err(specs[cycle[0]], "cycle: " + " -> ".join(cycle) +
+                   "; pipelines are acyclic — remove one of these 'after' links")
+    return order
+
+
+def _find_cycle(stuck: list[str], specs: dict[str, StageSpec]) -> list[str]:
+    ups = {sid: [r.partition(".")[0] for r in specs[sid].upstream] for sid in stuck}
+    path: list[str] = []
+    node = stuck[0]
+    while node not in path:
+        path.append(node)
+        node = next(u for u in ups[node] if u in ups)
+    cyc = path[path.index(node):] + [node]
+    return list(reversed(cyc))
+
+
+def check_fields(p: Pipeline, order: list[str], io: dict[str, tuple]) -> None:
+    """Every field a stage reads must be written upstream or provided by the source."""
+    specs = {s.id: s for s in p.stages}
+    ancestors: dict[str, set[str]] = {}
+    avail: dict[str, set[str] | None] = {}
+    writers: dict[str, list[str]] = {}
+    for sid, (_, writes) in io.items():
+        for f in writes or ():
+            writers.setdefault(f, []).append(sid)
+    for sid in order:
+        s = specs[sid]
+        ups = [r.partition(".")[0] for r in s.upstream]
+        anc = set(ups)
+        for u in ups:
+            anc |= ancestors[u]
+        ancestors[sid] = anc
+        reads, writes = io[sid]
+        if s.op == "source":
+            fields = s.params.get("fields")
+            avail[sid] = set(fields) if fields is not None else None
+            continue
+        ins = [avail[u] for u in ups]
+        known = None if any(a is None for a in ins) else set.intersection(*ins)  # type: ignore
+        for f in reads or ():
+            if known is not None and f in known:
+                continue
+            upstream_writers = [w for w in writers.get(f, []) if w in anc]
+            if known is None and upstream_writers:
+                continue
+            elsewhere = [w for w in writers.get(f, []) if w not in anc and w != sid]
+            if elsewhere:
+                raise _err(s, f"reads field '{f}' before it exists: it is written by stage "
+                           f"'{elsewhere[0]}', which does not run before this one; put this "
+                           f"stage after '{elsewhere[0]}'")
+            if known is not None:
+                have = ", ".join(sorted(known)) or "none"
+                raise _err(s, f"reads unknown field '{f}'{_hint(f, known)} (fields available "
+                           f"here: {have})")
+        if writes is None:
+            avail[sid] = None
+        else:
+            avail[sid] = None if known is None else known | set(writes)

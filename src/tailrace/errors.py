@@ -1,0 +1,52 @@
+"""The exception taxonomy. Each class says who caused the failure.
+
+- ``PlanError``: the pipeline definition is invalid (raised at build/compile time,
+  never at run time). The message names the file:line or stage id and the fix.
+- ``InputError``: a run input (file, JSONL line) is unreadable or malformed.
+- ``StageTimeout``: an operator exceeded its stage's ``timeout_ms``.
+- ``RunInterrupted``: the run was stopped by the caller (Ctrl-C / cancellation).
+"""
+
+from __future__ import annotations
+
+
+class TailraceError(Exception):
+    """Base class of every error tailrace raises on purpose."""
+
+
+class PlanError(TailraceError):
+    """The pipeline cannot be compiled: invalid structure, operator or parameter.
+
+    ``where`` is the location (``file.yaml:12`` or ``script.py:34``), ``stage`` the
+    stage id when the problem belongs to one stage.
+    """
+
+    def __init__(self, message: str, *, where: str | None = None, stage: str | None = None):
+        self.where = where
+        self.stage = stage
+        self.reason = message
+        prefix = ""
+        if where:
+            prefix += f"{where}: "
+        if stage:
+            prefix += f"stage '{stage}': "
+        super().__init__(prefix + message)
+
+
+class InputError(TailraceError):
+    """A run input is unreadable or malformed (missing file, bad JSONL line)."""
+
+
+class StageTimeout(TailraceError):
+    """An operator call took longer than its stage's ``timeout_ms``."""
+
+
+class RunInterrupted(TailraceError):
+    """The caller stopped the run before its input was exhausted.
+
+    ``result`` holds what the run had done (partial stats, errors) when it stopped.
+    """
+
+    def __init__(self, message: str, result: object = None):
+        super().__init__(message)
+        self.result = result

@@ -1,0 +1,8 @@
+"""Built-in operators and the registry that maps YAML ``op:`` names to them."""
+
+from . import core  # noqa: F401  (registers the built-ins)
+from .custom import Operator
+from .registry import OpDef, OpRuntime, Param, known_ops, lookup, qualname, register, resolve
+
+__all__ = ["OpDef", "OpRuntime", "Operator", "Param", "known_ops", "lookup", "qualname",
+           "register", "resolve"]

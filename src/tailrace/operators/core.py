@@ -1,0 +1,289 @@
+"""The built-in dataflow operators: map, filter, flat_map, key_by, branch, merge,
+batch, stateful, source and sink.
+
+Each ``_build_*`` returns fresh runtime callables. Batch functions use one loop per
+micro-batch and isolate failures per record without re-running the records that
+succeeded: on an exception the failing record is noted and the same iterator resumes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..api.pipeline import Contract
+from ..errors import TailraceError
+from .registry import OpDef, OpRuntime, Param, is_async_callable, register, resolve
+
+FN = Param("fn", (str,), required=True, doc="callable or dotted path 'pkg.module.function'",
+           want="a callable or a dotted path like 'mypkg.module.function'", callable=True)
+INPUT = Param("input", (str,), doc="read this field of a dict record", want="a field name")
+OUTPUT = Param("output", (str,), doc="write the result to this field", want="a field name")
+
+
+class FieldError(TailraceError):
+    """A record lacks a field a stage reads, or is not a dict."""
+
+
+def _get(record: Any, name: str) -> Any:
+    try:
+        return record[name]
+    except KeyError:
+        have = ", ".join(map(str, record)) if isinstance(record, dict) else ""
+        raise FieldError(f"record has no field '{name}' (it has: {have or 'no fields'})") \
+            from None
+    except TypeError:
+        raise FieldError(f"stage reads field '{name}' but the record is a "
+                         f"{type(record).__name__}, not a JSON object") from None
+
+
+def _with_fields(fn: Callable, inp: str | None, out: str | None) -> Callable:
+    """Adapt ``fn`` to dict records: read field ``inp``, write field ``out``."""
+    if inp is None and out is None:
+        return fn
+    target = out if out is not None else inp
+    if inp is None:
+        return lambda r: {**r, target: fn(r)}
+    return lambda r: {**r, target: fn(_get(r, inp))}
+
+
+def _fields_io(params: dict) -> tuple:
+    inp, out = params.get("input"), params.get("output")
+    if inp is None and out is None:
+        return None, None  # whole-record function: fields unknown
+    reads = (inp,) if inp else None
+    return reads, (out or inp,)
+
+
+def _fn(params: dict) -> Callable:
+    return resolve(params["fn"])
+
+
+# -- map ------------------------------------------------------------------------------
+def _build_map(params: dict, contract: Contract) -> OpRuntime:
+    raw = _fn(params)
+    f = _with_fields(raw, params.get("input"), params.get("output"))
+    if is_async_callable(raw):
+        inp, out = params.get("input"), params.get("output")
+
+        async def arecord(x: Any) -> list:
+            v = await raw(x if inp is None else _get(x, inp))
+            if inp is None and out is None:
+                return [v]
+            return [{**x, (out or inp): v}]
+
+        return OpRuntime("map", record_fn=arecord, is_async=True)
+    if contract.batch is not None:
+        return OpRuntime("map", record_fn=_whole_batch(raw, params), whole_batch=True)
+
+    def batch_fn(batch: list, errors: list) -> list:
+        out: list = []
+        append = out.append
+        it = iter(batch)
+        while True:
+            try:
+                for x in it:
+                    append(f(x))
+                return out
+            except Exception as e:
+                errors.append((x, e))
+
+    return OpRuntime("map", batch_fn=batch_fn, record_fn=lambda x: [f(x)])
+
+
+def _whole_batch(fn: Callable, params: dict) -> Callable:
+    """A batch-contract map: ``fn(list of inputs) -> list of outputs``, same length."""
+    inp, out = params.get("input"), params.get("output")
+
+    def call(records: list) -> list:
+        values = records if inp is None else [_get(r, inp) for r in records]
+        results = list(fn(values))
+        if len(results) != len(values):
+            raise ValueError(f"batch function returned {len(results)} results for "
+                             f"{len(values)} inputs; it must return one per input")
+        if inp is None and out is None:
+            return results
+        key = out or inp
+        return [{**r, key: v} for r, v in zip(records, results)]
+
+    return call
+
+
+# -- filter ---------------------------------------------------------------------------
+def _build_filter(params: dict, contract: Contract) -> OpRuntime:
+    raw = _fn(params)
+    inp = params.get("input")
+    pred = raw if inp is None else (lambda r: raw(_get(r, inp)))
+
+    def batch_fn(batch: list, errors: list) -> list:
+        out: list = []
+        append = out.append
+        it = iter(batch)
+        while True:
+            try:
+                for x in it:
+                    if pred(x):
+                        append(x)
+                return out
+            except Exception as e:
+                errors.append((x, e))
+
+    return OpRuntime("map", batch_fn=batch_fn, record_fn=lambda x: [x] if pred(x) else [])
+
+
+# -- flat_map -------------------------------------------------------------------------
+def _build_flat_map(params: dict, contract: Contract) -> OpRuntime:
+    raw = _fn(params)
+    inp, outf = params.get("input"), params.get("output")
+    if inp is None and outf is None:
+        items = raw
+    else:
+        key = outf or inp
+
+        def items(r: Any) -> list:
+            return [{**r, key: v} for v in raw(r if inp is None else _get(r, inp))]
+
+    def batch_fn(batch: list, errors: list) -> list:
+        out: list = []
+        extend = out.extend
+        it = iter(batch)
+        while True:
+            try:
+                for x in it:
+                    extend(items(x))
+                return out
+            except Exception as e:
+                errors.append((x, e))
+
+    return OpRuntime("map", batch_fn=batch_fn, record_fn=lambda x: list(items(x)))
+
+
+# -- key_by ---------------------------------------------------------------------------
+def _build_key_by(params: dict, contract: Contract) -> OpRuntime:
+    kf = _fn(params)
+    m = _build_map({"fn": lambda x: (kf(x), x)}, contract)
+    return m
+
+
+# -- branch ---------------------------------------------------------------------------
+def _build_branch(params: dict, contract: Contract) -> OpRuntime:
+    raw = _fn(params)
+    inp = params.get("input")
+    pred = raw if inp is None else (lambda r: raw(_get(r, inp)))
+
+    def split(batch: list, errors: list) -> tuple[list, list]:
+        t: list = []
+        f: list = []
+        it = iter(batch)
+        while True:
+            try:
+                for x in it:
+                    (t if pred(x) else f).append(x)
+                return t, f
+            except Exception as e:
+                errors.append((x, e))
+
+    return OpRuntime("branch", batch_fn=split, record_fn=lambda x: bool(pred(x)))
+
+
+# -- stateful -------------------------------------------------------------------------
+def _build_stateful(params: dict, contract: Contract) -> OpRuntime:
+    fn = _fn(params)
+    key, inp, outf = params.get("key"), params.get("input"), params.get("output")
+    state: dict = {}
+
+    if key is None:
+        def step(x: Any) -> Any:
+            try:
+                k, v = x
+            except (TypeError, ValueError):
+                raise FieldError("stateful stage without 'key' expects (key, value) pairs; "
+                                 f"got {type(x).__name__} (use key_by first, or key=...)") \
+                    from None
+            new, emit = fn(state.get(k), v)
+            if new is None:
+                state.pop(k, None)
+            else:
+                state[k] = new
+            return (k, emit)
+    else:
+        target = outf or inp
+
+        def step(x: Any) -> Any:
+            k = _get(x, key)
+            new, emit = fn(state.get(k), x if inp is None else _get(x, inp))
+            if new is None:
+                state.pop(k, None)
+            else:
+                state[k] = new
+            return emit if target is None else {**x, target: emit}
+
+    def batch_fn(batch: list, errors: list) -> list:
+        out: list = []
+        append = out.append
+        it = iter(batch)
+        while True:
+            try:
+                for x in it:
+                    append(step(x))
+                return out
+            except Exception as e:
+                errors.append((x, e))
+
+    return OpRuntime("map", batch_fn=batch_fn, record_fn=lambda x: [step(x)])
+
+
+def _stateful_fields(params: dict) -> tuple:
+    reads, writes = _fields_io(params)
+    if params.get("key"):
+        reads = (params["key"],) + (reads or ())
+    return reads, writes
+
+
+# -- merge / batch / source / sink ----------------------------------------------------
+def _build_identity(params: dict, contract: Contract) -> OpRuntime:
+    return OpRuntime("map")
+
+
+def _build_batch(params: dict, contract: Contract) -> OpRuntime:
+    out = params.get("output")
+    if out is None:
+        return OpRuntime("collect", record_fn=lambda records: records)
+    return OpRuntime("collect", record_fn=lambda records: {out: records})
+
+
+def _build_placeholder(kind: str) -> Callable[[dict, Contract], OpRuntime]:
+    return lambda params, contract: OpRuntime(kind)
+
+
+POSITIVE_INT = "a positive integer"
+
+register(OpDef("map", "map", _build_map, (FN, INPUT, OUTPUT), batchable=True,
+               fields=_fields_io, doc="transform each record"))
+register(OpDef("filter", "map", _build_filter, (FN, INPUT),
+               fields=lambda p: (((p["input"],) if p.get("input") else None), ()),
+               doc="keep records where fn is truthy"))
+register(OpDef("flat_map", "map", _build_flat_map, (FN, INPUT, OUTPUT), fields=_fields_io,
+               doc="emit zero or more records per record"))
+register(OpDef("key_by", "map", _build_key_by, (FN,), doc="(key, record) pairs"))
+register(OpDef("branch", "branch", _build_branch, (FN, INPUT),
+               fields=lambda p: (((p["input"],) if p.get("input") else None), ()),
+               doc="split into true/false ports"))
+register(OpDef("merge", "map", _build_identity, (), fields=lambda p: ((), ()),
+               doc="interleave several streams"))
+register(OpDef("stateful", "map", _build_stateful,
+               (FN, INPUT, OUTPUT, Param("key", (str,), doc="key field", want="a field name")),
+               state="keyed", fields=_stateful_fields, doc="keyed state per record key"))
+register(OpDef("batch", "collect", _build_batch,
+               (Param("max_size", (int,), required=True, want=POSITIVE_INT),
+                Param("max_wait_ms", (int, float), default=0.0,
+                      want="a non-negative number of milliseconds"),
+                OUTPUT),
+               fusable=False,
+               fields=lambda p: (None, (p["output"],) if p.get("output") else None),
+               doc="group records into lists"))
+register(OpDef("source", "source", _build_placeholder("source"),
+               (Param("data", (object,)), Param("fields", (tuple, list))),
+               fusable=False, fields=lambda p: ((), None), doc="the input records"))
+register(OpDef("sink", "sink", _build_placeholder("sink"), (Param("target", (object,)),),
+               fields=lambda p: ((), ()), doc="the output"))

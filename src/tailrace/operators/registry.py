@@ -1,0 +1,135 @@
+"""Operator registry: YAML ``op:`` names -> operator definitions.
+
+An ``OpDef`` declares the operator's parameters (checked at compile time), its state
+kind, whether it can be fused, the record fields it reads and writes, and ``build``,
+which makes fresh runtime callables for one run (one per replica). Heavy operators
+(later: embed, generate) import their backends inside ``build``, never at import time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..api.pipeline import Contract
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class Param:
+    """One operator parameter: accepted types, required or its default, a doc line."""
+
+    name: str
+    types: tuple[type, ...]
+    required: bool = False
+    default: Any = None
+    doc: str = ""
+    want: str = ""  # how the error message describes the accepted values
+    callable: bool = False  # a Python callable is accepted too (resolved at compile time)
+
+
+@dataclass
+class OpRuntime:
+    """What the runtime calls for one operator in one replica of one run.
+
+    kind:      "map" (list -> list), "branch" (list -> (trues, falses)), "collect"
+               (list -> one record), "sink", "source".
+    batch_fn:  ``batch_fn(records, errors) -> outputs``; appends ``(record, exc)``
+               to ``errors`` for each record that failed; None means identity.
+    record_fn: one record -> list of outputs (branch: -> bool); used when a stage
+               has retries or a timeout, and for async operators.
+    is_async:  ``record_fn`` is a coroutine function.
+    """
+
+    kind: str
+    batch_fn: Callable[[list, list], Any] | None = None
+    record_fn: Callable[[Any], Any] | None = None
+    is_async: bool = False
+    whole_batch: bool = False  # batch contract: record_fn takes the whole list
+
+
+@dataclass(frozen=True)
+class OpDef:
+    """The definition of an operator, as the compiler sees it."""
+
+    name: str
+    kind: str
+    build: Callable[[dict[str, Any], Contract], OpRuntime]
+    params: tuple[Param, ...] = ()
+    state: str = "stateless"  # stateless | keyed | shared
+    fusable: bool = True
+    batchable: bool = False  # accepts the batch contract
+    # (params) -> (fields read, fields written); None means "the whole record".
+    fields: Callable[[dict[str, Any]], tuple[tuple[str, ...] | None, tuple[str, ...] | None]] \
+        = field(default=lambda params: (None, None))
+    doc: str = ""
+
+
+_REGISTRY: dict[str, OpDef] = {}
+
+
+def register(op: OpDef) -> OpDef:
+    """Make an operator available to YAML ``op:`` by its name."""
+    if op.name in _REGISTRY:
+        raise ValueError(f"operator {op.name!r} is already registered")
+    _REGISTRY[op.name] = op
+    return op
+
+
+def known_ops() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def lookup(name: str) -> OpDef:
+    """The operator named ``name``: a registered name, or a dotted path to an
+    ``Operator`` subclass. Raises LookupError naming the known operators."""
+    op = _REGISTRY.get(name)
+    if op is not None:
+        return op
+    if "." in name:
+        from .custom import custom_op
+
+        return custom_op(resolve(name))
+    raise LookupError(f"unknown operator '{name}'")
+
+
+def resolve(fn: Any) -> Any:
+    """A callable (or class) from a callable or a dotted path ``pkg.module.attr``.
+
+    Raises ValueError with the reason when the path cannot be imported."""
+    if not isinstance(fn, str):
+        if not callable(fn):
+            raise ValueError(f"expected a callable or a dotted path, got {type(fn).__name__}")
+        return fn
+    module, _, attr = fn.rpartition(".")
+    if not module:
+        raise ValueError(f"'{fn}' is not a dotted path like 'mypkg.module.function'")
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise ValueError(f"cannot import module '{module}' for '{fn}': {e}") from None
+    try:
+        obj = getattr(mod, attr)
+    except AttributeError:
+        raise ValueError(f"module '{module}' has no attribute '{attr}'") from None
+    if not callable(obj):
+        raise ValueError(f"'{fn}' is not callable")
+    return obj
+
+
+def qualname(fn: Any) -> str:
+    """A stable printable name of a callable (``module.qualname``) for plans."""
+    if isinstance(fn, str):
+        return fn
+    mod = getattr(fn, "__module__", None) or type(fn).__module__
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return f"{mod}.{name}"
+
+
+def is_async_callable(fn: Any) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None))

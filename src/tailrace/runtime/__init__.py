@@ -1,0 +1,131 @@
+"""Executors of a Plan. ``run`` is the entry point: ``tr.run(p)``."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from time import perf_counter
+from typing import Any
+
+from ..api.pipeline import Pipeline
+from ..api.records import ErrorRecord
+from ..compiler import Plan, compile_pipeline
+from ..errors import PlanError, RunInterrupted
+from ..observability import RunStats, StageMeter, StageStats
+
+RUNTIMES = ("local",)
+
+
+@dataclass
+class RunResult:
+    """What a run produced.
+
+    outputs: records of the run-time-bound sink when ``output=`` was not given.
+    errors:  one ``ErrorRecord`` per record that failed (when ``errors=`` was not given).
+    stats:   per-stage statistics (``stats["stage_id"]``) and end-to-end figures.
+    """
+
+    plan: Plan
+    stats: RunStats
+    errors: list[ErrorRecord] = field(default_factory=list)
+    outputs: list[Any] | None = None
+
+
+def _merge(meters: list[StageMeter]) -> StageStats:
+    m = meters[0]
+    if len(meters) == 1:
+        return m.statistics()
+    total = StageMeter(m.stage, m.op, replicas=m.replicas, queue_bound=m.queue_bound,
+                       fused_into=m.fused_into)
+    for x in meters:
+        total.records_in += x.records_in
+        total.records_out += x.records_out
+        total.errors += x.errors
+        total.retries += x.retries
+        total.timeouts += x.timeouts
+        total.queue_wait.merge(x.queue_wait)
+        total.service.merge(x.service)
+        total.batch_size.merge(x.batch_size)
+    return total.statistics()
+
+
+def _stats(run: Any, wall: float, interrupted: bool) -> RunStats:
+    stages: list[StageStats] = []
+    for s in run.plan.stages:
+        if s.id in run.source_meters:
+            stages.append(run.source_meters[s.id].statistics())
+            continue
+        reps = run.replicas[s.id]
+        reps[0].meters[0].max_queue_depth = run.channels[s.id].max_depth
+        for i in range(len(s.ops)):
+            stages.append(_merge([r.meters[i] for r in reps]))
+    return RunStats(tuple(stages), run.records_in, run.records_out, run.errors, wall,
+                    run.latency.statistics(), interrupted)
+
+
+def run(pipeline: Pipeline | Plan, *, runtime: str = "local",
+        input: Iterable[Any] | None = None, output: list | Callable | None = None,
+        errors: list | Callable[[ErrorRecord], None] | None = None,
+        fuse: bool = True) -> RunResult:
+    """Compile (if needed) and run a pipeline to completion.
+
+    input:   records for a source declared without data (YAML pipelines' ``source``).
+    output:  list or callable for a sink declared without a target; if omitted, such
+             a sink's records are returned in ``result.outputs``.
+    errors:  list or callable receiving each ``ErrorRecord`` as it happens
+             (default: collected in ``result.errors``).
+    fuse:    fuse chains of stateless operators (False: every operator its own stage).
+    Raises ``PlanError`` for an invalid pipeline and ``RunInterrupted`` (with the
+    partial ``.result``) on Ctrl-C.
+    """
+    if runtime not in RUNTIMES:
+        raise PlanError(f"unknown runtime '{runtime}'; choose one of: {', '.join(RUNTIMES)}")
+    plan = pipeline if isinstance(pipeline, Plan) else compile_pipeline(pipeline, fuse=fuse)
+    from .local import LocalRun
+
+    inputs, outputs, collected = _bind(plan, input, output)
+    error_list: list[ErrorRecord] = []
+    if errors is None:
+        on_error: Callable[[ErrorRecord], None] = error_list.append
+    elif isinstance(errors, list):
+        on_error = errors.append
+    else:
+        on_error = errors
+    lr = LocalRun(plan, inputs=inputs, outputs=outputs, on_error=on_error)
+    t0 = perf_counter()
+    try:
+        asyncio.run(lr.execute())
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        result = RunResult(plan, _stats(lr, perf_counter() - t0, True), error_list, collected)
+        raise RunInterrupted("run interrupted", result) from None
+    except BaseExceptionGroup as eg:  # a bug or a fatal error inside the runtime
+        raise eg.exceptions[0] from None
+    return RunResult(plan, _stats(lr, perf_counter() - t0, False), error_list, collected)
+
+
+def _bind(plan: Plan, input: Any, output: Any) -> tuple[dict, dict, list | None]:
+    """Attach run-time input/output to the sources/sinks declared without them."""
+    inputs: dict[str, Any] = {}
+    outputs: dict[str, Any] = {}
+    collected = None
+    open_sources = [o for s in plan.stages for o in s.ops
+                    if o.op.kind == "source" and o.params.get("data") is None]
+    open_sinks = [o for s in plan.stages for o in s.ops
+                  if o.op.kind == "sink" and o.params.get("target") is None]
+    if len(open_sources) > 1:
+        raise PlanError("several sources have no data; give each source its data")
+    if open_sources:
+        if input is None:
+            raise PlanError("source has no data: pass tr.run(p, input=records)",
+                            stage=open_sources[0].id)
+        inputs[open_sources[0].id] = input
+    elif input is not None:
+        raise PlanError("input= given but every source already has data")
+    for o in open_sinks:
+        if output is None:
+            collected = [] if collected is None else collected
+            outputs[o.id] = collected
+        else:
+            outputs[o.id] = output
+    return inputs, outputs, collected

@@ -1,0 +1,282 @@
+"""The local runtime: a Plan on one asyncio event loop.
+
+Each stage is one task per replica reading micro-batches from its bounded input
+channel. ``inline`` stages run operator code on the loop; ``thread`` stages (blocking
+code, replicas, timeouts) run it in worker threads; ``async`` stages await it. When a
+stage's replicas have all seen the end of their input, it closes its downstream
+channels, so end-of-input propagates through branches, merges and replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from itertools import islice
+from time import perf_counter
+from typing import Any
+
+from ...api.records import ErrorRecord
+from ...compiler import Plan, PlanStage
+from ...errors import PlanError
+from ...observability import Histogram, StageMeter
+from .channel import Channel
+from .stage import Replica, call_with_policy, sink_runtime
+
+#: Largest micro-batch a source emits or a stage takes at once.
+MAX_MICROBATCH = 1024
+
+
+class LocalRun:
+    """State of one run of a plan; ``execute()`` runs it to completion."""
+
+    def __init__(self, plan: Plan, *, inputs: dict[str, Any], outputs: dict[str, Any],
+                 on_error: Callable[[ErrorRecord], None]) -> None:
+        self.plan = plan
+        self.on_error = on_error
+        self.latency = Histogram()
+        self.records_in = 0
+        self.records_out = 0
+        self.errors = 0
+        self.channels: dict[str, Channel] = {}
+        self.replicas: dict[str, list[Replica]] = {}
+        self.source_meters: dict[str, StageMeter] = {}
+        self.inputs = inputs
+        n_threads = sum(s.replicas for s in plan.stages if s.mode == "thread")
+        self.pool = ThreadPoolExecutor(max_workers=n_threads + 4,
+                                       thread_name_prefix="tailrace") if n_threads else None
+        for s in plan.stages:
+            if s.ops[0].op.kind == "source":
+                self.source_meters[s.id] = StageMeter(s.id, "source")
+                continue
+            self.channels[s.id] = Channel(s.queue, producers=len(s.upstream))
+            self.replicas[s.id] = [Replica(s, self._build(s, outputs))
+                                   for _ in range(s.replicas)]
+        self.down: dict[str, dict[str | None, list[Channel]]] = {s.id: {} for s in plan.stages}
+        for s in plan.stages:
+            for ref in s.upstream:
+                src, _, port = ref.partition(".")
+                self.down[src].setdefault(port or None, []).append(self.channels[s.id])
+
+    def _build(self, s: PlanStage, outputs: dict[str, Any]) -> list:
+        rts = []
+        for o in s.ops:
+            if o.op.kind == "sink":
+                target = o.params.get("target")
+                if target is None:
+                    target = outputs.get(o.id)
+                if target is None:
+                    raise PlanError("sink has no target: pass a list or callable to "
+                                    ".sink(...) or tr.run(p, output=...)", stage=o.id)
+                rts.append(sink_runtime(target))
+            else:
+                rts.append(o.op.build(o.params, o.contract))
+        return rts
+
+    # -- the run ----------------------------------------------------------------------
+    async def execute(self) -> None:
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for s in self.plan.stages:
+                    if s.ops[0].op.kind == "source":
+                        tg.create_task(self._source(s))
+                    else:
+                        tg.create_task(self._stage(s))
+        finally:
+            if self.pool is not None:
+                self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def _error(self, errs: list[ErrorRecord]) -> None:
+        self.errors += len(errs)
+        for e in errs:
+            self.on_error(e)
+
+    async def _emit(self, sid: str, ports: dict[str | None, list], born: float) -> None:
+        down = self.down[sid]
+        for port, records in ports.items():
+            if records:
+                for ch in down.get(port, ()):
+                    if not ch.put_nowait(records, born):
+                        await ch.put(records, born)
+
+    def _close(self, sid: str) -> None:
+        for chans in self.down[sid].values():
+            for ch in chans:
+                ch.close()
+
+    async def _source(self, s: PlanStage) -> None:
+        op = s.ops[0]
+        data = op.params.get("data")
+        if data is None:
+            data = self.inputs.get(op.id)
+        meter = self.source_meters[s.id]
+        down = self.down[s.id].get(None, [])
+        try:
+            if hasattr(data, "__aiter__"):
+                async for x in data:
+                    born = perf_counter()
+                    meter.records_out += 1
+                    for ch in down:
+                        if not ch.put_nowait([x], born):
+                            await ch.put([x], born)
+            else:
+                n = min([MAX_MICROBATCH] + [ch.bound for ch in down])
+                it = iter(data)
+                while True:
+                    chunk = list(islice(it, n))
+                    if not chunk:
+                        break
+                    born = perf_counter()
+                    meter.records_out += len(chunk)
+                    for ch in down:
+                        if not ch.put_nowait(chunk, born):
+                            await ch.put(chunk, born)
+        except Exception as e:  # the input itself failed: report it, end the stream
+            meter.errors += 1
+            self._error([ErrorRecord.from_exception(
+                op.id, f"<after record {meter.records_out}>", e)])
+        finally:
+            meter.records_in = meter.records_out
+            self.records_in += meter.records_out
+            self._close(s.id)
+
+    async def _stage(self, s: PlanStage) -> None:
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for rep in self.replicas[s.id]:
+                    tg.create_task(self._worker(s, rep))
+        finally:
+            self._close(s.id)
+
+    async def _worker(self, s: PlanStage, rep: Replica) -> None:
+        ch = self.channels[s.id]
+        first = s.ops[0]
+        rt = rep.rts[0]
+        meter = rep.meters[0]
+        batch_spec = first.contract.batch
+        collect = rt.kind == "collect" or rt.whole_batch
+        if collect:
+            max_n = batch_spec.max_size if batch_spec else first.params["max_size"]
+            max_wait = (batch_spec.max_wait_ms if batch_spec else first.params["max_wait_ms"])
+            max_wait /= 1000.0
+        else:
+            max_n = max(1, min(MAX_MICROBATCH, s.queue) // s.replicas)
+            max_wait = 0.0
+        careful = (rt.is_async or first.contract.retries > 0
+                   or first.contract.timeout_ms is not None)
+        run_blocking = None
+        if s.mode == "thread":
+            loop = asyncio.get_running_loop()
+            pool = self.pool
+            run_blocking = partial(loop.run_in_executor, pool)
+        is_sink = s.ops[-1].op.kind == "sink"
+        errors: list[ErrorRecord] = []
+        counted = 0  # sink records already added to the run's total
+        while True:
+            item = ch.get_nowait(max_n)
+            if item is None:
+                item = await (collect_batch(ch, max_n, max_wait) if collect else ch.get(max_n))
+                if item is None:
+                    return
+            elif collect and len(item[2]) < max_n and max_wait > 0:
+                item = await collect_batch(ch, max_n, max_wait, first_item=item)
+            enq, born, batch = item
+            now = perf_counter()
+            n = len(batch)
+            meter.queue_wait.record((now - enq) * 1e6, n)
+            if collect:
+                ports = await self._call_collect(s, rep, batch, run_blocking, errors)
+            elif careful:
+                ports = await self._careful(s, rep, batch, run_blocking, errors)
+            elif run_blocking is not None:
+                ports = await run_blocking(rep.run_chain, batch, errors)
+            else:
+                ports = rep.run_chain(batch, errors)
+            if errors:
+                self._error(errors)
+                errors = []
+            if is_sink:
+                sm = rep.meters[-1]
+                delivered = sm.records_out - counted
+                counted = sm.records_out
+                self.records_out += delivered
+                self.latency.record((perf_counter() - born) * 1e6, delivered)
+            else:
+                await self._emit(s.id, ports, born)
+
+    async def _careful(self, s: PlanStage, rep: Replica, batch: list, run_blocking: Any,
+                       errors: list) -> dict[str | None, list]:
+        """Record by record, with timeout and retries (one operator, never fused)."""
+        op, rt, m = s.ops[0], rep.rts[0], rep.meters[0]
+        out: list = []
+        falses: list = []
+        branch = rt.kind == "branch"
+        t0 = perf_counter()
+        m.records_in += len(batch)
+        for x in batch:
+            try:
+                r = await call_with_policy(op, rt, m, x, run_blocking)
+            except Exception as e:  # noqa: BLE001 - operator code may raise anything
+                m.errors += 1
+                errors.append(ErrorRecord.from_exception(op.id, x, e,
+                                                         getattr(e, "attempts", 1)))
+                continue
+            if branch:
+                (out if r else falses).append(x)
+            else:
+                out.extend(r)
+        m.records_out += len(out) + len(falses)
+        m.service.record((perf_counter() - t0) * 1e6 / len(batch), len(batch))
+        m.batch_size.record(1, len(batch))
+        return {"true": out, "false": falses} if branch else {None: out}
+
+    async def _call_collect(self, s: PlanStage, rep: Replica, batch: list, run_blocking: Any,
+                            errors: list) -> dict[str | None, list]:
+        """A batch-contract operator or a ``batch`` stage: one call for the whole list."""
+        op, rt, m = s.ops[0], rep.rts[0], rep.meters[0]
+        n = len(batch)
+        m.records_in += n
+        m.batch_size.record(n)
+        t0 = perf_counter()
+        try:
+            result = await call_with_policy(op, rt, m, batch, run_blocking)
+        except Exception as e:  # noqa: BLE001 - every record of the batch failed
+            m.errors += n
+            attempts = getattr(e, "attempts", 1)
+            errors.extend(ErrorRecord.from_exception(op.id, x, e, attempts) for x in batch)
+            result = []
+        else:
+            if rt.kind == "collect":
+                result = [result]
+        m.service.record((perf_counter() - t0) * 1e6 / n, n)
+        m.records_out += len(result)
+        return {None: result}
+
+
+async def collect_batch(ch: Channel, max_n: int, max_wait: float,
+                        first_item: tuple | None = None,
+                        clock: Callable[[], float] = perf_counter) -> tuple | None:
+    """Gather up to ``max_n`` records, waiting at most ``max_wait`` seconds after the
+    first one arrives; a partial batch is returned at the deadline or at end of input."""
+    item = first_item if first_item is not None else await ch.get(max_n)
+    if item is None:
+        return None
+    enq, born, recs = item
+    if len(recs) >= max_n or max_wait <= 0:
+        return item
+    recs = list(recs)
+    deadline = clock() + max_wait
+    while len(recs) < max_n:
+        nxt = ch.get_nowait(max_n - len(recs))
+        if nxt is not None:
+            recs.extend(nxt[2])
+            born = min(born, nxt[1])
+            continue
+        if ch.closed:
+            break
+        remaining = deadline - clock()
+        if remaining <= 0:
+            break
+        await ch.wait_readable(remaining)
+    return enq, born, recs
