@@ -71,8 +71,11 @@ class StageSpec:
     where: str | None = field(default=None, compare=False)
 
 
-def _caller_location(depth: int = 3) -> str:
-    frame = sys._getframe(depth)
+def _caller_location() -> str:
+    """``file:line`` of the user code that called the builder (first frame outside it)."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
     return f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 

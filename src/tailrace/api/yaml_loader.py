@@ -118,8 +118,9 @@ def loads_pipeline(text: str, path: str = "<string>") -> Pipeline:
         consumed.update(u.split(".")[0] for u in spec.upstream)
         prev = spec.id
     terminals = _terminals(p.stages, consumed)
-    p.add_stage(StageSpec("sink", "sink", tuple(terminals), {"target": None}, Contract(),
-                          at(doc)))
+    if terminals:  # none only when stages form a cycle, which the compiler reports
+            p.add_stage(StageSpec("sink", "sink", tuple(terminals), {"target": None}, Contract(),
+                              at(doc)))
     return p
 
 

@@ -45,10 +45,11 @@ class Channel:
         return self._producers <= 0
 
     def put_nowait(self, records: list, born: float) -> bool:
-        """Buffer ``records`` (at most ``bound`` of them) if they fit; False if full."""
+        """Buffer ``records`` if they fit under the bound; False if not (``put`` waits,
+        and splits lists longer than the bound)."""
         n = len(records)
         depth = self.depth
-        if depth and depth + n > self.bound:
+        if depth + n > self.bound:
             return False
         self._q.append((perf_counter(), born, records))
         depth += n

@@ -123,8 +123,13 @@ class LocalRun:
             else:
                 n = min([MAX_MICROBATCH] + [ch.bound for ch in down])
                 it = iter(data)
-                while True:
-                    chunk = list(islice(it, n))
+                failure = None
+                while failure is None:
+                    chunk: list = []
+                    try:
+                        chunk.extend(islice(it, n))  # keeps what was read before a failure
+                    except Exception as e:  # noqa: BLE001 - the input itself failed
+                        failure = e
                     if not chunk:
                         break
                     born = perf_counter()
@@ -132,6 +137,8 @@ class LocalRun:
                     for ch in down:
                         if not ch.put_nowait(chunk, born):
                             await ch.put(chunk, born)
+                if failure is not None:
+                    raise failure
         except Exception as e:  # the input itself failed: report it, end the stream
             meter.errors += 1
             self._error([ErrorRecord.from_exception(

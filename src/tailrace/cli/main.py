@@ -1,0 +1,133 @@
+"""The ``tailrace`` command line: run, plan, demo.
+
+Bad input (unreadable file, invalid YAML, unknown operator, cycle, bad JSONL line)
+prints one line naming the file:line or stage and the fix, and exits with status 2;
+``--debug`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from typing import Any
+
+from .. import __version__
+from ..api.pipeline import Pipeline
+from ..api.records import ErrorRecord
+from ..compiler import FORMATS, compile_pipeline
+from ..errors import InputError, PlanError, RunInterrupted
+from ..observability import format_stats
+from ..runtime import run as run_plan
+
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="tailrace",
+        description="Run LLM inference pipelines as compiled dataflows under tail-latency SLOs.")
+    ap.add_argument("--version", action="version", version=f"tailrace {__version__}")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+
+    r = sub.add_parser("run", help="run a pipeline: JSONL in, JSONL out, stats on stderr")
+    r.add_argument("pipeline", help="pipeline YAML file")
+    r.add_argument("--input", "-i", default="-", help="input JSONL file (default: stdin)")
+    r.add_argument("--output", "-o", default="-", help="output JSONL file (default: stdout)")
+    r.add_argument("--metrics-json", metavar="FILE", help="write the run's stats as JSON")
+    r.add_argument("--runtime", default="local", choices=["local"], help="executor")
+    r.add_argument("--no-fuse", action="store_true", help="run every operator as its own stage")
+    r.add_argument("--quiet", "-q", action="store_true", help="no stats table on stderr")
+    r.add_argument("--debug", action="store_true", help="show tracebacks")
+
+    pl = sub.add_parser("plan", help="print the compiled plan without running it")
+    pl.add_argument("pipeline", help="pipeline YAML file")
+    pl.add_argument("--format", "-f", default="text", choices=FORMATS)
+    pl.add_argument("--no-fuse", action="store_true", help="show the plan without fusion")
+    pl.add_argument("--debug", action="store_true", help="show tracebacks")
+
+    d = sub.add_parser("demo", help="run the bundled example pipeline end to end")
+    d.add_argument("--debug", action="store_true", help="show tracebacks")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command is None:
+        _parser().print_help(sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        if args.command == "run":
+            return _run(args)
+        if args.command == "plan":
+            return _plan(args)
+        from .demo import demo
+
+        return demo()
+    except (PlanError, InputError) as e:
+        if args.debug:
+            traceback.print_exc()
+        print(f"tailrace: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except BrokenPipeError:  # e.g. `tailrace run ... | head`
+        return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    plan = compile_pipeline(Pipeline.from_yaml(args.pipeline), fuse=not args.no_fuse)
+    print(plan.render(args.format))
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .jsonl import JsonlReader, JsonlWriter
+
+    plan = compile_pipeline(Pipeline.from_yaml(args.pipeline), fuse=not args.no_fuse)
+    writer = JsonlWriter(args.output)
+    reader = JsonlReader(args.input, writer.write_error)
+    n_errors = 0
+
+    def on_error(err: ErrorRecord) -> None:
+        nonlocal n_errors
+        n_errors += 1
+        writer.write_error(err)
+
+    interrupted = False
+    try:
+        result: Any = run_plan(plan, input=reader, output=writer.write, errors=on_error,
+                               runtime=args.runtime)
+    except RunInterrupted as e:
+        interrupted = True
+        result = e.result
+    finally:
+        writer.close()
+    if args.metrics_json:
+        with open(args.metrics_json, "w", encoding="utf-8") as f:
+            json.dump(result.stats.to_dict(), f, indent=2)
+    if not args.quiet:
+        print(format_stats(result.stats), file=sys.stderr)
+        if n_errors:
+            print(f"{n_errors} record(s) failed; their error records are in the output",
+                  file=sys.stderr)
+    if interrupted:
+        print("tailrace: interrupted; output so far was written", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if reader.problems:
+        for line in reader.problems[:5]:
+            print(f"tailrace: error: {line}", file=sys.stderr)
+        if len(reader.problems) > 5:
+            print(f"tailrace: error: ... and {len(reader.problems) - 5} more bad input lines",
+                  file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return 0
+
+
+def entry() -> None:
+    """Console-script entry point."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

@@ -1,0 +1,1 @@
+"""The bundled demo pipeline (text statistics) used by ``tailrace demo``."""
