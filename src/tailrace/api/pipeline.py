@@ -198,7 +198,11 @@ class Stream:
             output: str | None = None, **contract: Any) -> Stream:
         """Transform each record: ``fn(record)``, or ``record[output] = fn(record[input])``.
 
-        >>> # [1, 2] -> map(lambda x: x + 1) -> [2, 3]
+        >>> p = tr.Pipeline("ex")
+        >>> p.source([1, 2]).map(lambda x: x + 1).sink(out := [])
+        >>> _ = tr.run(p); out
+        [2, 3]
+
         fn:     a callable or a dotted path ``"pkg.module.function"``; async allowed.
         input:  read this field of a dict record instead of the whole record.
         output: write the result to this field (of a copy of the record).
@@ -211,7 +215,11 @@ class Stream:
                input: str | None = None, **contract: Any) -> Stream:
         """Keep the records for which ``fn`` is truthy.
 
-        >>> # [1, 2, 3, 4] -> filter(lambda x: x % 2) -> [1, 3]
+        >>> p = tr.Pipeline("ex")
+        >>> p.source([1, 2, 3, 4]).filter(lambda x: x % 2).sink(out := [])
+        >>> _ = tr.run(p); out
+        [1, 3]
+
         fn:    predicate (callable or dotted path).
         input: apply the predicate to this field of a dict record.
         """
@@ -223,7 +231,11 @@ class Stream:
                  **contract: Any) -> Stream:
         """Emit every item of the iterable ``fn`` returns (zero or more per record).
 
-        >>> # ["a b", "c"] -> flat_map(str.split) -> ["a", "b", "c"]
+        >>> p = tr.Pipeline("ex")
+        >>> p.source(["a b", "c"]).flat_map(str.split).sink(out := [])
+        >>> _ = tr.run(p); out
+        ['a', 'b', 'c']
+
         fn:     returns an iterable (callable or dotted path).
         input:  apply ``fn`` to this field; output: each item goes to a copy's field.
         """
@@ -234,7 +246,11 @@ class Stream:
                **contract: Any) -> Stream:
         """Turn each record into ``(fn(record), record)`` for keyed stages.
 
-        >>> # ["ab", "c"] -> key_by(len) -> [(2, "ab"), (1, "c")]
+        >>> p = tr.Pipeline("ex")
+        >>> p.source(["ab", "c"]).key_by(len).sink(out := [])
+        >>> _ = tr.run(p); out
+        [(2, 'ab'), (1, 'c')]
+
         fn: the key function (callable or dotted path).
         """
         return Stream(self.pipeline, self._then("key_by", {"fn": fn}, contract, id))
@@ -243,7 +259,12 @@ class Stream:
                input: str | None = None, **contract: Any) -> tuple[Stream, Stream]:
         """Split into ``(trues, falses)`` by a predicate; each record goes one way.
 
-        >>> # [1, 2, 3] -> branch(lambda x: x > 1) -> trues [2, 3], falses [1]
+        >>> p = tr.Pipeline("ex")
+        >>> big, small = p.source([1, 2, 3]).branch(lambda x: x > 1)
+        >>> big.sink(bigs := []); small.sink(smalls := [])
+        >>> _ = tr.run(p); bigs, smalls
+        ([2, 3], [1])
+
         fn:    predicate (callable or dotted path).
         input: apply the predicate to this field of a dict record.
         """
@@ -261,7 +282,11 @@ class Stream:
         ``max_wait_ms`` after a list's first record (a partial list is emitted then,
         and at end of input).
 
-        >>> # [1, 2, 3] -> batch(2) -> [[1, 2], [3]]
+        >>> p = tr.Pipeline("ex")
+        >>> p.source([1, 2, 3]).batch(2).sink(out := [])
+        >>> _ = tr.run(p); out
+        [[1, 2], [3]]
+
         output: emit ``{output: [records]}`` instead of the bare list.
         """
         params = {"max_size": max_size, "max_wait_ms": max_wait_ms, "output": output}
@@ -277,10 +302,30 @@ class Stream:
         by that field and ``emit`` is written to ``output``. A ``None`` new state
         forgets the key.
 
-        >>> # [("a", 1), ("a", 2)] -> stateful(running sum) -> [("a", 1), ("a", 3)]
+        >>> def add(total, x):
+        ...     total = (total or 0) + x
+        ...     return total, total
+        >>> p = tr.Pipeline("ex")
+        >>> p.source([("a", 1), ("b", 5), ("a", 2)]).stateful(add).sink(out := [])
+        >>> _ = tr.run(p); out
+        [('a', 1), ('b', 5), ('a', 3)]
         """
         params = {"fn": fn, "key": key, "input": input, "output": output}
         return Stream(self.pipeline, self._then("stateful", params, contract, id))
+
+    def apply(self, op: str | type, *, id: str | None = None, **kwargs: Any) -> Stream:
+        """Add a stage running any operator: a registered name (``"map"``, later
+        ``"generate"``...) or a ``tailrace.Operator`` subclass, with its parameters and
+        contract keys as keywords — exactly what a YAML stage would say.
+
+        >>> p = tr.Pipeline("ex")
+        >>> p.source([-1, 2]).apply("map", fn=abs, replicas=2).sink(out := [])
+        >>> _ = tr.run(p); sorted(out)
+        [1, 2]
+        """
+        name = op if isinstance(op, str) else f"{op.__module__}.{op.__qualname__}"
+        contract = {k: kwargs.pop(k) for k in list(kwargs) if k in CONTRACT_KEYS}
+        return Stream(self.pipeline, self._then(name, kwargs, contract, id))
 
     def sink(self, target: list | Callable | None = None, *, id: str | None = None,
              **contract: Any) -> None:

@@ -43,7 +43,7 @@ class JsonlReader:
                 try:
                     rec = loads(line)
                 except json.JSONDecodeError as e:
-                    self._bad(lineno, line, f"invalid JSON: {e.msg} (column {e.colno})")
+                    self._bad(lineno, line, f"invalid JSON: {e.msg} (column {e.pos + 1})")
                     continue
                 if not isinstance(rec, dict):
                     self._bad(lineno, line,

@@ -75,8 +75,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
+def _load(args: argparse.Namespace) -> Any:
+    """Compile the pipeline file; dotted paths resolve from the current directory and
+    the file's own directory, as ``python -m`` would."""
+    import os
+
+    for d in (os.path.dirname(os.path.abspath(args.pipeline)), os.getcwd()):
+        if d not in sys.path:
+            sys.path.insert(0, d)
+    return compile_pipeline(Pipeline.from_yaml(args.pipeline), fuse=not args.no_fuse)
+
+
 def _plan(args: argparse.Namespace) -> int:
-    plan = compile_pipeline(Pipeline.from_yaml(args.pipeline), fuse=not args.no_fuse)
+    plan = _load(args)
     print(plan.render(args.format))
     return 0
 
@@ -84,7 +95,7 @@ def _plan(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from .jsonl import JsonlReader, JsonlWriter
 
-    plan = compile_pipeline(Pipeline.from_yaml(args.pipeline), fuse=not args.no_fuse)
+    plan = _load(args)
     writer = JsonlWriter(args.output)
     reader = JsonlReader(args.input, writer.write_error)
     n_errors = 0

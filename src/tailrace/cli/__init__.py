@@ -1,0 +1,1 @@
+"""Command line: tailrace run | plan | demo."""

@@ -1,0 +1,31 @@
+import pytest
+
+from tailrace.observability import Histogram
+
+
+def test_histogram_percentiles_are_within_bucket_precision():
+    h = Histogram()
+    for v in range(1, 10001):
+        h.record(float(v))
+    s = h.statistics()
+    assert s.count == 10000 and s.min == 1 and s.max == 10000
+    assert s.p50 == pytest.approx(5000, rel=0.04)
+    assert s.p99 == pytest.approx(9900, rel=0.04)
+    assert s.mean == pytest.approx(5000.5)
+
+
+def test_weighted_records_and_merge():
+    a, b = Histogram(), Histogram()
+    a.record(10.0, n=99)
+    b.record(1000.0, n=1)
+    a.merge(b)
+    s = a.statistics()
+    assert s.count == 100 and s.p50 == pytest.approx(10, rel=0.04)
+    assert s.max == 1000
+
+
+def test_empty_and_zero():
+    h = Histogram()
+    assert h.statistics().count == 0
+    h.record(0.0)
+    assert h.statistics().p99 == 0.0
