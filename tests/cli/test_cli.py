@@ -88,7 +88,8 @@ def test_missing_pipeline_file(args, message, capsys, tmp_path, monkeypatch):
 def test_missing_input_file(files, capsys):
     pipe, _, tmp = files
     assert main(["run", str(pipe), "-i", str(tmp / "nope.jsonl")]) == 2
-    assert capsys.readouterr().err.strip() == f"tailrace: error: {tmp / 'nope.jsonl'}: no such input file"
+    missing = tmp / "nope.jsonl"
+    assert capsys.readouterr().err.strip() == f"tailrace: error: {missing}: no such input file"
 
 
 def test_invalid_yaml_is_one_line_and_debug_shows_traceback(files, capsys):

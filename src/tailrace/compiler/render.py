@@ -53,7 +53,8 @@ def _text(plan: Any) -> str:
             c = o.contract
             cs = [f"{k}={v}" for k, v in (("timeout_ms", c.timeout_ms), ("retries", c.retries),
                                           ("batch", c.batch)) if v]
-            lines.append(f"    - {o.id}: {o.op.name}({params})" + (f" {' '.join(cs)}" if cs else ""))
+            suffix = f" {' '.join(cs)}" if cs else ""
+            lines.append(f"    - {o.id}: {o.op.name}({params}){suffix}")
         for u in s.upstream:
             lines.append(f"    <- {u}  (queue {s.queue})")
     return "\n".join(lines)

@@ -104,7 +104,7 @@ def _whole_batch(fn: Callable, params: dict) -> Callable:
         if inp is None and out is None:
             return results
         key = out or inp
-        return [{**r, key: v} for r, v in zip(records, results)]
+        return [{**r, key: v} for r, v in zip(records, results, strict=False)]
 
     return call
 

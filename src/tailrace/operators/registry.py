@@ -131,5 +131,7 @@ def qualname(fn: Any) -> str:
 
 
 def is_async_callable(fn: Any) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-        getattr(fn, "__call__", None))
+    """True for coroutine functions and objects whose ``__call__`` is one."""
+    if inspect.iscoroutinefunction(fn):
+        return True
+    return not inspect.isroutine(fn) and inspect.iscoroutinefunction(type(fn).__call__)

@@ -119,7 +119,7 @@ async def call_with_policy(op: PlanOp, rt: OpRuntime, meter: StageMeter, arg: An
                 return fn(arg)  # type: ignore[misc]
             fut = run_blocking(fn, arg)
             return await (asyncio.wait_for(fut, timeout) if timeout else fut)
-        except (asyncio.TimeoutError, TimeoutError) as e:
+        except TimeoutError as e:
             meter.timeouts += 1
             last: BaseException = StageTimeout(
                 f"operator took longer than timeout_ms={c.timeout_ms:g}") \
