@@ -28,3 +28,11 @@ def test_text_stats_yaml_with_the_cli(tmp_path):
     assert sorted(r["id"] for r in rows) == [1, 2, 3, 4, 5, 6]
     assert {r["id"]: r["headline"] for r in rows}[3] == "The Danube flows through ten countries."
     assert "6 in, 6 out, 0 errors" in proc.stderr
+
+
+def test_readme_python_snippet_runs(capsys):
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(code, "README.md", "exec"), {})
+    assert "[0, 2, 4, 6, 8, 10, 12, 14, 16, 18]" in capsys.readouterr().out
