@@ -26,6 +26,7 @@ bench: $(STAMP)  ## run the benchmarks and print their figures
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples
+	$(BIN)/mypy src/tailrace
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -126,7 +126,7 @@ def loads_pipeline(text: str, path: str = "<string>") -> Pipeline:
 
 def _terminals(specs: tuple[StageSpec, ...], consumed: set[str]) -> list[str]:
     """Stage outputs nobody consumes: they feed the implicit sink (nothing is dropped)."""
-    used = set()
+    used: set[str] = set()
     for s in specs:
         used.update(s.upstream)
     out: list[str] = []

@@ -65,10 +65,8 @@ def check_params(spec: StageSpec, op: OpDef) -> dict[str, Any]:
             raise _err(spec, f"'{p.name}' must be {p.want or p.types[0].__name__}, got {v!r}")
         else:
             out[p.name] = v
-        if p.want == "a positive integer" and (not _is_int(v) or v < 1):
-            raise _err(spec, f"'{p.name}' must be a positive integer, got {v!r}")
-        if p.name == "max_wait_ms" and v < 0:
-            raise _err(spec, f"'max_wait_ms' must be a non-negative number, got {v!r}")
+        if p.check is not None and not p.check(v):
+            raise _err(spec, f"'{p.name}' must be {p.want}, got {v!r}")
         if p.callable:
             try:
                 out[p.name] = resolve(v)
@@ -143,11 +141,12 @@ def check_graph(p: Pipeline) -> list[str]:
         refs = consumers[s.id]
         if s.op == "sink":
             continue
-        ports = ("true", "false") if s.op == "branch" else (None,)
-        for port in ports:
-            want = s.id if port is None else f"{s.id}.{port}"
-            if want not in refs:
-                raise _err(s, f"output{'' if port is None else ' ' + repr(port)} has no "
+        ports: tuple[str | None, ...] = ("true", "false") if s.op == "branch" else (None,)
+        for out_port in ports:
+            wanted = s.id if out_port is None else f"{s.id}.{out_port}"
+            if wanted not in refs:
+                label = "" if out_port is None else f" '{out_port}'"
+                raise _err(s, f"output{label} has no "
                            "consumer, so its records would be dropped; add a sink (or a "
                            "stage after it)")
     return order

@@ -256,7 +256,13 @@ def _build_placeholder(kind: str) -> Callable[[dict, Contract], OpRuntime]:
     return lambda params, contract: OpRuntime(kind)
 
 
-POSITIVE_INT = "a positive integer"
+def _positive_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def _non_negative(v: Any) -> bool:
+    return not isinstance(v, bool) and v >= 0
+
 
 register(OpDef("map", "map", _build_map, (FN, INPUT, OUTPUT), batchable=True,
                fields=_fields_io, doc="transform each record"))
@@ -275,8 +281,9 @@ register(OpDef("stateful", "map", _build_stateful,
                (FN, INPUT, OUTPUT, Param("key", (str,), doc="key field", want="a field name")),
                state="keyed", fields=_stateful_fields, doc="keyed state per record key"))
 register(OpDef("batch", "collect", _build_batch,
-               (Param("max_size", (int,), required=True, want=POSITIVE_INT),
-                Param("max_wait_ms", (int, float), default=0.0,
+               (Param("max_size", (int,), required=True, want="a positive integer",
+                      check=_positive_int),
+                Param("max_wait_ms", (int, float), default=0.0, check=_non_negative,
                       want="a non-negative number of milliseconds"),
                 OUTPUT),
                fusable=False,

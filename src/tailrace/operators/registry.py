@@ -30,6 +30,7 @@ class Param:
     doc: str = ""
     want: str = ""  # how the error message describes the accepted values
     callable: bool = False  # a Python callable is accepted too (resolved at compile time)
+    check: Callable[[Any], bool] | None = None  # extra value check; fails with ``want``
 
 
 @dataclass

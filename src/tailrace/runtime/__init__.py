@@ -108,7 +108,7 @@ def _bind(plan: Plan, input: Any, output: Any) -> tuple[dict, dict, list | None]
     """Attach run-time input/output to the sources/sinks declared without them."""
     inputs: dict[str, Any] = {}
     outputs: dict[str, Any] = {}
-    collected = None
+    collected: list | None = None
     open_sources = [o for s in plan.stages for o in s.ops
                     if o.op.kind == "source" and o.params.get("data") is None]
     open_sinks = [o for s in plan.stages for o in s.ops

@@ -107,9 +107,9 @@ class LocalRun:
 
     async def _source(self, s: PlanStage) -> None:
         op = s.ops[0]
-        data = op.params.get("data")
+        data: Any = op.params.get("data")
         if data is None:
-            data = self.inputs.get(op.id)
+            data = self.inputs[op.id]
         meter = self.source_meters[s.id]
         down = self.down[s.id].get(None, [])
         try:
@@ -188,7 +188,7 @@ class LocalRun:
                     return
             elif collect and len(item[2]) < max_n and max_wait > 0:
                 item = await collect_batch(ch, max_n, max_wait, first_item=item)
-            enq, born, batch = item
+            enq, born, batch = item  # type: ignore[misc]
             now = perf_counter()
             n = len(batch)
             meter.queue_wait.record((now - enq) * 1e6, n)
