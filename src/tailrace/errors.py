@@ -50,3 +50,15 @@ class RunInterrupted(TailraceError):
     def __init__(self, message: str, result: object = None):
         super().__init__(message)
         self.result = result
+
+
+class EngineError(TailraceError):
+    """A model engine is misconfigured, missing its model package, or failed a call."""
+
+
+class ContextOverflow(EngineError):
+    """A prompt (plus ``max_tokens``) does not fit in the model's context window."""
+
+
+class StoreError(TailraceError):
+    """A vector index is missing, corrupt, or incompatible with the query embedder."""

@@ -1,0 +1,86 @@
+"""Engine protocols: what generation and embedding backends provide.
+
+Backends live in their own modules and import their heavy dependency (llama_cpp,
+onnxruntime, openai) only when an engine is created. Engines are thread-safe to call
+from one worker thread at a time; the runtime calls them from ``blocking`` stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One generation call.
+
+    prompt:      raw completion prompt (base models), or
+    messages:    chat messages ``[{"role": "user", "content": ...}]`` (chat models;
+                 the engine applies the model's chat template).
+    max_tokens:  most tokens to generate.
+    temperature: 0 means greedy (deterministic).
+    stop:        strings that end generation (not included in the text).
+    """
+
+    prompt: str | None = None
+    messages: tuple[dict[str, str], ...] | None = None
+    max_tokens: int = 64
+    temperature: float = 0.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Generation:
+    """The result of one request: text, token counts and why it stopped."""
+
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str  # "stop" (EOS or a stop string) | "length" (max_tokens)
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+
+#: ``on_token(request_index, text_piece)``: called as each piece is produced.
+TokenCallback = Callable[[int, str], None]
+
+
+@runtime_checkable
+class GenerationEngine(Protocol):
+    """Text generation backend."""
+
+    model: str  # the model name it was created with (e.g. "smollm2-135m-instruct")
+    context_length: int  # tokens of context per sequence
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens ``text`` takes in this model's tokenizer."""
+
+    def generate(self, requests: Sequence[GenerationRequest],
+                 on_token: TokenCallback | None = None) -> list[Generation]:
+        """Run a batch of requests together; results in request order.
+
+        Raises ``ContextOverflow`` (for the whole batch) if a prompt plus its
+        max_tokens exceeds ``context_length``; callers check with ``count_tokens``.
+        """
+
+    def close(self) -> None:
+        """Free the model."""
+
+
+@runtime_checkable
+class EmbeddingEngine(Protocol):
+    """Text embedding backend: batch of texts -> float32 matrix, rows L2-normalised."""
+
+    model: str
+    dim: int
+
+    def embed(self, texts: Sequence[str]) -> Any:
+        """A ``numpy.ndarray`` of shape ``(len(texts), dim)``, dtype float32."""
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens ``text`` takes in this model's tokenizer (before truncation)."""
+
+    def close(self) -> None:
+        """Free the model."""

@@ -1,0 +1,1 @@
+"""Stores: the vector index (faiss) and, later, state and memory stores."""
