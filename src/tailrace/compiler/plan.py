@@ -14,7 +14,7 @@ from typing import Any
 from ..api.pipeline import Contract, Pipeline, StageSpec
 from ..operators import OpDef
 from ..operators.registry import is_async_callable
-from .validate import check_contract, check_fields, check_graph, check_op, check_params
+from .validate import check_contract, check_fields, check_graph, check_op, check_params, link_ops
 
 #: Default bound (records) of a stage's input channel when its contract sets none.
 DEFAULT_QUEUE = 1024
@@ -94,7 +94,7 @@ def _mode(op: PlanOp) -> str:
         base_async = False
     if base_async:
         return "async"
-    if c.blocking or c.replicas > 1 or c.timeout_ms is not None:
+    if c.blocking or op.op.blocking or c.replicas > 1 or c.timeout_ms is not None:
         return "thread"
     return "inline"
 
@@ -118,6 +118,7 @@ def compile_pipeline(p: Pipeline, *, fuse: bool = True,
         io[spec.id] = opdef.fields(params)
     order = check_graph(p)
     check_fields(p, order, io)
+    link_ops(p, ops, io)
 
     consumers: dict[str, list[str]] = {sid: [] for sid in ops}
     for spec in p.stages:

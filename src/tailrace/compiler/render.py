@@ -28,7 +28,8 @@ def plan_to_dict(plan: Any) -> dict[str, Any]:
     for s in plan.stages:
         ops = []
         for o in s.ops:
-            params = {k: _param(k, v) for k, v in o.params.items() if v is not None}
+            params = {k: _param(k, v) for k, v in o.params.items()
+                      if v is not None and not k.startswith("_")}
             contract = {k: v for k, v in asdict(o.contract).items()}
             ops.append({"id": o.id, "op": o.op.name, "state": o.op.state,
                         "params": params, "contract": contract})
@@ -49,7 +50,8 @@ def _text(plan: Any) -> str:
         lines.append(f"  {s.id}  [{', '.join(extra)}]")
         for o in s.ops:
             params = ", ".join(f"{k}={_param(k, v)}" for k, v in o.params.items()
-                               if v is not None and k not in ("data", "target"))
+                               if v is not None and k not in ("data", "target")
+                               and not k.startswith("_"))
             c = o.contract
             cs = [f"{k}={v}" for k, v in (("timeout_ms", c.timeout_ms), ("retries", c.retries),
                                           ("batch", c.batch)) if v]

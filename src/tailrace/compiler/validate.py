@@ -10,8 +10,9 @@ import numbers
 from typing import Any
 
 from ..api.pipeline import Pipeline, StageSpec
-from ..errors import PlanError
+from ..errors import PlanError, TailraceError
 from ..operators import OpDef, known_ops, lookup, resolve
+from ..operators.registry import LinkContext
 
 
 def _hint(word: str, choices: Any) -> str:
@@ -229,3 +230,19 @@ def check_fields(p: Pipeline, order: list[str], io: dict[str, tuple]) -> None:
             avail[sid] = None
         else:
             avail[sid] = None if known is None else known | set(writes)
+
+
+def link_ops(p: Pipeline, ops: dict[str, Any], io: dict[str, tuple]) -> None:
+    """Run each operator's compile-time ``prepare`` (engines, indexes) in place."""
+    writers: dict[str, list[tuple[str, str, dict[str, Any]]]] = {}
+    for sid, (_, writes) in io.items():
+        for f in writes or ():
+            writers.setdefault(f, []).append((sid, ops[sid].op.name, ops[sid].params))
+    ctx = LinkContext(dict(p.engines), writers)
+    for op in ops.values():
+        if op.op.prepare is None:
+            continue
+        try:
+            op.params.update(op.op.prepare(dict(op.params), ctx))
+        except (ValueError, TailraceError) as e:
+            raise _err(op.spec, str(e)) from None

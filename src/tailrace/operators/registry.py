@@ -51,6 +51,16 @@ class OpRuntime:
     record_fn: Callable[[Any], Any] | None = None
     is_async: bool = False
     whole_batch: bool = False  # batch contract: record_fn takes the whole list
+    max_batch: int | None = None  # most records per call (e.g. an engine's batch size)
+
+
+@dataclass
+class LinkContext:
+    """What ``OpDef.prepare`` sees at compile time: the pipeline's engine specs and,
+    for each record field, the stages that write it (``(stage id, op name, params)``)."""
+
+    engines: dict[str, Any]
+    writers: dict[str, list[tuple[str, str, dict[str, Any]]]]
 
 
 @dataclass(frozen=True)
@@ -68,6 +78,9 @@ class OpDef:
     fields: Callable[[dict[str, Any]], tuple[tuple[str, ...] | None, tuple[str, ...] | None]] \
         = field(default=lambda params: (None, None))
     doc: str = ""
+    blocking: bool = False  # the operator blocks (model calls, I/O): run it in a thread
+    # compile-time linking (engines, indexes): returns params; raises ValueError/TailraceError
+    prepare: Callable[[dict[str, Any], LinkContext], dict[str, Any]] | None = None
 
 
 _REGISTRY: dict[str, OpDef] = {}

@@ -21,6 +21,7 @@ from ...api.records import ErrorRecord
 from ...compiler import Plan, PlanStage
 from ...errors import PlanError
 from ...observability import Histogram, StageMeter
+from ...operators import OpRuntime
 from .channel import Channel
 from .stage import Replica, call_with_policy, sink_runtime
 
@@ -162,7 +163,7 @@ class LocalRun:
         rt = rep.rts[0]
         meter = rep.meters[0]
         batch_spec = first.contract.batch
-        collect = rt.kind == "collect" or rt.whole_batch
+        collect = rt.kind == "collect" or batch_spec is not None
         if collect:
             max_n = batch_spec.max_size if batch_spec else first.params["max_size"]
             max_wait = (batch_spec.max_wait_ms if batch_spec else first.params["max_wait_ms"])
@@ -170,6 +171,8 @@ class LocalRun:
         else:
             max_n = max(1, min(MAX_MICROBATCH, s.queue) // s.replicas)
             max_wait = 0.0
+        if rt.max_batch is not None and not (collect and batch_spec):
+            max_n = min(max_n, rt.max_batch)
         careful = (rt.is_async or first.contract.retries > 0
                    or first.contract.timeout_ms is not None)
         run_blocking = None
@@ -240,14 +243,26 @@ class LocalRun:
 
     async def _call_collect(self, s: PlanStage, rep: Replica, batch: list, run_blocking: Any,
                             errors: list) -> dict[str | None, list]:
-        """A batch-contract operator or a ``batch`` stage: one call for the whole list."""
+        """A batch-contract operator or a ``batch`` stage: one call for the whole list,
+        under the stage's timeout and retries. Records the operator rejects one by one
+        (e.g. a missing field) become error records; a failed call fails the batch."""
         op, rt, m = s.ops[0], rep.rts[0], rep.meters[0]
         n = len(batch)
         m.records_in += n
         m.batch_size.record(n)
         t0 = perf_counter()
+        rejected: list = []
+        call = rt
+        if rt.batch_fn is not None and not rt.whole_batch and rt.kind == "map":
+            batch_fn = rt.batch_fn
+
+            def strict(records: list) -> list:
+                rejected.clear()
+                return batch_fn(records, rejected)  # type: ignore[no-any-return]
+
+            call = OpRuntime("map", record_fn=strict)
         try:
-            result = await call_with_policy(op, rt, m, batch, run_blocking)
+            result = await call_with_policy(op, call, m, batch, run_blocking)
         except Exception as e:  # noqa: BLE001 - every record of the batch failed
             m.errors += n
             attempts = getattr(e, "attempts", 1)
@@ -256,6 +271,9 @@ class LocalRun:
         else:
             if rt.kind == "collect":
                 result = [result]
+            if rejected:
+                m.errors += len(rejected)
+                errors.extend(ErrorRecord.from_exception(op.id, x, e) for x, e in rejected)
         m.service.record((perf_counter() - t0) * 1e6 / n, n)
         m.records_out += len(result)
         return {None: result}

@@ -72,7 +72,11 @@ class Replica:
             fn = rt.batch_fn
             if kind == "map":
                 if fn is not None:
-                    batch = fn(batch, errs)
+                    try:
+                        batch = fn(batch, errs)
+                    except Exception as e:  # noqa: BLE001 - a whole-batch call failed
+                        errs = [(x, e) for x in batch]
+                        batch = []
             elif kind == "branch":
                 t, f = fn(batch, errs)  # type: ignore[misc]
                 self._done(m, t0, n, len(t) + len(f), errs, errors, i)
