@@ -14,8 +14,9 @@ CASES = {
     "unknown operator": (
         f"  - {{id: a, op: mapp, fn: {F}.upper, input: text}}\n",
         "p.yaml:5: stage 'a': unknown operator 'mapp'; did you mean 'map'? (known: batch, "
-        "branch, filter, flat_map, key_by, map, merge, sink, source, stateful; or a dotted "
-        "path to a tailrace.Operator subclass)"),
+        "branch, embed, filter, flat_map, generate, key_by, map, merge, prompt, refine, "
+        "rerank, retrieve, select, sink, source, stateful; or a dotted path to a "
+        "tailrace.Operator subclass)"),
     "duplicate id": (
         f"  - {{id: a, op: map, fn: {F}.upper, input: text}}\n"
         f"  - {{id: a, op: map, fn: {F}.upper, input: text}}\n",

@@ -1,0 +1,171 @@
+"""Generation operators: ``prompt`` (fill a template) and ``generate`` (call an LLM).
+
+``generate`` calls its engine once per micro-batch (at most ``max_batch`` records, or
+the stage's ``batch`` contract), so concurrent requests share one batched decode.
+Tokens stream as they are produced to a record's ``_stream`` callable when it has
+one (fields starting with ``_`` are transient and never written to output files).
+"""
+
+from __future__ import annotations
+
+import string
+from typing import Any
+
+from ..engines import GenerationRequest, open_engine
+from ..errors import ContextOverflow
+from .core import FieldError
+from .registry import OpDef, OpRuntime, Param, register
+from .retrieval import _ENGINE_HINT, link_engine
+
+
+def template_fields(template: str) -> tuple[str, ...]:
+    """The ``{field}`` names a template uses, in order, without repeats."""
+    names: list[str] = []
+    for _, name, _, _ in string.Formatter().parse(template):
+        if name is not None:
+            base = name.split(".")[0].split("[")[0]
+            if not base:
+                raise ValueError(f"template {template!r} has a positional '{{}}'; "
+                                 "name the field, like {question}")
+            if base not in names:
+                names.append(base)
+    return tuple(names)
+
+
+def render(template: str, record: Any) -> str:
+    try:
+        return template.format_map(record)
+    except KeyError as e:
+        have = ", ".join(map(str, record)) if isinstance(record, dict) else ""
+        raise FieldError(f"template needs field {e} (record has: {have or 'no fields'})") \
+            from None
+    except (TypeError, AttributeError):
+        raise FieldError(f"template needs a JSON object, got {type(record).__name__}") \
+            from None
+
+
+def _check_template(params: dict, ctx: Any) -> dict:
+    template_fields(params["template"])
+    return params
+
+
+def _build_prompt(params: dict, contract: Any) -> OpRuntime:
+    template, out = params["template"], params["output"]
+    f = lambda r: {**r, out: render(template, r)}  # noqa: E731
+
+    def batch_fn(batch: list, errors: list) -> list:
+        result: list = []
+        append = result.append
+        it = iter(batch)
+        while True:
+            try:
+                for x in it:
+                    append(f(x))
+                return result
+            except Exception as e:  # noqa: BLE001
+                errors.append((x, e))
+
+    return OpRuntime("map", batch_fn=batch_fn, record_fn=lambda x: [f(x)])
+
+
+register(OpDef(
+    "prompt", "map", _build_prompt,
+    (Param("template", (str,), required=True, want="a text with {field} placeholders"),
+     Param("output", (str,), default="prompt", want="a field name")),
+    fields=lambda p: (template_fields(p["template"]), (p["output"],)),
+    prepare=_check_template, doc="fill a template with record fields"))
+
+
+def _prepare_generate(params: dict, ctx: Any) -> dict:
+    if (params.get("prompt") is None) == (params.get("input") is None):
+        raise ValueError("generate needs exactly one of 'prompt' (a template with {fields}) "
+                         "or 'input' (a field holding the prompt text)")
+    if params.get("prompt") is not None:
+        template_fields(params["prompt"])
+    return link_engine(params, ctx, "generate")
+
+
+def _build_generate(params: dict, contract: Any) -> OpRuntime:
+    engine = open_engine(params["_engine"])
+    chat = getattr(engine, "chat", True)
+    template, inp, out = params.get("prompt"), params.get("input"), params["output"]
+    system = params.get("system")
+    stop = tuple(params.get("stop") or ())
+    max_tokens, temperature = params["max_tokens"], float(params["temperature"])
+    limit = engine.context_length - max_tokens
+
+    def request(record: Any) -> GenerationRequest:
+        if template is not None:
+            text = render(template, record)
+        else:
+            text = record[inp] if isinstance(record, dict) and inp in record else None
+            if not isinstance(text, str):
+                raise FieldError(f"field '{inp}' must hold the prompt text")
+        n = engine.count_tokens(text)
+        if n > limit:
+            raise ContextOverflow(
+                f"prompt has {n} tokens; with max_tokens={max_tokens} it exceeds the model "
+                f"context of {engine.context_length} tokens; shorten it (e.g. a refine "
+                "stage's max_tokens) or lower max_tokens")
+        if chat:
+            msgs = ({"role": "system", "content": system},) if system else ()
+            return GenerationRequest(messages=msgs + ({"role": "user", "content": text},),
+                                     max_tokens=max_tokens, temperature=temperature,
+                                     stop=stop)
+        return GenerationRequest(prompt=text, max_tokens=max_tokens, temperature=temperature,
+                                 stop=stop)
+
+    def call(records: list, reqs: list) -> list:
+        streams = [r.get("_stream") if isinstance(r, dict) else None for r in records]
+        on_token = None
+        if any(callable(s) for s in streams):
+            def on_token(i: int, piece: str) -> None:
+                s = streams[i]
+                if callable(s):
+                    s(piece)
+        gens = engine.generate(reqs, on_token)
+        return [{**r, out: g.text} for r, g in zip(records, gens, strict=True)]
+
+    def batch_fn(batch: list, errors: list) -> list:
+        keep, reqs = [], []
+        for r in batch:
+            try:
+                reqs.append(request(r))
+                keep.append(r)
+            except Exception as e:  # noqa: BLE001 - this record only
+                errors.append((r, e))
+        if not keep:
+            return []
+        try:
+            return call(keep, reqs)
+        except ContextOverflow:  # the chat template tipped one over: isolate it
+            result = []
+            for r, q in zip(keep, reqs, strict=True):
+                try:
+                    result += call([r], [q])
+                except ContextOverflow as e:
+                    errors.append((r, e))
+            return result
+
+    return OpRuntime("map", batch_fn=batch_fn, record_fn=lambda x: batch_fn([x], []),
+                     max_batch=params["max_batch"])
+
+
+register(OpDef(
+    "generate", "map", _build_generate,
+    (Param("engine", (str,), required=True, want=_ENGINE_HINT),
+     Param("prompt", (str,), want="a template with {field} placeholders"),
+     Param("input", (str,), want="a field holding the prompt text"),
+     Param("output", (str,), default="answer", want="a field name"),
+     Param("system", (str,), want="a system message (chat models)"),
+     Param("max_tokens", (int,), default=64, want="a positive integer",
+           check=lambda v: isinstance(v, int) and v >= 1),
+     Param("temperature", (int, float), default=0.0, want="a number >= 0",
+           check=lambda v: v >= 0),
+     Param("stop", (list,), want="a list of stop strings"),
+     Param("max_batch", (int,), default=8, want="a positive integer",
+           check=lambda v: isinstance(v, int) and v >= 1)),
+    batchable=True, blocking=True,
+    fields=lambda p: ((template_fields(p["prompt"]) if p.get("prompt") else (p["input"],)),
+                      (p["output"],)),
+    prepare=_prepare_generate, doc="generate text with an LLM engine"))
