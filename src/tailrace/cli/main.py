@@ -17,7 +17,7 @@ from .. import __version__
 from ..api.pipeline import Pipeline
 from ..api.records import ErrorRecord
 from ..compiler import FORMATS, compile_pipeline
-from ..errors import InputError, PlanError, RunInterrupted
+from ..errors import RunInterrupted, TailraceError
 from ..observability import format_stats
 from ..runtime import run as run_plan
 
@@ -48,8 +48,27 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--no-fuse", action="store_true", help="show the plan without fusion")
     pl.add_argument("--debug", action="store_true", help="show tracebacks")
 
-    d = sub.add_parser("demo", help="run the bundled example pipeline end to end")
+    d = sub.add_parser("demo", help="RAG over Wikipedia end to end: index, answers, stats")
     d.add_argument("--debug", action="store_true", help="show tracebacks")
+
+    g = sub.add_parser("ingest", help="build the vector index over the bundled corpus")
+    g.add_argument("--index", default="wiki", help="index name or directory (default: wiki)")
+    g.add_argument("--embedder", default="minilm-l6-int8",
+                   help="embedding model: minilm-l6-int8 | minilm-l3")
+    g.add_argument("--kind", default="flat", choices=["flat", "hnsw"], help="faiss index type")
+    g.add_argument("--corpus", help="corpus file (default: the bundled Wikipedia summaries)")
+    g.add_argument("--limit", type=int, help="index only the first N documents")
+    g.add_argument("--force", action="store_true", help="rebuild even if the cache is current")
+    g.add_argument("--debug", action="store_true", help="show tracebacks")
+
+    e = sub.add_parser("eval", help="retrieval recall/MRR and answer accuracy on FanOutQA")
+    e.add_argument("pipeline", nargs="?", help="pipeline YAML (default: the bundled wiki-qa)")
+    e.add_argument("--k", type=int, default=10, help="retrieval depth for recall/MRR")
+    e.add_argument("--limit", type=int, help="evaluate only the first N questions")
+    e.add_argument("--retrieval-only", action="store_true", help="skip answer generation")
+    e.add_argument("--llm", help="override the generation model (e.g. gemma3-270m)")
+    e.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    e.add_argument("--debug", action="store_true", help="show tracebacks")
     return ap
 
 
@@ -63,10 +82,14 @@ def main(argv: list[str] | None = None) -> int:
             return _run(args)
         if args.command == "plan":
             return _plan(args)
+        if args.command == "ingest":
+            return _ingest(args)
+        if args.command == "eval":
+            return _eval(args)
         from .demo import demo
 
         return demo()
-    except (PlanError, InputError) as e:
+    except TailraceError as e:
         if args.debug:
             traceback.print_exc()
         print(f"tailrace: error: {e}", file=sys.stderr)
@@ -84,6 +107,32 @@ def _load(args: argparse.Namespace) -> Any:
         if d not in sys.path:
             sys.path.insert(0, d)
     return compile_pipeline(Pipeline.from_yaml(args.pipeline), fuse=not args.no_fuse)
+
+
+def _ingest(args: argparse.Namespace) -> int:
+    from .ingest import ingest
+
+    ingest(index=args.index, embedder=args.embedder, kind=args.kind, corpus=args.corpus,
+           limit=args.limit, force=args.force)
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from importlib import resources
+
+    from .evaluate import evaluate, format_report
+
+    path = args.pipeline
+    if path is None:
+        with resources.as_file(resources.files("tailrace.demo") / "wiki-qa.yaml") as p:
+            path = str(p)
+    report = evaluate(path, k=args.k, limit=args.limit, answers=not args.retrieval_only,
+                      llm_model=args.llm)
+    print(format_report(report))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report.to_dict(), f, indent=2)
+    return 0
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -90,6 +90,7 @@ def _build_generate(params: dict, contract: Any) -> OpRuntime:
     chat = getattr(engine, "chat", True)
     template, inp, out = params.get("prompt"), params.get("input"), params["output"]
     system = params.get("system")
+    usage = params.get("usage")
     stop = tuple(params.get("stop") or ())
     max_tokens, temperature = params["max_tokens"], float(params["temperature"])
     limit = engine.context_length - max_tokens
@@ -124,7 +125,11 @@ def _build_generate(params: dict, contract: Any) -> OpRuntime:
                 if callable(s):
                     s(piece)
         gens = engine.generate(reqs, on_token)
-        return [{**r, out: g.text} for r, g in zip(records, gens, strict=True)]
+        if usage is None:
+            return [{**r, out: g.text} for r, g in zip(records, gens, strict=True)]
+        return [{**r, out: g.text, usage: {"prompt_tokens": g.prompt_tokens,
+                                           "completion_tokens": g.completion_tokens}}
+                for r, g in zip(records, gens, strict=True)]
 
     def batch_fn(batch: list, errors: list) -> list:
         keep, reqs = [], []
@@ -164,8 +169,9 @@ register(OpDef(
            check=lambda v: v >= 0),
      Param("stop", (list,), want="a list of stop strings"),
      Param("max_batch", (int,), default=8, want="a positive integer",
-           check=lambda v: isinstance(v, int) and v >= 1)),
+           check=lambda v: isinstance(v, int) and v >= 1),
+     Param("usage", (str,), want="a field for {prompt_tokens, completion_tokens}")),
     batchable=True, blocking=True,
     fields=lambda p: ((template_fields(p["prompt"]) if p.get("prompt") else (p["input"],)),
-                      (p["output"],)),
+                      (p["output"],) + ((p["usage"],) if p.get("usage") else ())),
     prepare=_prepare_generate, doc="generate text with an LLM engine"))

@@ -152,10 +152,7 @@ def mmr(query: Any, docs: Any, k: int, diversity: float) -> list[int]:
     chosen: list[int] = []
     left = list(range(len(docs)))
     while left and len(chosen) < k:
-        if chosen:
-            red = (docs[left] @ docs[chosen].T).max(axis=1)
-        else:
-            red = np.zeros(len(left))
+        red = (docs[left] @ docs[chosen].T).max(axis=1) if chosen else np.zeros(len(left))
         score = (1 - diversity) * rel[left] - diversity * red
         best = left[int(np.argmax(score))]
         chosen.append(best)

@@ -1,0 +1,108 @@
+"""Per-sequence helpers for token-by-token generation: sampling and streamed text.
+
+Pure Python plus numpy (imported lazily by the engine that uses them); no model needed,
+so the stop-string and UTF-8 handling can be tested on their own.
+"""
+
+from __future__ import annotations
+
+import codecs
+from typing import Any
+
+
+def sample(logits: Any, temperature: float, rng: Any) -> int:
+    """The next token id from one row of logits.
+
+    logits:      a float32 numpy vector over the vocabulary (not modified).
+    temperature: 0 (or less) means greedy argmax; otherwise softmax(logits / temperature).
+    rng:         a ``numpy.random.Generator``; unused when greedy.
+    """
+    if temperature <= 0.0:
+        return int(logits.argmax())
+    import numpy as np
+
+    z = logits * (1.0 / temperature)
+    z -= z.max()
+    np.exp(z, out=z)
+    cdf = np.cumsum(z, dtype=np.float64)
+    idx = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    return min(idx, len(cdf) - 1)
+
+
+class TextStream:
+    """The text of one generating sequence, fed token bytes, with stop strings cut off.
+
+    Bytes are decoded incrementally, so a UTF-8 character split across tokens comes out
+    whole. ``feed`` returns only text that can no longer become part of a stop string:
+    a suffix that is a prefix of some stop string is held back until it is decided.
+    """
+
+    __slots__ = ("_decoder", "_stops", "_longest", "text", "emitted", "stopped")
+
+    def __init__(self, stops: tuple[str, ...] | list[str] = ()):
+        """Start an empty stream.
+
+        stops: strings that end the text; the first one found, and everything after it,
+               is dropped.
+        """
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._stops = tuple(dict.fromkeys(s for s in stops if s))
+        self._longest = max((len(s) for s in self._stops), default=0)
+        self.text = ""  # the text so far (already cut at a stop string once stopped)
+        self.emitted = 0  # how much of ``text`` feed/finish have returned
+        self.stopped = False  # a stop string was found
+
+    def feed(self, data: bytes) -> str:
+        """Add one token's bytes; return the newly releasable text (often '').
+
+        data: the token's piece as raw bytes (may end inside a UTF-8 character).
+        """
+        if self.stopped:
+            return ""
+        new = self._decoder.decode(data)
+        return self._add(new) if new else ""
+
+    def finish(self) -> str:
+        """End the stream: flush undecodable bytes and release everything held back."""
+        if not self.stopped:
+            tail = self._decoder.decode(b"", final=True)
+            if tail:
+                self._add(tail)
+        out = self.text[self.emitted:]
+        self.emitted = len(self.text)
+        return out
+
+    def _add(self, new: str) -> str:
+        text = self.text
+        if not self._stops:
+            self.text = text + new
+            out = self.text[self.emitted:]
+            self.emitted = len(self.text)
+            return out
+        start = max(0, len(text) - self._longest + 1)
+        text = self.text = text + new
+        cut = -1
+        for s in self._stops:
+            j = text.find(s, start)
+            if j != -1 and (cut == -1 or j < cut):
+                cut = j
+        if cut != -1:
+            self.text = text = text[:cut]
+            self.stopped = True
+            end = len(text)
+        else:
+            end = len(text) - self._held(text)
+        if end <= self.emitted:
+            return ""
+        out = text[self.emitted:end]
+        self.emitted = end
+        return out
+
+    def _held(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that starts some stop string."""
+        for k in range(min(self._longest - 1, len(text)), 0, -1):
+            suffix = text[-k:]
+            for s in self._stops:
+                if s.startswith(suffix):
+                    return k
+        return 0

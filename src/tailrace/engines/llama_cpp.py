@@ -1,0 +1,441 @@
+"""Text generation on llama.cpp (``llama-cpp-python``) with multi-sequence batch decoding.
+
+One ``LlamaCppEngine`` loads one GGUF model and one llama.cpp context that holds
+``n_seq_max`` sequences. ``generate`` serves a batch of requests together: every decode
+step sends ONE ``llama_batch`` with the next token of each active sequence (``seq_id`` =
+slot) plus chunks of prompts still being prefilled, then samples each sequence's next
+token from its logits row. A finished sequence is dropped from the KV cache
+(``llama_memory_seq_rm``) and its slot is refilled with the next waiting request, so
+more requests than ``n_seq_max`` stream through the same context.
+
+Context: the KV cache is split per sequence (llama.cpp's non-unified cache), created
+with ``n_ctx * n_seq_max`` cells, so every sequence gets its own ``n_ctx`` tokens:
+``context_length == n_ctx`` (capped at the model's training context).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import heapq
+import logging
+import os
+import threading
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..errors import ContextOverflow, EngineError
+from ._sampling import TextStream, sample
+from .base import Generation, GenerationRequest, TokenCallback
+from .registry import MODELS, model_info, model_path
+
+_BACKEND_LOCK = threading.Lock()
+_BACKEND_READY = False
+
+
+def _init_backend(lib: Any) -> None:
+    """Initialise llama.cpp's backends once per process."""
+    global _BACKEND_READY
+    with _BACKEND_LOCK:
+        if _BACKEND_READY:
+            return
+        lib.llama_backend_init()
+        _BACKEND_READY = True
+
+
+class _Seq:
+    """One request occupying a sequence slot while it is prefilled and generated."""
+
+    __slots__ = ("index", "slot", "prompt", "n_prompt", "fed", "pos", "last", "n_gen",
+                 "max_tokens", "temperature", "rng", "stream", "row")
+
+    def __init__(self, index: int, slot: int, prompt: Any, max_tokens: int,
+                 temperature: float, rng: Any, stream: TextStream):
+        self.index = index
+        self.slot = slot
+        self.prompt = prompt  # numpy int32 token ids
+        self.n_prompt = len(prompt)
+        self.fed = 0  # prompt tokens already sent to the model
+        self.pos = 0  # position of the next token sent for this sequence
+        self.last = -1  # the last sampled token, sent in the next step
+        self.n_gen = 0
+        self.max_tokens = max_tokens
+        self.temperature = temperature
+        self.rng = rng
+        self.stream = stream
+        self.row = -1  # batch index whose logits belong to this sequence (-1: none)
+
+
+class LlamaCppEngine:
+    """A GGUF model on llama.cpp serving batches of requests with multi-sequence decoding.
+
+    Thread-safe: ``generate`` holds a lock, so one batch runs at a time per engine.
+    """
+
+    def __init__(self, model: str = "smollm2-135m-instruct", *, path: str | None = None,
+                 n_threads: int | None = None, n_ctx: int = 2048, n_seq_max: int = 8,
+                 n_batch: int = 512, seed: int = 0):
+        """Load the model and create its multi-sequence context.
+
+        model:     catalog name (see ``registry.MODELS``); with ``path``, just the name.
+        path:      a GGUF file to load instead of the catalog's (chat/stop settings still
+                   come from the catalog when ``model`` names a known model; otherwise the
+                   model is a chat model if the file has a chat template).
+        n_threads: CPU threads for decoding (default: ``os.cpu_count()``).
+        n_ctx:     tokens of context per sequence (prompt + generated).
+        n_seq_max: sequences decoded together; the context holds ``n_ctx * n_seq_max``.
+        n_batch:   most tokens per decode step (prompt prefill is chunked by it).
+        seed:      seeds the sampling RNG of requests without their own ``seed``.
+        """
+        import numpy as np
+
+        try:
+            import llama_cpp as lib
+        except ImportError:
+            raise EngineError("the llama_cpp backend needs llama-cpp-python; install it "
+                              "with: pip install llama-cpp-python") from None
+        if n_ctx < 1 or n_seq_max < 1 or n_batch < 1:
+            raise EngineError(f"n_ctx, n_seq_max and n_batch must be positive (got {n_ctx}, "
+                              f"{n_seq_max}, {n_batch})")
+        self._np = np
+        self._lib = lib
+        self.model = model
+        info = MODELS.get(model)
+        if path is None:
+            info = model_info(model, "llama_cpp")
+            file = model_path(info)
+        else:
+            file = Path(path)
+            if not file.exists():
+                raise EngineError(f"model file not found: {path}")
+            if info is not None and info.backend != "llama_cpp":
+                info = None
+        self.path = str(file)
+        self.seed = seed
+        self._rng = np.random.default_rng(seed)
+        self._lock = threading.Lock()
+        self._model = None
+        self._ctx = None
+        n_threads = int(n_threads or os.cpu_count() or 1)
+        self.n_threads = n_threads
+        self.n_seq_max = n_seq_max
+        self.n_batch = max(n_batch, n_seq_max)
+
+        _init_backend(lib)
+        # verbose=False: llama_cpp's log callback prints only what this logger lets through
+        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
+        mparams = lib.llama_model_default_params()
+        mparams.n_gpu_layers = 0
+        # no weight repacking into extra buffer types: the AMX one faults where the OS
+        # does not grant AMX tile state (VMs), and repacked gemm/gemv kernels would make
+        # a sequence's logits depend on how many sequences share its batch
+        mparams.use_extra_bufts = False
+        self._model = lib.llama_model_load_from_file(self.path.encode(), mparams)
+        if not self._model:
+            self._model = None
+            raise EngineError(f"llama.cpp could not load the model file {self.path}")
+        try:
+            self._vocab = lib.llama_model_get_vocab(self._model)
+            self.n_vocab = int(lib.llama_vocab_n_tokens(self._vocab))
+            n_ctx = min(n_ctx, int(lib.llama_model_n_ctx_train(self._model)) or n_ctx)
+            cparams = lib.llama_context_default_params()
+            cparams.n_ctx = n_ctx * n_seq_max
+            cparams.n_batch = self.n_batch
+            cparams.n_ubatch = self.n_batch
+            cparams.n_seq_max = n_seq_max
+            cparams.n_threads = n_threads
+            cparams.n_threads_batch = n_threads
+            cparams.kv_unified = False  # one KV stream per sequence: each gets n_ctx cells
+            cparams.no_perf = True
+            self._ctx = lib.llama_init_from_model(self._model, cparams)
+            if not self._ctx:
+                self._ctx = None
+                raise EngineError(f"llama.cpp could not create a context of "
+                                  f"{n_ctx * n_seq_max} tokens for {self.path}")
+            self.context_length = min(n_ctx, int(lib.llama_n_ctx_seq(self._ctx)))
+            self._mem = lib.llama_get_memory(self._ctx)
+            self._template = self._meta("tokenizer.chat_template")
+            if info is not None:
+                self.chat = info.chat
+                self.default_stop: tuple[str, ...] = info.stop
+            else:
+                self.chat = bool(self._template)
+                self.default_stop = ()
+            self._pieces: dict[int, bytes | None] = {}  # token -> piece, None for EOG
+            self._formatter: Any = None
+            self._init_batch()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- public API -------------------------------------------------------------------
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens ``text`` takes in this model's tokenizer (as a raw prompt, with BOS).
+
+        text: the text to tokenize.
+        """
+        return len(self._tokenize(text, add_special=True))
+
+    def generate(self, requests: Sequence[GenerationRequest],
+                 on_token: TokenCallback | None = None) -> list[Generation]:
+        """Run a batch of requests together on the shared context; results in request order.
+
+        requests: the requests; ``messages`` are rendered with the model's chat template,
+                  ``prompt`` is used as is.
+        on_token: called as ``on_token(request_index, piece)`` for each piece of text as it
+                  is produced (never text that turns out to belong to a stop string).
+        """
+        with self._lock:
+            if self._ctx is None:
+                raise EngineError(f"engine '{self.model}' is closed")
+            prompts = [self._prompt_tokens(r) for r in requests]
+            for r, p in zip(requests, prompts, strict=True):
+                if len(p) + max(r.max_tokens, 0) > self.context_length:
+                    raise ContextOverflow(
+                        f"prompt has {len(p)} tokens; with max_tokens={r.max_tokens} it "
+                        f"exceeds the model context of {self.context_length} tokens; shorten "
+                        "the prompt (e.g. a refine stage's max_tokens) or lower max_tokens")
+            return self._run(requests, prompts, on_token)
+
+    def close(self) -> None:
+        """Free the llama.cpp context and model (the engine cannot be used afterwards)."""
+        lock = getattr(self, "_lock", None)
+        if lock is not None and not lock.acquire(timeout=60):
+            return
+        try:
+            lib = self._lib
+            if getattr(self, "_ctx", None) is not None:
+                lib.llama_free(self._ctx)
+                self._ctx = None
+            if getattr(self, "_model", None) is not None:
+                lib.llama_model_free(self._model)
+                self._model = None
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return (f"LlamaCppEngine(model={self.model!r}, context_length="
+                f"{getattr(self, 'context_length', '?')}, n_seq_max={self.n_seq_max})")
+
+    # -- tokens -----------------------------------------------------------------------
+
+    def _meta(self, key: str) -> str | None:
+        size = 1 << 14
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = self._lib.llama_model_meta_val_str(self._model, key.encode(), buf, size)
+            if n < 0:
+                return None
+            if n < size:
+                return buf.value.decode("utf-8", errors="replace")
+            size = n + 1
+
+    def _tokenize(self, text: str, *, add_special: bool) -> list[int]:
+        data = text.encode("utf-8")
+        lib = self._lib
+        cap = len(data) + 8
+        buf = (lib.llama_token * cap)()
+        n = lib.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, True)
+        if n < 0:
+            cap = -n
+            buf = (lib.llama_token * cap)()
+            n = lib.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, True)
+            if n < 0:
+                raise EngineError(f"llama.cpp failed to tokenize a text of {len(data)} bytes")
+        return buf[:n]
+
+    def _render(self, messages: Sequence[dict[str, str]]) -> str:
+        if not self._template:
+            raise EngineError(f"model '{self.model}' has no chat template; send a 'prompt' "
+                              "instead of 'messages'")
+        if self._formatter is None:
+            from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+            def text(tok: int) -> str:
+                if tok < 0:
+                    return ""
+                return self._lib.llama_vocab_get_text(self._vocab, tok).decode(
+                    "utf-8", errors="replace")
+
+            self._formatter = Jinja2ChatFormatter(
+                template=self._template, eos_token=text(self._lib.llama_vocab_eos(self._vocab)),
+                bos_token=text(self._lib.llama_vocab_bos(self._vocab)),
+                add_generation_prompt=True)
+        try:
+            return self._formatter(messages=[dict(m) for m in messages]).prompt
+        except Exception as e:
+            raise EngineError(f"model '{self.model}': chat template failed: {e}") from e
+
+    def _prompt_tokens(self, req: GenerationRequest) -> list[int]:
+        if req.messages is not None:
+            tokens = self._tokenize(self._render(req.messages), add_special=False)
+        elif req.prompt is not None:
+            tokens = self._tokenize(req.prompt, add_special=True)
+        else:
+            raise EngineError("a generation request needs 'prompt' or 'messages'")
+        if not tokens:
+            raise EngineError("the prompt is empty (it has no tokens)")
+        return tokens
+
+    def _piece(self, tok: int) -> bytes | None:
+        """The bytes of token ``tok``; None for end-of-generation tokens (cached)."""
+        lib = self._lib
+        if lib.llama_vocab_is_eog(self._vocab, tok):
+            piece = None
+        else:
+            buf = ctypes.create_string_buffer(64)
+            n = lib.llama_token_to_piece(self._vocab, tok, buf, 64, 0, False)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = lib.llama_token_to_piece(self._vocab, tok, buf, -n, 0, False)
+            piece = buf.raw[:max(n, 0)]
+        self._pieces[tok] = piece
+        return piece
+
+    # -- batch decoding ---------------------------------------------------------------
+
+    def _init_batch(self) -> None:
+        """A ``llama_batch`` whose arrays are numpy buffers owned by the engine."""
+        np, lib = self._np, self._lib
+        n = self.n_batch
+        self._b_tok = np.zeros(n, dtype=np.int32)
+        self._b_pos = np.zeros(n, dtype=np.int32)
+        self._b_nseq = np.ones(n, dtype=np.int32)
+        self._b_seq = np.zeros(n, dtype=np.int32)
+        self._b_out = np.zeros(n, dtype=np.int8)
+        seq_ptr = ctypes.POINTER(lib.llama_seq_id)
+        base = self._b_seq.ctypes.data
+        self._b_seqp = (seq_ptr * n)(*[ctypes.cast(base + 4 * i, seq_ptr) for i in range(n)])
+        batch = lib.llama_batch()
+        batch.n_tokens = 0
+        batch.token = self._b_tok.ctypes.data_as(ctypes.POINTER(lib.llama_token))
+        batch.embd = None
+        batch.pos = self._b_pos.ctypes.data_as(ctypes.POINTER(lib.llama_pos))
+        batch.n_seq_id = self._b_nseq.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        batch.seq_id = ctypes.cast(self._b_seqp, ctypes.POINTER(seq_ptr))
+        batch.logits = self._b_out.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self._batch = batch
+        self._row_type = ctypes.c_float * self.n_vocab
+
+    def _run(self, requests: Sequence[GenerationRequest], prompts: list[list[int]],
+             on_token: TokenCallback | None) -> list[Generation]:
+        np, lib = self._np, self._lib
+        ctx, mem, batch = self._ctx, self._mem, self._batch
+        tok, pos, seq, out = self._b_tok, self._b_pos, self._b_seq, self._b_out
+        pieces, n_batch = self._pieces, self.n_batch
+        row_type, frombuffer, float32 = self._row_type, np.frombuffer, np.float32
+        get_logits, decode = lib.llama_get_logits_ith, lib.llama_decode
+        void_p = ctypes.c_void_p
+        stops_default = () if self.chat else self.default_stop
+
+        results: list[Generation | None] = [None] * len(requests)
+        waiting: deque[int] = deque()
+        for i, r in enumerate(requests):
+            if r.max_tokens <= 0:
+                results[i] = Generation("", len(prompts[i]), 0, "length")
+            else:
+                waiting.append(i)
+        free = list(range(self.n_seq_max))
+        active: list[_Seq] = []  # kept sorted by slot: llama.cpp splits per-seq streams
+        lib.llama_memory_clear(mem, True)  # into ubatches of consecutive seq ids
+
+        def finish(s: _Seq, reason: str) -> None:
+            tail = s.stream.finish()
+            if tail and on_token is not None:
+                on_token(s.index, tail)
+            results[s.index] = Generation(s.stream.text, s.n_prompt, s.n_gen, reason)
+            lib.llama_memory_seq_rm(mem, s.slot, -1, -1)
+            heapq.heappush(free, s.slot)
+
+        try:
+            while waiting or active:
+                if waiting and free:
+                    while waiting and free:
+                        i = waiting.popleft()
+                        r = requests[i]
+                        rseed = r.seed if r.seed is not None else int(
+                            self._rng.integers(1 << 63))
+                        rng = np.random.default_rng(rseed) if r.temperature > 0 else None
+                        stream = TextStream(tuple(r.stop) + stops_default)
+                        active.append(_Seq(i, heapq.heappop(free),
+                                           np.asarray(prompts[i], dtype=np.int32),
+                                           r.max_tokens, r.temperature, rng, stream))
+                    active.sort(key=lambda s: s.slot)
+
+                # one batch: the next token of every generating sequence, prompt chunks
+                budget = n_batch - sum(1 for s in active if s.fed == s.n_prompt)
+                n = 0
+                for s in active:
+                    if s.fed == s.n_prompt:
+                        tok[n] = s.last
+                        pos[n] = s.pos
+                        seq[n] = s.slot
+                        out[n] = 1
+                        s.row = n
+                        s.pos += 1
+                        n += 1
+                    elif budget > 0:
+                        c = min(budget, s.n_prompt - s.fed)
+                        budget -= c
+                        end = n + c
+                        tok[n:end] = s.prompt[s.fed:s.fed + c]
+                        pos[n:end] = np.arange(s.fed, s.fed + c, dtype=np.int32)
+                        seq[n:end] = s.slot
+                        out[n:end] = 0
+                        s.fed += c
+                        s.pos = s.fed
+                        if s.fed == s.n_prompt:
+                            out[end - 1] = 1
+                            s.row = end - 1
+                        else:
+                            s.row = -1
+                        n = end
+                    else:
+                        s.row = -1
+                batch.n_tokens = n
+                rc = decode(ctx, batch)
+                if rc != 0:
+                    raise EngineError(f"llama_decode failed with code {rc} (batch of {n} "
+                                      f"tokens, {len(active)} sequences)")
+
+                done = False
+                for s in active:
+                    if s.row < 0:
+                        continue
+                    addr = ctypes.cast(get_logits(ctx, s.row), void_p).value
+                    logits = frombuffer(row_type.from_address(addr), dtype=float32)
+                    t = sample(logits, s.temperature, s.rng)
+                    piece = pieces[t] if t in pieces else self._piece(t)
+                    if piece is None:  # end of generation
+                        finish(s, "stop")
+                        s.row = -2
+                        done = True
+                        continue
+                    s.n_gen += 1
+                    text = s.stream.feed(piece)
+                    if text and on_token is not None:
+                        on_token(s.index, text)
+                    if s.stream.stopped:
+                        finish(s, "stop")
+                    elif s.n_gen >= s.max_tokens:
+                        finish(s, "length")
+                    else:
+                        s.last = t
+                        continue
+                    s.row = -2
+                    done = True
+                if done:
+                    active = [s for s in active if s.row != -2]
+        except BaseException:
+            lib.llama_memory_clear(mem, True)
+            raise
+        return results  # type: ignore[return-value]

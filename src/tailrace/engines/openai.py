@@ -1,0 +1,373 @@
+"""An engine for any OpenAI-compatible HTTP server (vLLM, SGLang, Ollama, llama.cpp's server).
+
+Uses the official ``openai`` package, imported when an engine is created. Generation always
+streams, so ``on_token`` sees pieces as the server sends them; a batch's requests run
+concurrently on a thread pool. Failures become ``EngineError`` (``ContextOverflow`` when the
+server says the prompt does not fit) with a one-line message naming the server and model.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from ..errors import ContextOverflow, EngineError
+from .base import Generation, GenerationRequest, TokenCallback
+
+#: server messages (HTTP 400/413) that mean "the prompt does not fit in the context window"
+_OVERFLOW = re.compile(
+    r"context.{0,40}(length|window|size|limit)|exceed.{0,60}context|maximum context|n_ctx"
+    r"|too long|too many tokens", re.IGNORECASE)
+
+#: tokenizer endpoints tried once, relative to the server root (``base_url`` minus ``/v1``):
+#: llama-cpp-python's server, then vLLM / SGLang / llama.cpp's ``llama-server``.
+_TOKENIZE_PATHS = ("/extras/tokenize", "/tokenize")
+
+
+def approx_tokens(text: str) -> int:
+    """Rough token count used when the server has no tokenizer endpoint: 4 characters a token.
+
+    text: the text to measure.
+
+    >>> approx_tokens(""), approx_tokens("abcd"), approx_tokens("abcdefgh")
+    (1, 2, 3)
+    """
+    return len(text) // 4 + 1
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    """``text`` with whitespace collapsed, cut to ``limit`` characters.
+
+    text: any message.
+    limit: the most characters kept.
+    """
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _server_message(exc: Any) -> str:
+    """The server's own error message from an ``openai.APIStatusError`` (else the SDK's).
+
+    exc: the exception the SDK raised.
+    """
+    body = getattr(exc, "body", None)
+    if isinstance(body, dict):
+        inner = body.get("error", body)
+        if isinstance(inner, dict) and inner.get("message"):
+            return str(inner["message"])
+        if isinstance(inner, str):
+            return inner
+        if body.get("detail"):
+            return str(body["detail"])
+    elif isinstance(body, str) and body:
+        return body
+    return str(getattr(exc, "message", exc))
+
+
+class OpenAIEngine:
+    """Generation or embedding engine talking to an OpenAI-compatible server."""
+
+    def __init__(self, base_url: str, model: str, *, kind: str = "generate",
+                 api_key: str | None = None, api_key_env: str | None = None,
+                 timeout_s: float = 60.0, retries: int = 2, context_length: int = 4096,
+                 concurrency: int = 8, dim: int | None = None):
+        """Create the client (no request is sent until the first call).
+
+        base_url: the server's OpenAI API root, e.g. ``http://127.0.0.1:8000/v1``.
+        model: the model name the server knows (sent as ``model`` in every request).
+        kind: ``"generate"`` (chat and completion requests) or ``"embed"`` (embeddings).
+        api_key: the API key; else ``$api_key_env``; else ``"not-needed"``.
+        api_key_env: the environment variable holding the API key.
+        timeout_s: seconds to wait for a response (and between streamed pieces).
+        retries: times the SDK retries connection errors, 408/409/429 and 5xx responses.
+        context_length: the model's context window in tokens (as configured on the server).
+        concurrency: the most requests of one batch in flight at once.
+        dim: the embedding size, if known (``kind="embed"``); else learnt on the first call.
+        """
+        if kind not in ("generate", "embed"):
+            raise EngineError(f"openai engine: kind must be 'generate' or 'embed', not {kind!r}")
+        try:
+            import openai
+        except ImportError:
+            raise EngineError("the openai backend needs the 'openai' package; install it with: "
+                              "pip install openai") from None
+        if api_key is None and api_key_env:
+            api_key = os.environ.get(api_key_env)
+            if not api_key:
+                raise EngineError(f"openai engine at {base_url}: the environment variable "
+                                  f"'{api_key_env}' (api_key_env) is not set")
+        self._openai = openai
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.kind = kind
+        self.context_length = int(context_length)
+        self.timeout_s = float(timeout_s)
+        self._api_key = api_key or "not-needed"
+        self._client = openai.OpenAI(base_url=self.base_url, api_key=self._api_key,
+                                     timeout=self.timeout_s, max_retries=int(retries))
+        self._pool = ThreadPoolExecutor(max_workers=max(1, int(concurrency)),
+                                        thread_name_prefix="openai-engine")
+        self._dim = int(dim) if dim else None
+        self._lock = threading.Lock()
+        self._tokenize_path: str | None = None  # the endpoint that worked
+        self._tokenize_probed = False
+        self._closed = False
+
+    # ------------------------------------------------------------------ errors
+
+    def _where(self) -> str:
+        return f"openai engine at {self.base_url} (model '{self.model}')"
+
+    def _error(self, exc: BaseException) -> EngineError:
+        """The ``EngineError`` (or ``ContextOverflow``) for an SDK or HTTP exception.
+
+        exc: what the SDK (or httpx) raised.
+        """
+        openai = self._openai
+        if isinstance(exc, EngineError):
+            return exc
+        if isinstance(exc, openai.APITimeoutError):
+            return EngineError(f"{self._where()}: request timed out after {self.timeout_s:g}s")
+        if isinstance(exc, openai.APIConnectionError):
+            cause = exc.__cause__ or exc.__context__
+            detail = _one_line(str(cause)) if cause is not None and str(cause) else exc.message
+            return EngineError(f"{self._where()}: cannot connect ({detail})")
+        if isinstance(exc, openai.APIStatusError):
+            status = exc.status_code
+            message = _one_line(_server_message(exc))
+            if status in (400, 413, 422) and _OVERFLOW.search(message):
+                return ContextOverflow(f"{self._where()}: prompt does not fit the context "
+                                       f"window (server {status}: {message})")
+            return EngineError(f"{self._where()}: server error {status}: {message}")
+        if isinstance(exc, openai.APIError):  # an error event inside a stream
+            return EngineError(f"{self._where()}: server error: {_one_line(exc.message)}")
+        return EngineError(f"{self._where()}: {type(exc).__name__}: {_one_line(str(exc))}")
+
+    def _check_kind(self, kind: str) -> None:
+        if self._closed:
+            raise EngineError(f"{self._where()}: engine is closed")
+        if self.kind != kind:
+            raise EngineError(f"{self._where()}: this engine was created with kind="
+                              f"'{self.kind}' and cannot {kind}; create one with kind='{kind}'")
+
+    # ------------------------------------------------------------------ tokens
+
+    def _root(self) -> str:
+        return self.base_url[:-3] if self.base_url.endswith("/v1") else self.base_url
+
+    def _tokenize(self, path: str, text: str) -> int | None:
+        """Tokens in ``text`` by the server endpoint ``path``; None if the endpoint is unusable.
+
+        path: ``/extras/tokenize`` or ``/tokenize``, relative to the server root.
+        text: the text to tokenize.
+        """
+        import httpx  # a dependency of openai
+
+        body = {"model": self.model, "input": text, "prompt": text, "content": text,
+                "add_special_tokens": False}
+        try:
+            resp = httpx.post(self._root() + path, json=body, timeout=self.timeout_s,
+                              headers={"Authorization": f"Bearer {self._api_key}"})
+        except httpx.TimeoutException:
+            raise EngineError(f"{self._where()}: tokenize request timed out after "
+                              f"{self.timeout_s:g}s") from None
+        except httpx.HTTPError as e:
+            raise EngineError(f"{self._where()}: cannot connect ({_one_line(str(e))})") from None
+        if resp.status_code != 200:
+            return None
+        try:
+            data = resp.json()
+        except ValueError:
+            return None
+        if not isinstance(data, dict):
+            return None
+        if isinstance(data.get("count"), int):
+            return int(data["count"])
+        if isinstance(data.get("tokens"), list):
+            return len(data["tokens"])
+        return None
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens ``text`` takes: the server's tokenizer if it has one, else ``approx_tokens``.
+
+        text: the text to measure.
+
+        The first call tries ``/extras/tokenize`` (llama-cpp-python) and ``/tokenize`` (vLLM,
+        SGLang, llama.cpp) at the server root and remembers which works, or that none does.
+        """
+        with self._lock:
+            probed, path = self._tokenize_probed, self._tokenize_path
+        if path is not None:
+            n = self._tokenize(path, text)
+            if n is None:
+                raise EngineError(f"{self._where()}: tokenize request to {path} failed")
+            return n
+        if probed:
+            return approx_tokens(text)
+        for candidate in _TOKENIZE_PATHS:
+            n = self._tokenize(candidate, text)
+            if n is not None:
+                with self._lock:
+                    self._tokenize_probed, self._tokenize_path = True, candidate
+                return n
+        with self._lock:
+            self._tokenize_probed = True
+        return approx_tokens(text)
+
+    @property
+    def tokenizer(self) -> str:
+        """Which count ``count_tokens`` gives: the endpoint path, ``"approx"`` or ``"unknown"``."""
+        if self._tokenize_path is not None:
+            return self._tokenize_path
+        return "approx" if self._tokenize_probed else "unknown"
+
+    # -------------------------------------------------------------- generation
+
+    def generate(self, requests: Sequence[GenerationRequest],
+                 on_token: TokenCallback | None = None) -> list[Generation]:
+        """Run the requests concurrently, streaming; results in request order.
+
+        requests: chat requests (``messages``) or completion requests (``prompt``).
+        on_token: called as ``on_token(index, piece)`` for each streamed piece of text.
+
+        If any request fails the others are stopped and the first failure (in request order)
+        is raised: ``ContextOverflow`` if the server says the prompt does not fit, else
+        ``EngineError``.
+        """
+        self._check_kind("generate")
+        for req in requests:
+            if (req.prompt is None) == (req.messages is None):
+                raise EngineError(f"{self._where()}: a request needs exactly one of 'prompt' "
+                                  "and 'messages'")
+        if not requests:
+            return []
+        cancel = threading.Event()
+        futures: list[Future[Generation]] = [
+            self._pool.submit(self._run_one, i, req, on_token, cancel)
+            for i, req in enumerate(requests)]
+        results: list[Generation] = []
+        first_error: BaseException | None = None
+        for fut in futures:
+            try:
+                results.append(fut.result())
+            except BaseException as e:
+                if first_error is None:
+                    first_error = e
+                    cancel.set()
+        if first_error is not None:
+            raise self._error(first_error) from first_error
+        return results
+
+    def _run_one(self, index: int, req: GenerationRequest, on_token: TokenCallback | None,
+                 cancel: threading.Event) -> Generation:
+        """Stream one request to the server and collect its text, usage and finish reason.
+
+        index: the request's position in its batch (passed to ``on_token``).
+        req: the request.
+        on_token: the piece callback, or None.
+        cancel: set when another request of the batch failed; stops this one early.
+        """
+        kwargs: dict[str, Any] = {"model": self.model, "stream": True,
+                                  "stream_options": {"include_usage": True},
+                                  "max_tokens": req.max_tokens, "temperature": req.temperature}
+        if req.stop:
+            kwargs["stop"] = list(req.stop)
+        if req.seed is not None:
+            kwargs["seed"] = req.seed
+        chat = req.messages is not None
+        if chat:
+            stream = self._client.chat.completions.create(
+                messages=[dict(m) for m in req.messages or ()], **kwargs)
+        else:
+            stream = self._client.completions.create(prompt=req.prompt or "", **kwargs)
+        pieces: list[str] = []
+        n_chunks = 0
+        finish: str | None = None
+        usage: Any = None
+        with stream:
+            for chunk in stream:
+                if cancel.is_set():
+                    break
+                if getattr(chunk, "usage", None) is not None:
+                    usage = chunk.usage
+                for choice in chunk.choices or ():
+                    piece = (choice.delta.content if chat else choice.text) or ""
+                    if piece:
+                        pieces.append(piece)
+                        n_chunks += 1
+                        if on_token is not None:
+                            on_token(index, piece)
+                    if choice.finish_reason:
+                        finish = choice.finish_reason
+        text = "".join(pieces)
+        extra: dict[str, Any] = {"finish_reason": finish}
+        if usage is not None and usage.completion_tokens is not None:
+            prompt_tokens, completion_tokens = int(usage.prompt_tokens), int(
+                usage.completion_tokens)
+            extra["usage"] = "server"
+        else:
+            source = req.prompt if not chat else "\n".join(
+                m.get("content", "") for m in req.messages or ())
+            prompt_tokens, completion_tokens = self.count_tokens(source or ""), n_chunks
+            extra["usage"] = "estimated"
+        return Generation(text=text, prompt_tokens=prompt_tokens,
+                          completion_tokens=completion_tokens,
+                          finish_reason="length" if finish == "length" else "stop", extra=extra)
+
+    # --------------------------------------------------------------- embedding
+
+    @property
+    def dim(self) -> int:
+        """The embedding size; asks the server (embedding one short text) if not yet known."""
+        if self._dim is None:
+            self.embed(["dimension probe"])
+        assert self._dim is not None
+        return self._dim
+
+    def embed(self, texts: Sequence[str]) -> Any:
+        """Embed ``texts`` by ``/v1/embeddings``: float32 array, one L2-normalised row each.
+
+        texts: the texts to embed, in order.
+        """
+        import numpy as np
+
+        self._check_kind("embed")
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        try:
+            resp = self._client.embeddings.create(model=self.model, input=list(texts),
+                                                  encoding_format="float")
+        except Exception as e:
+            raise self._error(e) from e
+        rows = sorted(resp.data, key=lambda d: d.index)
+        if len(rows) != len(texts):
+            raise EngineError(f"{self._where()}: asked for {len(texts)} embeddings, the server "
+                              f"returned {len(rows)}")
+        vectors = [r.embedding for r in rows]
+        if vectors and isinstance(vectors[0], list) and vectors[0] and isinstance(
+                vectors[0][0], list):
+            raise EngineError(f"{self._where()}: the server returned per-token embeddings; "
+                              "start it with a pooling type (mean/cls) for sentence embeddings")
+        arr = np.asarray(vectors, dtype=np.float32)
+        if arr.ndim != 2:
+            raise EngineError(f"{self._where()}: embeddings have shape {arr.shape}, expected "
+                              f"({len(texts)}, dim)")
+        if self._dim is None:
+            self._dim = int(arr.shape[1])
+        elif arr.shape[1] != self._dim:
+            raise EngineError(f"{self._where()}: embeddings have {arr.shape[1]} dimensions, "
+                              f"expected {self._dim}")
+        norms = np.linalg.norm(arr, axis=1, keepdims=True)
+        return arr / np.where(norms > 0, norms, 1.0)
+
+    def close(self) -> None:
+        """Close the HTTP client and the request threads."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._client.close()
