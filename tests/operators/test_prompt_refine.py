@@ -41,11 +41,11 @@ def test_packer_dedups_keeps_order_and_truncates():
     passages = [{"title": "A", "text": "alpha beta gamma delta"},
                 {"title": "A2", "text": "alpha beta gamma delta"},  # duplicate text
                 {"title": "B", "text": "one two three four five six seven eight nine ten"}]
-    context, kept = Packer(max_tokens=14, dedup=0.8, count=words).pack(passages)
+    context, kept = Packer(max_tokens=16, dedup=0.8, count=words).pack(passages)
     assert [p["title"] for p in kept] == ["A", "B"]
     assert context.splitlines()[0] == "[1] A: alpha beta gamma delta"
     assert context.splitlines()[1].startswith("[2] B: one two") and context.endswith("...")
-    assert words(context) <= 14
+    assert words(context) <= 16
 
 
 def test_packer_budget_too_small_for_anything():
