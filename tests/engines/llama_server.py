@@ -17,6 +17,21 @@ from pathlib import Path
 
 HOST = "127.0.0.1"
 
+#: Runs ``llama_cpp.server`` with ggml's extra CPU buffer types (AMX tiles, repacked weights)
+#: turned off. With them, llama-cpp-python 0.3.36 built on this AMX-capable VM segfaults in
+#: any decode of more than one token, and the server has no flag to turn them off.
+NO_EXTRA_BUFTS = """\
+import runpy
+import llama_cpp.llama_cpp as c
+_defaults = c.llama_model_default_params
+def _params():
+    p = _defaults()
+    p.use_extra_bufts = False
+    return p
+c.llama_model_default_params = _params
+runpy.run_module("llama_cpp.server", run_name="__main__", alter_sys=True)
+"""
+
 
 def free_port() -> int:
     """A TCP port on the loopback interface that nobody listens on right now."""
@@ -56,20 +71,22 @@ def _models_answer(base_url: str) -> bool:
 
 
 @contextlib.contextmanager
-def llama_server(model: Path, *args: str, n_ctx: int = 1024, n_threads: int = 2,
-                 ready_s: float = 90.0) -> Iterator[Server]:
-    """Run ``python -m llama_cpp.server`` for ``model`` until the block ends.
+def llama_server(model: Path, *args: str, n_ctx: int = 1024, n_threads: int = 1,
+                 ready_s: float = 90.0, extra_bufts: bool = False) -> Iterator[Server]:
+    """Run llama-cpp-python's OpenAI-compatible server for ``model`` until the block ends.
 
     model: the GGUF model file.
     args: extra server flags, e.g. ``"--embedding", "true"``.
     n_ctx: the context window the server gives the model.
     n_threads: CPU threads for inference.
     ready_s: the most seconds to wait for ``GET /v1/models`` to answer.
+    extra_bufts: run plain ``python -m llama_cpp.server`` (else via ``NO_EXTRA_BUFTS``).
     """
     port = free_port()
-    command = [sys.executable, "-m", "llama_cpp.server", "--model", str(model),
+    start = ["-m", "llama_cpp.server"] if extra_bufts else ["-c", NO_EXTRA_BUFTS]
+    command = [sys.executable, *start, "--model", str(model),
                "--host", HOST, "--port", str(port), "--n_ctx", str(n_ctx),
-               "--n_threads", str(n_threads), *args]
+               "--n_threads", str(n_threads), "--n_threads_batch", str(n_threads), *args]
     with tempfile.TemporaryDirectory(prefix="llama-server-") as tmp:
         log = Path(tmp) / "server.log"
         with open(log, "wb") as out:

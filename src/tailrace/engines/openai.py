@@ -8,9 +8,12 @@ server says the prompt does not fit) with a one-line message naming the server a
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import threading
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -74,7 +77,7 @@ class OpenAIEngine:
     def __init__(self, base_url: str, model: str, *, kind: str = "generate",
                  api_key: str | None = None, api_key_env: str | None = None,
                  timeout_s: float = 60.0, retries: int = 2, context_length: int = 4096,
-                 concurrency: int = 8, dim: int | None = None):
+                 concurrency: int = 8, dim: int | None = None, embed_batch: int = 64):
         """Create the client (no request is sent until the first call).
 
         base_url: the server's OpenAI API root, e.g. ``http://127.0.0.1:8000/v1``.
@@ -87,6 +90,7 @@ class OpenAIEngine:
         context_length: the model's context window in tokens (as configured on the server).
         concurrency: the most requests of one batch in flight at once.
         dim: the embedding size, if known (``kind="embed"``); else learnt on the first call.
+        embed_batch: the most texts sent in one /v1/embeddings request.
         """
         if kind not in ("generate", "embed"):
             raise EngineError(f"openai engine: kind must be 'generate' or 'embed', not {kind!r}")
@@ -107,11 +111,14 @@ class OpenAIEngine:
         self.context_length = int(context_length)
         self.timeout_s = float(timeout_s)
         self._api_key = api_key or "not-needed"
+        self._retries = int(retries)
         self._client = openai.OpenAI(base_url=self.base_url, api_key=self._api_key,
-                                     timeout=self.timeout_s, max_retries=int(retries))
+                                     timeout=self.timeout_s, max_retries=self._retries)
         self._pool = ThreadPoolExecutor(max_workers=max(1, int(concurrency)),
                                         thread_name_prefix="openai-engine")
         self._dim = int(dim) if dim else None
+        self.embed_batch = max(1, int(embed_batch))
+        self.pooling = "server"  # or "client-mean" once per-token embeddings were pooled here
         self._lock = threading.Lock()
         self._tokenize_path: str | None = None  # the endpoint that worked
         self._tokenize_probed = False
@@ -143,6 +150,12 @@ class OpenAIEngine:
                 return ContextOverflow(f"{self._where()}: prompt does not fit the context "
                                        f"window (server {status}: {message})")
             return EngineError(f"{self._where()}: server error {status}: {message}")
+        if type(exc).__module__.split(".")[0] in ("httpx", "httpx2", "httpcore", "httpcore2"):
+            if "Timeout" in type(exc).__name__:
+                return EngineError(f"{self._where()}: request timed out after "
+                                   f"{self.timeout_s:g}s")
+            return EngineError(f"{self._where()}: connection lost while reading the response "
+                               f"({type(exc).__name__}: {_one_line(str(exc))})")
         if isinstance(exc, openai.APIError):  # an error event inside a stream
             return EngineError(f"{self._where()}: server error: {_one_line(exc.message)}")
         return EngineError(f"{self._where()}: {type(exc).__name__}: {_one_line(str(exc))}")
@@ -165,23 +178,29 @@ class OpenAIEngine:
         path: ``/extras/tokenize`` or ``/tokenize``, relative to the server root.
         text: the text to tokenize.
         """
-        import httpx  # a dependency of openai
-
-        body = {"model": self.model, "input": text, "prompt": text, "content": text,
-                "add_special_tokens": False}
+        # one body for every server's field name: llama-cpp-python reads "input", vLLM and
+        # SGLang "prompt", llama.cpp's llama-server "content"
+        body = json.dumps({"model": self.model, "input": text, "prompt": text, "content": text,
+                           "add_special_tokens": False}).encode()
+        req = urllib.request.Request(
+            self._root() + path, data=body, method="POST",
+            headers={"Content-Type": "application/json",
+                     "Authorization": f"Bearer {self._api_key}"})
         try:
-            resp = httpx.post(self._root() + path, json=body, timeout=self.timeout_s,
-                              headers={"Authorization": f"Bearer {self._api_key}"})
-        except httpx.TimeoutException:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                data = json.loads(resp.read())
+        except urllib.error.HTTPError:
+            return None
+        except TimeoutError:
             raise EngineError(f"{self._where()}: tokenize request timed out after "
                               f"{self.timeout_s:g}s") from None
-        except httpx.HTTPError as e:
-            raise EngineError(f"{self._where()}: cannot connect ({_one_line(str(e))})") from None
-        if resp.status_code != 200:
-            return None
-        try:
-            data = resp.json()
-        except ValueError:
+        except urllib.error.URLError as e:
+            if isinstance(e.reason, TimeoutError):
+                raise EngineError(f"{self._where()}: tokenize request timed out after "
+                                  f"{self.timeout_s:g}s") from None
+            raise EngineError(f"{self._where()}: cannot connect ({_one_line(str(e.reason))})"
+                              ) from None
+        except (OSError, ValueError):
             return None
         if not isinstance(data, dict):
             return None
@@ -246,73 +265,129 @@ class OpenAIEngine:
         if not requests:
             return []
         cancel = threading.Event()
-        futures: list[Future[Generation]] = [
-            self._pool.submit(self._run_one, i, req, on_token, cancel)
-            for i, req in enumerate(requests)]
+
+        def stop_others_on_failure(fut: Future[Generation]) -> None:
+            if not fut.cancelled() and fut.exception() is not None:
+                cancel.set()
+
+        futures: list[Future[Generation]] = []
+        for i, req in enumerate(requests):
+            futures.append(self._pool.submit(self._run_one, i, req, on_token, cancel))
+            futures[-1].add_done_callback(stop_others_on_failure)
         results: list[Generation] = []
-        first_error: BaseException | None = None
+        first_error: Exception | None = None
         for fut in futures:
             try:
                 results.append(fut.result())
-            except BaseException as e:
-                if first_error is None:
-                    first_error = e
-                    cancel.set()
+            except Exception as e:
+                first_error = first_error or e
         if first_error is not None:
             raise self._error(first_error) from first_error
         return results
 
+    def _create(self, req: GenerationRequest, stream: bool, client: Any = None) -> Any:
+        """Send ``req`` to /v1/chat/completions (messages) or /v1/completions (prompt).
+
+        req: the request.
+        stream: ask for server-sent events (with usage in the last event, if supported).
+        client: the ``openai.OpenAI`` client to send it with (default: the engine's).
+        """
+        client = client or self._client
+        kwargs: dict[str, Any] = {"model": self.model, "max_tokens": req.max_tokens,
+                                  "temperature": req.temperature}
+        if stream:
+            kwargs.update(stream=True, stream_options={"include_usage": True})
+        if req.stop:
+            kwargs["stop"] = list(req.stop)
+        if req.seed is not None:
+            kwargs["seed"] = req.seed
+        if req.messages is not None:
+            return client.chat.completions.create(
+                messages=[dict(m) for m in req.messages], **kwargs)
+        return client.completions.create(prompt=req.prompt or "", **kwargs)
+
     def _run_one(self, index: int, req: GenerationRequest, on_token: TokenCallback | None,
                  cancel: threading.Event) -> Generation:
-        """Stream one request to the server and collect its text, usage and finish reason.
+        """Stream one request and collect its text, usage and finish reason.
 
         index: the request's position in its batch (passed to ``on_token``).
         req: the request.
         on_token: the piece callback, or None.
         cancel: set when another request of the batch failed; stops this one early.
         """
-        kwargs: dict[str, Any] = {"model": self.model, "stream": True,
-                                  "stream_options": {"include_usage": True},
-                                  "max_tokens": req.max_tokens, "temperature": req.temperature}
-        if req.stop:
-            kwargs["stop"] = list(req.stop)
-        if req.seed is not None:
-            kwargs["seed"] = req.seed
+        if cancel.is_set():  # another request failed before this one started
+            return Generation("", 0, 0, "stop", extra={"cancelled": True})
         chat = req.messages is not None
-        if chat:
-            stream = self._client.chat.completions.create(
-                messages=[dict(m) for m in req.messages or ()], **kwargs)
-        else:
-            stream = self._client.completions.create(prompt=req.prompt or "", **kwargs)
         pieces: list[str] = []
-        n_chunks = 0
+        n_events = 0
         finish: str | None = None
         usage: Any = None
-        with stream:
+        with self._create(req, stream=True) as stream:
             for chunk in stream:
+                n_events += 1
                 if cancel.is_set():
                     break
                 if getattr(chunk, "usage", None) is not None:
                     usage = chunk.usage
                 for choice in chunk.choices or ():
-                    piece = (choice.delta.content if chat else choice.text) or ""
+                    source = getattr(choice, "delta", None) if chat else choice
+                    piece = getattr(source, "content" if chat else "text", None) or ""
                     if piece:
                         pieces.append(piece)
-                        n_chunks += 1
                         if on_token is not None:
                             on_token(index, piece)
                     if choice.finish_reason:
                         finish = choice.finish_reason
-        text = "".join(pieces)
-        extra: dict[str, Any] = {"finish_reason": finish}
-        if usage is not None and usage.completion_tokens is not None:
-            prompt_tokens, completion_tokens = int(usage.prompt_tokens), int(
-                usage.completion_tokens)
+        if n_events == 0 and not cancel.is_set():
+            # Some servers (llama-cpp-python's) validate a streamed request only after
+            # answering 200, and on failure close the stream empty; asked again without
+            # streaming they answer with the real HTTP error (or the generation).
+            return self._run_unstreamed(index, req, on_token)
+        if finish is None and not cancel.is_set():
+            raise EngineError(f"{self._where()}: the stream ended after {len(pieces)} pieces "
+                              "without a finish reason (connection lost or server failure)")
+        return self._generation(req, "".join(pieces), finish, usage, len(pieces))
+
+    def _run_unstreamed(self, index: int, req: GenerationRequest,
+                        on_token: TokenCallback | None) -> Generation:
+        """Send ``req`` without streaming; ``on_token`` gets the whole text as one piece.
+
+        index: the request's position in its batch.
+        req: the request.
+        on_token: the piece callback, or None.
+        """
+        # the server may drop the connection the failed stream came on: retry at least once
+        client = self._client.with_options(max_retries=max(1, self._retries))
+        resp = self._create(req, stream=False, client=client)
+        if not resp.choices:
+            raise EngineError(f"{self._where()}: the server answered without choices")
+        choice = resp.choices[0]
+        text = (choice.message.content if req.messages is not None else choice.text) or ""
+        if text and on_token is not None:
+            on_token(index, text)
+        gen = self._generation(req, text, choice.finish_reason, resp.usage, 1 if text else 0)
+        gen.extra["streamed"] = False
+        return gen
+
+    def _generation(self, req: GenerationRequest, text: str, finish: str | None, usage: Any,
+                    n_pieces: int) -> Generation:
+        """The ``Generation`` for a finished request, with server or estimated token counts.
+
+        req: the request.
+        text: the generated text.
+        finish: the server's finish reason.
+        usage: the server's usage object, or None if it sent none.
+        n_pieces: streamed pieces (one token each on the servers we know): the fallback count.
+        """
+        extra: dict[str, Any] = {"finish_reason": finish, "streamed": True}
+        if usage is not None and getattr(usage, "completion_tokens", None) is not None:
+            prompt_tokens = int(usage.prompt_tokens or 0)
+            completion_tokens = int(usage.completion_tokens)
             extra["usage"] = "server"
-        else:
-            source = req.prompt if not chat else "\n".join(
-                m.get("content", "") for m in req.messages or ())
-            prompt_tokens, completion_tokens = self.count_tokens(source or ""), n_chunks
+        else:  # no usage from the server: count the prompt's text and the streamed pieces
+            source = req.prompt if req.messages is None else "\n".join(
+                m.get("content", "") for m in req.messages)
+            prompt_tokens, completion_tokens = self.count_tokens(source or ""), n_pieces
             extra["usage"] = "estimated"
         return Generation(text=text, prompt_tokens=prompt_tokens,
                           completion_tokens=completion_tokens,
@@ -331,38 +406,70 @@ class OpenAIEngine:
     def embed(self, texts: Sequence[str]) -> Any:
         """Embed ``texts`` by ``/v1/embeddings``: float32 array, one L2-normalised row each.
 
-        texts: the texts to embed, in order.
+        texts: the texts to embed, in order (sent ``embed_batch`` to a request).
+
+        A server that returns one vector per token (llama-cpp-python's, for a model without a
+        pooling type) has them mean-pooled here (``pooling`` becomes ``"client-mean"``) and is
+        then sent one text per request: llama-cpp-python 0.3 misaligns the token vectors of
+        every input of a batch but the first.
         """
         import numpy as np
 
         self._check_kind("embed")
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
-        try:
-            resp = self._client.embeddings.create(model=self.model, input=list(texts),
-                                                  encoding_format="float")
-        except Exception as e:
-            raise self._error(e) from e
-        rows = sorted(resp.data, key=lambda d: d.index)
-        if len(rows) != len(texts):
-            raise EngineError(f"{self._where()}: asked for {len(texts)} embeddings, the server "
-                              f"returned {len(rows)}")
-        vectors = [r.embedding for r in rows]
-        if vectors and isinstance(vectors[0], list) and vectors[0] and isinstance(
-                vectors[0][0], list):
-            raise EngineError(f"{self._where()}: the server returned per-token embeddings; "
-                              "start it with a pooling type (mean/cls) for sentence embeddings")
-        arr = np.asarray(vectors, dtype=np.float32)
-        if arr.ndim != 2:
-            raise EngineError(f"{self._where()}: embeddings have shape {arr.shape}, expected "
-                              f"({len(texts)}, dim)")
+        texts = list(texts)
+        vectors: list[Any] = []
+        step = 1 if self.pooling == "client-mean" else self.embed_batch
+        i = 0
+        while i < len(texts):
+            batch = texts[i:i + step]
+            got, per_token = self._embed_request(batch)
+            if per_token and len(batch) > 1:  # redo this batch one text per request
+                self.pooling, step = "client-mean", 1
+                continue
+            if per_token:
+                self.pooling = "client-mean"
+            vectors.extend(got)
+            i += len(batch)
+        if len({v.shape[0] for v in vectors}) != 1:
+            raise EngineError(f"{self._where()}: the server returned embeddings of different "
+                              "sizes")
+        arr = np.stack(vectors)
         if self._dim is None:
             self._dim = int(arr.shape[1])
         elif arr.shape[1] != self._dim:
             raise EngineError(f"{self._where()}: embeddings have {arr.shape[1]} dimensions, "
                               f"expected {self._dim}")
         norms = np.linalg.norm(arr, axis=1, keepdims=True)
-        return arr / np.where(norms > 0, norms, 1.0)
+        return (arr / np.where(norms > 0, norms, 1.0)).astype(np.float32, copy=False)
+
+    def _embed_request(self, batch: list[str]) -> tuple[list[Any], bool]:
+        """One /v1/embeddings request: a float32 vector per text, and whether they were pooled.
+
+        batch: the texts of this request.
+        """
+        import numpy as np
+
+        try:
+            resp = self._client.embeddings.create(model=self.model, input=batch,
+                                                  encoding_format="float")
+        except Exception as e:
+            raise self._error(e) from e
+        rows = sorted(resp.data, key=lambda d: d.index)
+        if len(rows) != len(batch):
+            raise EngineError(f"{self._where()}: asked for {len(batch)} embeddings, the server "
+                              f"returned {len(rows)}")
+        vectors, per_token = [], False
+        for row in rows:
+            vec = np.asarray(row.embedding, dtype=np.float32)
+            if vec.ndim == 2:  # one vector per token (a server without pooling): mean-pool
+                vec, per_token = vec.mean(axis=0), True
+            if vec.ndim != 1 or vec.size == 0:
+                raise EngineError(f"{self._where()}: an embedding has shape {vec.shape}, "
+                                  "expected (dim,)")
+            vectors.append(vec)
+        return vectors, per_token
 
     def close(self) -> None:
         """Close the HTTP client and the request threads."""
