@@ -16,7 +16,7 @@ from ..errors import EngineError
 from .registry import MODELS, model_info, model_path, tokenizer_path
 
 #: output names that already hold one pooled vector per text (sentence-transformers).
-_POOLED = ("sentence_embedding", "sentence_embeddings", "embeddings")
+_POOLED = ("sentence_embedding", "sentence_embeddings")
 
 
 class OnnxEmbedder:
@@ -92,16 +92,24 @@ class OnnxEmbedder:
         self.dim = self._probe_dim(info.dim if info else 0)
 
     def _pick_output(self, model_file: str) -> tuple[str, bool]:
-        """The output to read, and whether it is already pooled (2-D)."""
-        outputs = self._session.get_outputs()
+        """The output to read, and whether it is already pooled (2-D).
+
+        model_file: the ONNX file, for the error message.
+
+        A ``sentence_embedding`` output is used as is; otherwise the (only) float 3-D
+        output holds the token embeddings and is mean-pooled here. minilm-l6-int8 has
+        just ``last_hidden_state``; minilm-l3 also outputs its input ids, mask and an
+        unnamed 2-D mean pooling of the same tokens (pooling here matches it to 1e-7).
+        """
+        outputs = [o for o in self._session.get_outputs() if "float" in o.type]
         for o in outputs:
             if o.name in _POOLED and len(o.shape) == 2:
                 return o.name, True
         for o in outputs:
             if len(o.shape) == 3:  # (batch, tokens, hidden): token embeddings
                 return o.name, False
-        raise EngineError(f"ONNX model {model_file} has no token-embedding output (outputs: "
-                          f"{', '.join(f'{o.name}{o.shape}' for o in outputs)})")
+        raise EngineError(f"ONNX model {model_file} has no float token-embedding output "
+                          f"(outputs: {', '.join(o.name for o in self._session.get_outputs())})")
 
     def _probe_dim(self, catalog_dim: int) -> int:
         shape = next(o.shape for o in self._session.get_outputs() if o.name == self._output)

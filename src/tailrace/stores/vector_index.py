@@ -96,6 +96,11 @@ class VectorIndex:
         """What the index was built from, as given to ``save``."""
         return self._fingerprint
 
+    @property
+    def docs(self) -> list[dict]:
+        """The documents, in insertion order (read-only by convention)."""
+        return self._docs
+
     def __len__(self) -> int:
         return int(self._index.ntotal)
 
