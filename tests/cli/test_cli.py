@@ -10,6 +10,7 @@ import time
 import pytest
 
 from tailrace.cli.main import main
+from tests.rag_fixtures import tailrace_home  # noqa: F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PIPE = """\
@@ -112,11 +113,14 @@ def test_plan_formats(files, capsys):
     assert capsys.readouterr().out.startswith("flowchart LR\n")
 
 
-def test_demo_runs(capsys):
-    assert main(["demo"]) == 0
+@pytest.mark.engine
+def test_demo_answers_with_sources_and_stats(tailrace_home, capsys):
+    assert main(["demo", "--limit", "300"]) == 0
     out = capsys.readouterr().out
-    assert "[hydro #1] 15 words: A tailrace is the channel that carries water ..." in out
-    assert "6 in, 6 out, 0 errors" in out
+    assert "Q: Who directed the film 2001: A Space Odyssey?" in out
+    answer = out.split("Q: Who directed the film 2001: A Space Odyssey?\n", 1)[1]
+    assert answer.startswith("A: ") and "sources: 2001: A Space Odyssey" in answer
+    assert "stage" in out and "answer" in out and "6 in, 6 out, 0 errors" in out
 
 
 def test_ctrl_c_stops_cleanly_and_keeps_output(tmp_path):

@@ -25,8 +25,9 @@ QUESTIONS = [
 ]
 
 
-def demo(questions: list[str] | None = None) -> int:
-    ingest()  # no-op when the cached index is current
+def demo(questions: list[str] | None = None, limit: int | None = None) -> int:
+    """Run the demo; ``limit`` indexes only the first N documents (a quick try)."""
+    ingest(limit=limit)  # no-op when the cached index is current
     files = resources.files("tailrace.demo")
     with resources.as_file(files / "wiki-qa.yaml") as path:
         pipeline = Pipeline.from_yaml(str(path))

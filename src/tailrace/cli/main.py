@@ -49,6 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--debug", action="store_true", help="show tracebacks")
 
     d = sub.add_parser("demo", help="RAG over Wikipedia end to end: index, answers, stats")
+    d.add_argument("--limit", type=int, help="index only the first N documents (quick try)")
     d.add_argument("--debug", action="store_true", help="show tracebacks")
 
     g = sub.add_parser("ingest", help="build the vector index over the bundled corpus")
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             return _eval(args)
         from .demo import demo
 
-        return demo()
+        return demo(limit=args.limit)
     except TailraceError as e:
         if args.debug:
             traceback.print_exc()
