@@ -64,11 +64,12 @@ class TextStream:
 
     def finish(self) -> str:
         """End the stream: flush undecodable bytes and release everything held back."""
+        out = ""
         if not self.stopped:
             tail = self._decoder.decode(b"", final=True)
             if tail:
-                self._add(tail)
-        out = self.text[self.emitted:]
+                out = self._add(tail)
+        out += self.text[self.emitted:]
         self.emitted = len(self.text)
         return out
 

@@ -15,6 +15,7 @@ with ``n_ctx * n_seq_max`` cells, so every sequence gets its own ``n_ctx`` token
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import heapq
 import logging
@@ -32,14 +33,27 @@ from .registry import MODELS, model_info, model_path
 
 _BACKEND_LOCK = threading.Lock()
 _BACKEND_READY = False
+_LOG = logging.getLogger(__name__)
+_LOG_STATE = {"level": 0}
+_LOG_CALLBACK: Any = None  # the ctypes callback; must stay referenced while installed
+
+
+def _on_llama_log(level: int, text: bytes | None, _user: Any) -> None:
+    """llama.cpp's log messages go to Python logging, errors only (ggml level 4)."""
+    if level != 5:  # GGML_LOG_LEVEL_CONT continues the previous message
+        _LOG_STATE["level"] = level
+    if _LOG_STATE["level"] == 4 and text:
+        _LOG.error("llama.cpp: %s", text.decode("utf-8", errors="replace").rstrip())
 
 
 def _init_backend(lib: Any) -> None:
-    """Initialise llama.cpp's backends once per process."""
-    global _BACKEND_READY
+    """Initialise llama.cpp's backends once per process and silence its stderr logging."""
+    global _BACKEND_READY, _LOG_CALLBACK
     with _BACKEND_LOCK:
         if _BACKEND_READY:
             return
+        _LOG_CALLBACK = lib.llama_log_callback(_on_llama_log)
+        lib.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
         lib.llama_backend_init()
         _BACKEND_READY = True
 
@@ -88,10 +102,9 @@ class LlamaCppEngine:
         n_batch:   most tokens per decode step (prompt prefill is chunked by it).
         seed:      seeds the sampling RNG of requests without their own ``seed``.
         """
-        import numpy as np
-
         try:
             import llama_cpp as lib
+            import numpy as np
         except ImportError:
             raise EngineError("the llama_cpp backend needs llama-cpp-python; install it "
                               "with: pip install llama-cpp-python") from None
@@ -123,8 +136,6 @@ class LlamaCppEngine:
         self.n_batch = max(n_batch, n_seq_max)
 
         _init_backend(lib)
-        # verbose=False: llama_cpp's log callback prints only what this logger lets through
-        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
         mparams = lib.llama_model_default_params()
         mparams.n_gpu_layers = 0
         # no weight repacking into extra buffer types: the AMX one faults where the OS
@@ -176,6 +187,8 @@ class LlamaCppEngine:
 
         text: the text to tokenize.
         """
+        if self._model is None:
+            raise EngineError(f"engine '{self.model}' is closed")
         return len(self._tokenize(text, add_special=True))
 
     def generate(self, requests: Sequence[GenerationRequest],
@@ -201,11 +214,10 @@ class LlamaCppEngine:
 
     def close(self) -> None:
         """Free the llama.cpp context and model (the engine cannot be used afterwards)."""
-        lock = getattr(self, "_lock", None)
-        if lock is not None and not lock.acquire(timeout=60):
+        lock, lib = getattr(self, "_lock", None), getattr(self, "_lib", None)
+        if lib is None or (lock is not None and not lock.acquire(timeout=60)):
             return
         try:
-            lib = self._lib
             if getattr(self, "_ctx", None) is not None:
                 lib.llama_free(self._ctx)
                 self._ctx = None
@@ -217,10 +229,8 @@ class LlamaCppEngine:
                 lock.release()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:
-            pass
 
     def __repr__(self) -> str:
         return (f"LlamaCppEngine(model={self.model!r}, context_length="
@@ -412,7 +422,8 @@ class LlamaCppEngine:
                     if s.row < 0:
                         continue
                     addr = ctypes.cast(get_logits(ctx, s.row), void_p).value
-                    logits = frombuffer(row_type.from_address(addr), dtype=float32)
+                    logits = frombuffer(row_type.from_address(addr),  # type: ignore[arg-type]
+                                        dtype=float32)
                     t = sample(logits, s.temperature, s.rng)
                     piece = pieces[t] if t in pieces else self._piece(t)
                     if piece is None:  # end of generation

@@ -1,0 +1,217 @@
+"""LlamaCppEngine on the real SmolLM2-135M / Gemma3-270M GGUF models (llama-cpp-python).
+
+One engine (n_seq_max=4) is shared by the module; greedy decoding is deterministic, so
+batched multi-sequence results must equal the same requests run one at a time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tailrace.engines._sampling import TextStream
+from tailrace.engines.base import GenerationEngine, GenerationRequest
+from tailrace.engines.llama_cpp import LlamaCppEngine
+from tailrace.errors import ContextOverflow, EngineError
+
+pytestmark = pytest.mark.engine
+
+FRANCE = ({"role": "user", "content": "What is the capital of France?"},)
+#: greedy continuation of FRANCE with max_tokens=16 (observed once, then pinned)
+FRANCE_GREEDY = "L'Étoile, la Marseillaise, la femme au"
+
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
+             "List three prime numbers.", "Explain photosynthesis in one sentence.",
+             "Who wrote Hamlet?", "Translate 'good morning' to Spanish."]
+
+
+def chat(text: str, max_tokens: int = 16, **kw) -> GenerationRequest:
+    return GenerationRequest(messages=({"role": "user", "content": text},),
+                             max_tokens=max_tokens, **kw)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = LlamaCppEngine("smollm2-135m-instruct", n_threads=2, n_ctx=512, n_seq_max=4)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(engine):
+    """Each of QUESTIONS generated alone (the reference for batched runs)."""
+    return [engine.generate([chat(q)])[0] for q in QUESTIONS]
+
+
+def test_engine_attributes(engine):
+    assert isinstance(engine, GenerationEngine)
+    assert engine.model == "smollm2-135m-instruct"
+    assert engine.context_length == 512  # per sequence, each of the 4 has its own
+    assert engine.chat is True and engine.default_stop == ()
+
+
+def test_greedy_chat_is_pinned_and_repeatable(engine):
+    req = GenerationRequest(messages=FRANCE, max_tokens=16)
+    first = engine.generate([req])[0]
+    assert first.text == FRANCE_GREEDY
+    assert (first.finish_reason, first.completion_tokens) == ("length", 16)
+    assert first.prompt_tokens > 10
+    assert engine.generate([req])[0] == first
+
+
+def test_concurrent_requests_equal_sequential(engine, one_at_a_time):
+    batched = engine.generate([chat(q) for q in QUESTIONS[:4]])
+    assert [g.text for g in batched] == [g.text for g in one_at_a_time[:4]]
+    assert batched == one_at_a_time[:4]  # token counts and finish reasons too
+    assert len({g.text for g in batched}) == 4
+
+
+def test_more_requests_than_sequences_refill_slots(engine, one_at_a_time):
+    assert len(QUESTIONS) > engine.n_seq_max
+    batched = engine.generate([chat(q) for q in QUESTIONS])
+    assert batched == one_at_a_time
+    # mixed lengths: short ones free their slots early while long ones continue
+    mixed = [chat(q, max_tokens=m) for q, m in zip(QUESTIONS, [3, 16, 1, 16, 5, 16],
+                                                    strict=True)]
+    got = engine.generate(mixed)
+    for g, ref, m in zip(got, one_at_a_time, [3, 16, 1, 16, 5, 16], strict=True):
+        assert g.completion_tokens <= m
+        assert ref.text.startswith(g.text)
+
+
+def test_streaming_pieces_make_up_the_text(engine):
+    pieces: dict[int, list[str]] = {0: [], 1: []}
+    stamps: list[float] = []
+
+    def on_token(i: int, piece: str) -> None:
+        pieces[i].append(piece)
+        stamps.append(time.perf_counter())
+
+    reqs = [chat(QUESTIONS[0], max_tokens=16), chat(QUESTIONS[3], max_tokens=24)]
+    out = engine.generate(reqs, on_token=on_token)
+    end = time.perf_counter()
+    for i, g in enumerate(out):
+        assert "".join(pieces[i]) == g.text
+        assert len(pieces[i]) > 5  # streamed token by token, not at the end
+    assert stamps[0] < end - 0.05  # the first piece came well before the batch ended
+
+
+def test_stop_string_cuts_text_and_is_not_streamed(engine):
+    streamed: list[str] = []
+    req = GenerationRequest(messages=FRANCE, max_tokens=16, stop=("Marseillaise",))
+    g = engine.generate([req], on_token=lambda i, p: streamed.append(p))[0]
+    assert g.text == "L'Étoile, la "
+    assert g.finish_reason == "stop" and g.completion_tokens < 16
+    assert "".join(streamed) == g.text
+    # a stop string whose prefix appears but never completes: held back, then released
+    streamed.clear()
+    req = GenerationRequest(messages=FRANCE, max_tokens=16, stop=(", la Zebra",))
+    g = engine.generate([req], on_token=lambda i, p: streamed.append(p))[0]
+    assert g.text == FRANCE_GREEDY and "".join(streamed) == FRANCE_GREEDY
+
+
+def test_max_tokens_finishes_with_length(engine):
+    g = engine.generate([chat(QUESTIONS[3], max_tokens=5)])[0]
+    assert (g.finish_reason, g.completion_tokens) == ("length", 5)
+    assert g.text and engine.count_tokens(g.text) <= 6
+    zero = engine.generate([chat(QUESTIONS[3], max_tokens=0)])[0]
+    assert (zero.text, zero.completion_tokens, zero.finish_reason) == ("", 0, "length")
+
+
+def test_sampling_with_a_seed_is_reproducible(engine):
+    req = chat(QUESTIONS[1], max_tokens=12, temperature=0.9, seed=7)
+    a, b = engine.generate([req]), engine.generate([req])
+    assert a == b and a[0].completion_tokens > 0
+
+
+def test_raw_prompt_is_used_as_is(engine):
+    g = engine.generate([GenerationRequest(prompt="1, 2, 3, 4,", max_tokens=6)])[0]
+    assert g.prompt_tokens == engine.count_tokens("1, 2, 3, 4,")
+    assert g.text.startswith(" 5")
+
+
+def test_context_overflow_for_the_whole_batch_before_any_work(engine):
+    calls: list[str] = []
+    long_prompt = "word " * 600  # 601 tokens: the trailing space is one more
+    with pytest.raises(ContextOverflow, match=(
+            r"^prompt has 601 tokens; with max_tokens=64 it exceeds the model context of "
+            r"512 tokens; shorten the prompt \(e\.g\. a refine stage's max_tokens\) or "
+            r"lower max_tokens$")):
+        engine.generate([chat("hi"), GenerationRequest(prompt=long_prompt, max_tokens=64)],
+                        on_token=lambda i, p: calls.append(p))
+    assert calls == []
+    # the boundary: prompt + max_tokens == context_length fits, one more does not
+    edge = "word " * 490
+    n = engine.count_tokens(edge)
+    with pytest.raises(ContextOverflow, match=f"prompt has {n} tokens; with max_tokens="
+                                              f"{513 - n} it exceeds"):
+        engine.generate([GenerationRequest(prompt=edge, max_tokens=513 - n)])
+    g = engine.generate([GenerationRequest(prompt=edge, max_tokens=512 - n)])[0]
+    assert g.prompt_tokens == n and 0 < g.completion_tokens <= 512 - n
+
+
+def test_count_tokens(engine):
+    short = engine.count_tokens("The quick brown fox.")
+    longer = engine.count_tokens("The quick brown fox jumps over the lazy dog. " * 10)
+    assert 0 < short < longer
+    assert longer >= 10 * (short + 3) // 2
+
+
+def test_generate_is_serialised_across_threads(engine):
+    results: list[list] = []
+    threads = [threading.Thread(target=lambda: results.append(
+        engine.generate([chat(QUESTIONS[4], max_tokens=8)]))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 2 and results[0] == results[1]
+
+
+def test_gemma_base_model_completion_with_default_stops():
+    eng = LlamaCppEngine("gemma3-270m", n_threads=2, n_ctx=256, n_seq_max=2)
+    try:
+        assert eng.chat is False and "\n\n" in eng.default_stop
+        out = eng.generate([
+            GenerationRequest(prompt="Question: What is the capital of France?\nAnswer:",
+                              max_tokens=24),
+            GenerationRequest(prompt="Question: What is 2 + 2?\nAnswer:", max_tokens=24)])
+        for g in out:
+            assert g.text.strip()
+            assert "\n\n" not in g.text and "Question:" not in g.text
+        assert "Paris" in out[0].text
+    finally:
+        eng.close()
+    with pytest.raises(EngineError, match="closed"):
+        eng.generate([GenerationRequest(prompt="x")])
+    with pytest.raises(EngineError, match="closed"):
+        eng.count_tokens("x")
+    eng.close()  # twice is fine
+
+
+def test_unknown_model_names_the_known_ones():
+    with pytest.raises(EngineError, match=r"unknown model 'nope'.*gemma3-270m, "
+                                          r"smollm2-135m-instruct"):
+        LlamaCppEngine("nope")
+    with pytest.raises(EngineError, match="model file not found"):
+        LlamaCppEngine(path="/nonexistent/model.gguf")
+
+
+def test_text_stream_utf8_and_stop_holdback():
+    s = TextStream(stops=("STOP",))
+    e_acute = "É".encode()
+    assert s.feed(b"caf") == "caf"
+    assert s.feed(e_acute[:1]) == ""  # half a character: nothing yet
+    assert s.feed(e_acute[1:] + b" S") == "É "  # "S" might start "STOP": held
+    assert s.feed(b"TO") == ""
+    assert s.feed(b"P and more") == ""
+    assert s.stopped and s.text == "cafÉ " and s.finish() == ""
+    s = TextStream(stops=("STOP",))
+    assert s.feed(b"a ST") == "a "
+    assert s.feed(b"ep") == "STep"  # "STe" can no longer become "STOP"
+    assert s.feed(b" ST") == " "
+    assert s.finish() == "ST" and s.text == "a STep ST" and not s.stopped
+    s = TextStream()
+    assert s.feed(b"x\xe2\x82") == "x" and s.finish() == "\ufffd"
