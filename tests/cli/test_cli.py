@@ -10,7 +10,6 @@ import time
 import pytest
 
 from tailrace.cli.main import main
-from tests.rag_fixtures import tailrace_home  # noqa: F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PIPE = """\

@@ -7,7 +7,7 @@ import pytest
 
 import tailrace as tr
 from tailrace.api.yaml_loader import loads_pipeline
-from tests.rag_fixtures import EMBEDDER, LLM, tailrace_home  # noqa: F401
+from tests.rag_fixtures import EMBEDDER, LLM
 
 pytestmark = pytest.mark.engine
 

@@ -15,7 +15,6 @@ with ``n_ctx * n_seq_max`` cells, so every sequence gets its own ``n_ctx`` token
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import heapq
 import logging
@@ -229,8 +228,10 @@ class LlamaCppEngine:
                 lock.release()
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        try:  # noqa: SIM105 - at interpreter exit, module globals (contextlib) may be gone
             self.close()
+        except Exception:  # noqa: BLE001, S110
+            pass
 
     def __repr__(self) -> str:
         return (f"LlamaCppEngine(model={self.model!r}, context_length="

@@ -99,9 +99,10 @@ def _build_generate(params: dict, contract: Any) -> OpRuntime:
         if template is not None:
             text = render(template, record)
         else:
-            text = record[inp] if isinstance(record, dict) and inp in record else None
-            if not isinstance(text, str):
+            value = record.get(inp) if isinstance(record, dict) else None
+            if not isinstance(value, str):
                 raise FieldError(f"field '{inp}' must hold the prompt text")
+            text = value
         n = engine.count_tokens(text)
         if n > limit:
             raise ContextOverflow(

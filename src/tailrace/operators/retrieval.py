@@ -324,7 +324,7 @@ register(OpDef(
 
 # -- select ---------------------------------------------------------------------------
 def _build_select(params: dict, contract: Any) -> OpRuntime:
-    keep, drop = params.get("fields"), params.get("drop")
+    keep, drop = params.get("fields"), params.get("drop") or []
 
     def batch_fn(batch: list, errors: list) -> list:
         out = []

@@ -258,7 +258,7 @@ class LocalRun:
 
             def strict(records: list) -> list:
                 rejected.clear()
-                return batch_fn(records, rejected)  # type: ignore[no-any-return]
+                return batch_fn(records, rejected)
 
             call = OpRuntime("map", record_fn=strict)
         try:
