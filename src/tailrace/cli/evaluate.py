@@ -37,6 +37,7 @@ class EvalReport:
     llm: str | None
     embedder: str
     seconds: float
+    details: tuple[dict, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -73,6 +74,16 @@ def _accuracy(answers: dict[str, str], qs: list[EvalQuestion]) -> float:
     return sum(answer_correct(answers.get(q.question, ""), q.answers) for q in qs) / len(qs)
 
 
+def _details(qs: list[EvalQuestion], rag: dict[str, str], base: dict[str, str]) -> list[dict]:
+    """One row per question: gold answers, both generated answers and their correctness."""
+    return [{"id": q.id, "question": q.question, "gold": list(q.answers),
+             "evidence": q.evidence, "rag": rag.get(q.question, ""),
+             "rag_correct": answer_correct(rag.get(q.question, ""), q.answers),
+             "baseline": base.get(q.question, ""),
+             "baseline_correct": answer_correct(base.get(q.question, ""), q.answers)}
+            for q in qs]
+
+
 def baseline_pipeline(llm: dict[str, Any], max_tokens: int) -> Pipeline:
     p = Pipeline("no-retrieval-baseline", engines={"llm": llm})
     (p.source(fields=["question"])
@@ -101,6 +112,7 @@ def evaluate(pipeline_path: str, *, k: int = 10, limit: int | None = None,
     recall, mrr = retrieval_metrics(index, embedder, qs, k)
     rag = base = None
     llm = None
+    details: list[dict] = []
     gen = next((s for s in p.stages if s.op == "generate"), None)
     if answers and gen is not None:
         spec = dict(p.engines[gen.params["engine"]])
@@ -108,11 +120,13 @@ def evaluate(pipeline_path: str, *, k: int = 10, limit: int | None = None,
             spec["model"] = llm_model
             p.engines[gen.params["engine"]] = spec
         llm = spec.get("model")
-        rag = _accuracy(_answers(p, qs, f"RAG answers ({llm})"), qs)
+        rag_answers = _answers(p, qs, f"RAG answers ({llm})")
         base_p = baseline_pipeline(spec, gen.params.get("max_tokens", 64))
-        base = _accuracy(_answers(base_p, qs, f"baseline answers ({llm})"), qs)
+        base_answers = _answers(base_p, qs, f"baseline answers ({llm})")
+        rag, base = _accuracy(rag_answers, qs), _accuracy(base_answers, qs)
+        details = _details(qs, rag_answers, base_answers)
     return EvalReport(len(qs), k, recall, mrr, rag, base, llm, index.model,
-                      time.perf_counter() - t0)
+                      time.perf_counter() - t0, tuple(details))
 
 
 def format_report(r: EvalReport) -> str:
