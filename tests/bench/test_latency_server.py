@@ -126,6 +126,17 @@ def test_timing_follows_the_model():
     assert 0.08 <= prefill <= 0.5, prefill
 
 
+
+def test_jitter_spreads_token_times_within_bounds():
+    # 20 tokens at 200 tok/s = 0.1 s; each token time is scaled by 1 + U(-0.5, 0.5)
+    with ls.start_server(ls.LatencyConfig(decode_tps=200, jitter=0.5, seed=7)) as srv:
+        c = client(srv)
+        t0 = time.perf_counter()
+        r = c.chat.completions.create(model="m", messages=user("x"), max_tokens=20)
+        took = time.perf_counter() - t0
+    assert r.usage.completion_tokens == 20
+    assert 0.05 <= took <= 0.5, took
+
 def run_concurrently(srv, n: int, max_tokens: int) -> list[float]:
     """``n`` chat requests at once; each one's seconds to answer."""
     c = client(srv)

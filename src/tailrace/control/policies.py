@@ -1,0 +1,298 @@
+"""Admission policies behind one interface: ``simultaneous``, ``fcfs``, ``slo``; a registry.
+
+- ``simultaneous`` admits everything at once: the baseline admission is measured against.
+- ``fcfs`` admits up to a concurrency limit; the rest wait in arrival order in a bounded queue;
+  a full queue rejects (``queue_full``) with the time until the next predicted completion.
+- ``slo`` keeps one deadline-ordered queue per pipeline. Dispatch picks, among the pipelines
+  within ``max_lead`` of the most-behind one in weighted virtual time (predicted seconds
+  admitted / weight), the highest priority class, then the earliest deadline. Saturated
+  pipelines therefore split capacity by weight whatever their class, an idle pipeline banks
+  no credit, a higher class jumps the line only within its lead, and a lower class never
+  starves. A request whose predicted queueing delay plus cost overshoots its deadline is
+  rejected at once (``deadline_unmeetable``; retry after the overshoot); one that waited
+  until it can no longer finish in time is rejected at dispatch (``deadline_expired``).
+  A system with room admits at once, whatever the prediction.
+"""
+
+from __future__ import annotations
+
+import heapq
+import inspect
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from .admission import (
+    DEADLINE_EXPIRED,
+    DEADLINE_UNMEETABLE,
+    MIN_RETRY_AFTER,
+    QUEUE_FULL,
+    AdmissionPolicy,
+    Decision,
+    Pending,
+    Verdict,
+)
+from .slo import _is_count, _is_number
+
+ADMIT = Decision(Verdict.ADMIT)
+QUEUE = Decision(Verdict.QUEUE)
+
+
+def _refuse(reason: str, retry_after: float) -> Decision:
+    return Decision(Verdict.REJECT, reason, max(retry_after, MIN_RETRY_AFTER))
+
+
+class SimultaneousPolicy(AdmissionPolicy):
+    """Admit everything at once: the no-admission baseline. Options: the common ones."""
+
+    name = "simultaneous"
+
+    def _decide(self, entry: Pending, now: float) -> Decision:
+        return ADMIT
+
+
+class _Limited(AdmissionPolicy):
+    """A budget of concurrent work: requests in flight and/or predicted seconds in flight.
+
+    max_in_flight: most requests admitted at once; None means no count limit.
+    max_cost: most predicted service seconds in flight; None means no limit (too big: runs alone).
+    max_queue: most requests waiting (fcfs: in all, slo: per pipeline); 0 means never wait.
+    common: clock, cost_model, slos, default_slo, on_reject (see ``AdmissionPolicy``).
+    """
+
+    def __init__(self, *, max_in_flight: int | None = 8, max_cost: float | None = None,
+                 max_queue: int = 1024, **common: Any) -> None:
+        super().__init__(**common)
+        where = f"admission policy {self.name!r}"
+        if max_in_flight is not None and not (_is_count(max_in_flight) and max_in_flight > 0):
+            raise ValueError(f"{where}: max_in_flight must be a positive integer or None, "
+                             f"got {max_in_flight!r}")
+        if max_cost is not None and not (_is_number(max_cost) and max_cost > 0):
+            raise ValueError(f"{where}: max_cost must be a positive number of seconds or None, "
+                             f"got {max_cost!r}")
+        if max_in_flight is None and max_cost is None:
+            raise ValueError(f"{where}: set max_in_flight or max_cost "
+                             f"(with neither, use 'simultaneous')")
+        if not _is_count(max_queue):
+            raise ValueError(f"{where}: max_queue must be a non-negative integer, "
+                             f"got {max_queue!r}")
+        self.max_in_flight, self.max_cost, self.max_queue = max_in_flight, max_cost, max_queue
+
+    def _fits(self, cost: float) -> bool:
+        n = len(self._in_flight)
+        if n == 0:
+            return True  # a request bigger than the whole budget runs alone rather than never
+        if self.max_in_flight is not None and n >= self.max_in_flight:
+            return False
+        return self.max_cost is None or self._in_flight_cost + cost <= self.max_cost * (1 + 1e-9)
+
+
+class FCFSPolicy(_Limited):
+    """First come, first served under a concurrency limit, with a bounded waiting line.
+
+    options: max_in_flight, max_cost, max_queue (total) and the common ones (see ``_Limited``).
+    """
+
+    name = "fcfs"
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self._queue: deque[Pending] = deque()
+        self._depth: dict[str, int] = {}
+
+    def _decide(self, entry: Pending, now: float) -> Decision:
+        if not self._queue and self._fits(entry.cost):
+            return ADMIT
+        if len(self._queue) >= self.max_queue:
+            return _refuse(QUEUE_FULL, self._next_completion(now))
+        return QUEUE
+
+    def _enqueue(self, entry: Pending, now: float) -> None:
+        self._queue.append(entry)
+        pipe = entry.request.pipeline
+        self._depth[pipe] = self._depth.get(pipe, 0) + 1
+
+    def _next(self, now: float) -> Pending | None:
+        if not self._queue or not self._fits(self._queue[0].cost):
+            return None
+        entry = self._queue.popleft()
+        self._depth[entry.request.pipeline] -= 1
+        return entry
+
+    def _queue_depths(self) -> dict[str, int]:
+        return {pipe: n for pipe, n in self._depth.items() if n}
+
+
+@dataclass(slots=True)
+class _Flow:
+    """One pipeline's waiting requests (a deadline heap) and its fair-share account."""
+
+    weight: float
+    rank: int
+    heap: list[tuple[float, int, Pending]] = field(default_factory=list)
+    queued_cost: float = 0.0
+    vtime: float = 0.0  # virtual time: predicted seconds admitted / weight
+    last_deadline: float = -math.inf  # at least the latest deadline queued
+
+
+class SLOPolicy(_Limited):
+    """Deadline- and priority-ordered admission with weighted fair share and early rejection.
+
+    max_lead: weighted seconds a pipeline may run ahead of its fair share for urgency's sake.
+    options: max_in_flight (required), max_cost, max_queue (per pipeline), the common ones.
+    """
+
+    name = "slo"
+
+    def __init__(self, *, max_lead: float = 2.0, **options: Any) -> None:
+        super().__init__(**options)
+        if self.max_in_flight is None:
+            raise ValueError("admission policy 'slo': max_in_flight must be a positive integer "
+                             "(the parallelism behind its queueing-delay prediction), got None")
+        if not _is_number(max_lead) or max_lead < 0:
+            raise ValueError(f"admission policy 'slo': max_lead must be a non-negative number "
+                             f"of seconds, got {max_lead!r}")
+        self.max_lead = float(max_lead)
+        self._lanes: int = self.max_in_flight
+        self._flows: dict[str, _Flow] = {}
+        self._waiting = 0
+        self._vnow = 0.0  # virtual time of the latest admission
+
+    def _flow(self, pipeline: str) -> _Flow:
+        flow = self._flows.get(pipeline)
+        if flow is None:
+            slo = self.slo_for(pipeline)
+            flow = self._flows[pipeline] = _Flow(slo.weight, slo.rank)
+        return flow
+
+    def _virtual_now(self) -> float:
+        return min((f.vtime for f in self._flows.values() if f.heap), default=self._vnow)
+
+    def _predicted_delay(self, flow: _Flow, cost: float, deadline: float, now: float) -> float:
+        """Seconds before a request of ``cost`` and ``deadline`` in ``flow`` is predicted to start.
+
+        A fluid weighted-fair-share estimate: the in-flight remainder drains first; while the
+        flow is served its earlier-deadline requests plus ``cost``, each other backlogged flow
+        is served its weight's share of that, capped by its queue; all over max_in_flight lanes.
+        """
+        ahead = flow.queued_cost
+        if flow.heap and deadline < flow.last_deadline:  # EDF: only earlier deadlines go first
+            ahead = sum(e.cost for d, _, e in flow.heap if d <= deadline)
+        mine = ahead + cost
+        for other in self._flows.values():
+            if other is not flow and other.heap:
+                ahead += min(other.queued_cost, mine * other.weight / flow.weight)
+        return (self._remaining_work(now) + ahead) / self._lanes
+
+    def _decide(self, entry: Pending, now: float) -> Decision:
+        if not self._waiting and self._fits(entry.cost):
+            return ADMIT  # never reject on a system with room: predictions are only predictions
+        flow = self._flow(entry.request.pipeline)
+        if len(flow.heap) >= self.max_queue:
+            weights = sum(f.weight for f in self._flows.values() if f.heap or f is flow)
+            return _refuse(QUEUE_FULL, self._next_completion(now) * weights / flow.weight)
+        delay = self._predicted_delay(flow, entry.cost, entry.deadline, now)
+        finish = now + delay + entry.cost
+        if finish > entry.deadline:  # a retry that late meets its fresh default deadline
+            return _refuse(DEADLINE_UNMEETABLE, finish - entry.deadline)
+        return QUEUE
+
+    def _enqueue(self, entry: Pending, now: float) -> None:
+        flow = self._flow(entry.request.pipeline)
+        if not flow.heap:  # newly backlogged: no credit for the time it was idle
+            flow.vtime = max(flow.vtime, self._virtual_now())
+        heapq.heappush(flow.heap, (entry.deadline, entry.seq, entry))
+        flow.last_deadline = max(flow.last_deadline, entry.deadline)
+        flow.queued_cost += entry.cost
+        self._waiting += 1
+
+    def _pop(self, flow: _Flow) -> Pending:
+        entry = heapq.heappop(flow.heap)[2]
+        flow.queued_cost = flow.queued_cost - entry.cost if flow.heap else 0.0
+        flow.last_deadline = flow.last_deadline if flow.heap else -math.inf
+        self._waiting -= 1
+        return entry
+
+    def _expire(self, now: float) -> None:
+        """Reject queued requests that can no longer finish by their deadline (heads first)."""
+        for flow in list(self._flows.values()):
+            while flow.heap and now + flow.heap[0][2].cost > flow.heap[0][0]:
+                entry = self._pop(flow)  # retry when a fresh one is predicted to make it
+                budget = self.slo_for(entry.request.pipeline).p99_ms / 1000.0
+                finish = self._predicted_delay(flow, entry.cost, math.inf, now) + entry.cost
+                self._reject(entry.request, DEADLINE_EXPIRED, finish - budget, now)
+
+    def _next(self, now: float) -> Pending | None:
+        if not self._waiting:
+            return None
+        self._expire(now)
+        backlogged = [f for f in self._flows.values() if f.heap]
+        if not backlogged:
+            return None
+        horizon = min(f.vtime for f in backlogged) + self.max_lead
+        flow = min((f for f in backlogged if f.vtime <= horizon),
+                   key=lambda f: (-f.rank, f.heap[0][0], f.vtime))
+        if not self._fits(flow.heap[0][2].cost):
+            return None  # the policy's pick waits for room; nothing overtakes it
+        return self._pop(flow)
+
+    def _charge(self, entry: Pending, immediate: bool) -> None:
+        flow = self._flow(entry.request.pipeline)
+        if immediate:
+            flow.vtime = max(flow.vtime, self._virtual_now())
+        self._vnow = max(self._vnow, flow.vtime)
+        flow.vtime += max(entry.cost, 1e-9) / flow.weight
+
+    def _queue_depths(self) -> dict[str, int]:
+        return {pipe: len(f.heap) for pipe, f in self._flows.items() if f.heap}
+
+
+POLICIES: dict[str, type[AdmissionPolicy]] = {
+    cls.name: cls for cls in (SimultaneousPolicy, FCFSPolicy, SLOPolicy)}
+
+
+def register_policy(cls: type[AdmissionPolicy]) -> type[AdmissionPolicy]:
+    """Add a policy class to the registry under its ``name`` (usable as a decorator).
+
+    cls: an ``AdmissionPolicy`` subclass with a non-empty ``name``.
+    """
+    if not cls.name:
+        raise ValueError(f"register_policy: {cls.__name__} needs a non-empty 'name'")
+    POLICIES[cls.name] = cls
+    return cls
+
+
+def policy_options(name: str) -> list[str]:
+    """The keyword options a registered policy takes.
+
+    name: the policy's registry name.
+    """
+    names: set[str] = set()
+    for klass in _lookup(name).__mro__:
+        if "__init__" in klass.__dict__ and klass is not object:
+            params = inspect.signature(klass.__dict__["__init__"]).parameters.values()
+            names |= {p.name for p in params if p.kind is p.KEYWORD_ONLY}
+    return sorted(names)
+
+
+def _lookup(name: str) -> type[AdmissionPolicy]:
+    if name not in POLICIES:
+        raise ValueError(f"unknown admission policy {name!r}; "
+                         f"known policies: {', '.join(sorted(POLICIES))}")
+    return POLICIES[name]
+
+
+def make_policy(name: str, **config: Any) -> AdmissionPolicy:
+    """Build an admission policy by registry name; unknown names and options raise ValueError.
+
+    name: "simultaneous", "fcfs", "slo" or a registered name.
+    config: the policy's keyword options (``policy_options(name)`` lists them).
+    """
+    cls = _lookup(name)
+    known = policy_options(name)
+    for key in config:
+        if key not in known:
+            raise ValueError(f"admission policy {name!r} has no option {key!r}; "
+                             f"its options: {', '.join(known)}")
+    return cls(**config)
