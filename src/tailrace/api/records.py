@@ -30,5 +30,8 @@ class ErrorRecord:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSONL form: ``{"error": {...}, "input": record}``."""
+        record = self.input
+        if isinstance(record, dict) and any(k.startswith("_") for k in record):
+            record = {k: v for k, v in record.items() if not k.startswith("_")}  # transient
         return {"error": {"stage": self.stage, "type": self.error, "message": self.message,
-                          "attempts": self.attempts}, "input": self.input}
+                          "attempts": self.attempts}, "input": record}

@@ -93,6 +93,8 @@ class JsonlWriter:
         self.count = 0
 
     def write(self, record: Any) -> None:
+        if isinstance(record, dict) and any(k.startswith("_") for k in record):
+            record = {k: v for k, v in record.items() if not k.startswith("_")}  # transient
         self._f.write(self._dumps(record) + "\n")
         self.count += 1
 

@@ -146,6 +146,7 @@ class RunStats:
     wall_s: float
     latency_us: HistogramStats = field(default=_EMPTY)
     interrupted: bool = False
+    scheduling_us: HistogramStats = field(default=_EMPTY)  # arrival -> first operator start
 
     def __getitem__(self, stage_id: str) -> StageStats:
         for s in self.stages:

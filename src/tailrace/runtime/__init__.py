@@ -61,13 +61,13 @@ def _stats(run: Any, wall: float, interrupted: bool) -> RunStats:
         for i in range(len(s.ops)):
             stages.append(_merge([r.meters[i] for r in reps]))
     return RunStats(tuple(stages), run.records_in, run.records_out, run.errors, wall,
-                    run.latency.statistics(), interrupted)
+                    run.latency.statistics(), interrupted, run.scheduling.statistics())
 
 
 def run(pipeline: Pipeline | Plan, *, runtime: str = "local",
         input: Iterable[Any] | None = None, output: list | Callable | None = None,
         errors: list | Callable[[ErrorRecord], None] | None = None,
-        fuse: bool = True) -> RunResult:
+        fuse: bool = True, admission: Any = None) -> RunResult:
     """Compile (if needed) and run a pipeline to completion.
 
     input:   records for a source declared without data (YAML pipelines' ``source``).
@@ -76,6 +76,9 @@ def run(pipeline: Pipeline | Plan, *, runtime: str = "local",
     errors:  list or callable receiving each ``ErrorRecord`` as it happens
              (default: collected in ``result.errors``).
     fuse:    fuse chains of stateless operators (False: every operator its own stage).
+    admission: an admission gate shared by the pipelines of the process
+             (``tailrace.control.AdmissionGate``): each record waits for it; a rejected
+             record becomes an error record (stage ``admission``, ``AdmissionRejected``).
     Raises ``PlanError`` for an invalid pipeline and ``RunInterrupted`` (with the
     partial ``.result``) on Ctrl-C.
     """
@@ -92,7 +95,8 @@ def run(pipeline: Pipeline | Plan, *, runtime: str = "local",
         on_error = errors.append
     else:
         on_error = errors
-    lr = LocalRun(plan, inputs=inputs, outputs=outputs, on_error=on_error)
+    lr = LocalRun(plan, inputs=inputs, outputs=outputs, on_error=on_error,
+                  admission=admission)
     t0 = perf_counter()
     try:
         asyncio.run(lr.execute())

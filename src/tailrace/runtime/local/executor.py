@@ -33,10 +33,13 @@ class LocalRun:
     """State of one run of a plan; ``execute()`` runs it to completion."""
 
     def __init__(self, plan: Plan, *, inputs: dict[str, Any], outputs: dict[str, Any],
-                 on_error: Callable[[ErrorRecord], None]) -> None:
+                 on_error: Callable[[ErrorRecord], None], admission: Any = None) -> None:
         self.plan = plan
         self.on_error = on_error
+        self.admission = admission
+        self.tickets: dict[int, Any] = {}  # id(ticket) -> ticket, admitted and not yet out
         self.latency = Histogram()
+        self.scheduling = Histogram()  # arrival -> first operator start, per record
         self.records_in = 0
         self.records_out = 0
         self.errors = 0
@@ -55,10 +58,14 @@ class LocalRun:
             self.replicas[s.id] = [Replica(s, self._build(s, outputs))
                                    for _ in range(s.replicas)]
         self.down: dict[str, dict[str | None, list[Channel]]] = {s.id: {} for s in plan.stages}
+        sources = {s.id for s in plan.stages if s.ops[0].op.kind == "source"}
+        self.first_stages = set()
         for s in plan.stages:
             for ref in s.upstream:
                 src, _, port = ref.partition(".")
                 self.down[src].setdefault(port or None, []).append(self.channels[s.id])
+                if src in sources:
+                    self.first_stages.add(s.id)
 
     def _build(self, s: PlanStage, outputs: dict[str, Any]) -> list:
         rts = []
@@ -87,11 +94,53 @@ class LocalRun:
         finally:
             if self.pool is not None:
                 self.pool.shutdown(wait=False, cancel_futures=True)
+            if self.admission is not None:  # e.g. filtered-out records: free them too
+                for ticket in list(self.tickets.values()):
+                    self.admission.done(ticket)
+                self.tickets.clear()
 
     def _error(self, errs: list[ErrorRecord]) -> None:
         self.errors += len(errs)
         for e in errs:
+            if self.admission is not None:
+                self._leave([e.input])
             self.on_error(e)
+
+    def _leave(self, records: list) -> None:
+        """Admitted records leaving the run (output or error) free their admission."""
+        for r in records:
+            if isinstance(r, dict):
+                ticket = r.pop("_admission", None)
+                if ticket is not None and self.tickets.pop(id(ticket), None) is not None:
+                    self.admission.done(ticket)
+
+    async def _admit(self, x: Any, born: float, down: list[Channel], op_id: str) -> None:
+        """One arriving record through the admission gate, then into the plan."""
+        try:
+            ticket = await self.admission.admit(self.plan.name, x)
+        except Exception as e:  # noqa: BLE001 - AdmissionRejected (or a gate failure)
+            self.errors += 1
+            self.on_error(ErrorRecord.from_exception("admission", x, e))
+            return
+        self.tickets[id(ticket)] = ticket
+        rec = [{**x, "_admission": ticket} if isinstance(x, dict) else x]
+        for ch in down:
+            if not ch.put_nowait(rec, born):
+                await ch.put(rec, born)
+
+    async def _admitted_source(self, data: Any, down: list[Channel], meter: StageMeter,
+                               op_id: str) -> None:
+        """Open-loop ingress: each record waits for admission in its own task, so a
+        queued record never delays the arrival of the next one."""
+        async with asyncio.TaskGroup() as tg:
+            if hasattr(data, "__aiter__"):
+                async for x in data:
+                    meter.records_out += 1
+                    tg.create_task(self._admit(x, perf_counter(), down, op_id))
+            else:
+                for x in data:
+                    meter.records_out += 1
+                    tg.create_task(self._admit(x, perf_counter(), down, op_id))
 
     async def _emit(self, sid: str, ports: dict[str | None, list], born: float) -> None:
         down = self.down[sid]
@@ -114,7 +163,9 @@ class LocalRun:
         meter = self.source_meters[s.id]
         down = self.down[s.id].get(None, [])
         try:
-            if hasattr(data, "__aiter__"):
+            if self.admission is not None:
+                await self._admitted_source(data, down, meter, op.id)
+            elif hasattr(data, "__aiter__"):
                 async for x in data:
                     born = perf_counter()
                     meter.records_out += 1
@@ -181,6 +232,7 @@ class LocalRun:
             pool = self.pool
             run_blocking = partial(loop.run_in_executor, pool)
         is_sink = s.ops[-1].op.kind == "sink"
+        first_stage = s.id in self.first_stages
         errors: list[ErrorRecord] = []
         counted = 0  # sink records already added to the run's total
         while True:
@@ -195,6 +247,8 @@ class LocalRun:
             now = perf_counter()
             n = len(batch)
             meter.queue_wait.record((now - enq) * 1e6, n)
+            if first_stage:
+                self.scheduling.record((now - born) * 1e6, n)
             if collect:
                 ports = await self._call_collect(s, rep, batch, run_blocking, errors)
             elif careful:
@@ -212,6 +266,8 @@ class LocalRun:
                 counted = sm.records_out
                 self.records_out += delivered
                 self.latency.record((perf_counter() - born) * 1e6, delivered)
+                if self.admission is not None:
+                    self._leave(batch)
             else:
                 await self._emit(s.id, ports, born)
 

@@ -1,0 +1,137 @@
+"""The admission gate: a thread-safe, awaitable door in front of an admission policy.
+
+Every pipeline run in the process (each on its own event loop or thread) enters
+through the same gate, so one policy sees all the contention. The runtime calls
+``admit(pipeline, record)`` for each arriving record and ``done(token)`` when the
+record leaves (output or error record); the gate turns records into ``Request``s
+(predicted prompt tokens from the record's text, ``max_tokens`` from the pipeline's
+generate stages), waits while the policy queues them, and raises ``AdmissionRejected``
+when it rejects them. A background thread polls the policy so queued requests whose
+deadline can no longer be met are rejected on time, not when capacity frees up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .admission import AdmissionPolicy, AdmissionRejected, Rejection, Request, Ticket
+
+
+def approx_prompt_tokens(record: Any) -> int:
+    """Predicted prompt tokens of a record: its text fields at ~4 characters a token."""
+    if isinstance(record, dict):
+        return sum(len(v) for k, v in record.items()
+                   if isinstance(v, str) and not k.startswith("_")) // 4 + 1
+    return len(str(record)) // 4 + 1
+
+
+class AdmissionGate:
+    """Shared admission for every pipeline in the process.
+
+    policy:        an admission policy (``make_policy("slo", ...)``); the gate owns it.
+    max_tokens:    pipeline name -> predicted output tokens per request (default 64).
+    prompt_tokens: record -> predicted prompt tokens.
+    poll_s:        how often queued requests are re-examined while any wait.
+    """
+
+    def __init__(self, policy: AdmissionPolicy, *, max_tokens: dict[str, int] | None = None,
+                 prompt_tokens: Callable[[Any], int] = approx_prompt_tokens,
+                 poll_s: float = 0.005) -> None:
+        self.policy = policy
+        self.max_tokens = dict(max_tokens or {})
+        self.prompt_tokens = prompt_tokens
+        self.poll_s = poll_s
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._wake = threading.Event()
+        self._closed = False
+        self._poller: threading.Thread | None = None
+        policy.on_reject = self._rejected
+        self._clock = getattr(policy, "clock", time.monotonic)
+
+    # -- runtime protocol ------------------------------------------------------------
+    async def admit(self, pipeline: str, record: Any) -> Ticket:
+        """Wait until the policy admits ``record``; raises ``AdmissionRejected``."""
+        req = Request(f"{pipeline}-{next(self._ids)}", pipeline, arrival=self._clock(),
+                      prompt_tokens=self.prompt_tokens(record),
+                      max_tokens=self.max_tokens.get(pipeline, 64))
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            ticket = self.policy.try_admit(req)
+            if ticket is not None:
+                return ticket
+            rej = self.policy.last_rejection
+            if rej is not None and rej.request.id == req.id:
+                raise rej.error()
+            fut = loop.create_future()
+            self._waiters[req.id] = (loop, fut)
+            self._ensure_poller()
+        self._wake.set()
+        return await fut  # type: ignore[no-any-return]
+
+    def done(self, ticket: Ticket, service_seconds: float | None = None) -> None:
+        """The admitted work left the pipeline: free its capacity, admit who fits."""
+        with self._lock:
+            self.policy.release(ticket, service_seconds)
+            self._resolve(self.policy.poll())
+
+    # -- internals ---------------------------------------------------------------------
+    def _resolve(self, tickets: list[Ticket]) -> None:
+        for t in tickets:
+            waiter = self._waiters.pop(t.request.id, None)
+            if waiter is not None:
+                loop, fut = waiter
+                loop.call_soon_threadsafe(_set, fut, t, None)
+
+    def _rejected(self, rej: Rejection) -> None:  # called by the policy under our lock
+        waiter = self._waiters.pop(rej.request.id, None)
+        if waiter is not None:
+            loop, fut = waiter
+            loop.call_soon_threadsafe(_set, fut, None, rej.error())
+
+    def _ensure_poller(self) -> None:
+        if self._poller is None or not self._poller.is_alive():
+            self._poller = threading.Thread(target=self._poll_loop, name="tailrace-admission",
+                                            daemon=True)
+            self._poller.start()
+
+    def _poll_loop(self) -> None:
+        while not self._closed:
+            self._wake.wait(self.poll_s)
+            self._wake.clear()
+            with self._lock:
+                if self._waiters:
+                    self._resolve(self.policy.poll())
+                elif not self._closed:
+                    self._poller = None
+                    return
+
+    def close(self) -> None:
+        """Stop polling; waiting requests are rejected."""
+        self._closed = True
+        self._wake.set()
+        with self._lock:
+            for rid, (loop, fut) in list(self._waiters.items()):
+                loop.call_soon_threadsafe(_set, fut, None, AdmissionRejected(
+                    "admission gate closed", reason="closed", retry_after=1.0,
+                    request_id=rid))
+            self._waiters.clear()
+
+    def statistics(self) -> Any:
+        with self._lock:
+            return self.policy.statistics()
+
+
+def _set(fut: asyncio.Future, value: Any, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(value)
