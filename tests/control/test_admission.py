@@ -370,3 +370,25 @@ def test_slo_from_yaml_config():
 def test_bad_input_messages(make, message):
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         make()
+
+
+def test_slo_reserve_keeps_lanes_for_an_active_higher_class():
+    clock = VirtualClock()
+    slos = {"chat": ctl.PipelineSLO(2000, "interactive", 4, "chat"),
+            "bulk": ctl.PipelineSLO(60000, "batch", 1, "bulk")}
+    policy = ctl.make_policy("slo", max_in_flight=4, reserve=2, slos=slos, clock=clock)
+    assert policy.try_admit(ctl.Request("c0", "chat", 0.0, max_tokens=10)) is not None
+    bulk = [policy.try_admit(ctl.Request(f"b{i}", "bulk", 0.0, max_tokens=10))
+            for i in range(4)]
+    # 1 chat + 1 bulk fill the unreserved lanes; the other bulk requests wait
+    assert [t is not None for t in bulk] == [True, False, False, False]
+    assert policy.try_admit(ctl.Request("c1", "chat", 0.0, max_tokens=10)) is not None
+    assert policy.poll() == []  # 3 of 4 lanes busy, the last one is reserved
+    clock.now = 20.0  # the interactive class has gone quiet: bulk may take the last lane
+    assert [t.request.id for t in policy.poll()] == ["b1"]
+
+
+def test_slo_reserve_must_leave_a_lane():
+    with pytest.raises(ValueError, match=r"^admission policy 'slo': reserve must be a "
+                       r"non-negative integer below max_in_flight \(4\), got 4$"):
+        ctl.make_policy("slo", max_in_flight=4, reserve=4)

@@ -76,7 +76,14 @@ class AdmissionGate:
         return await fut  # type: ignore[no-any-return]
 
     def done(self, ticket: Ticket, service_seconds: float | None = None) -> None:
-        """The admitted work left the pipeline: free its capacity, admit who fits."""
+        """The admitted work left the pipeline: free its capacity, admit who fits.
+
+        ticket: what ``admit`` returned.
+        service_seconds: how long the work took (default: since admission); it
+            calibrates the policy's cost model.
+        """
+        if service_seconds is None:
+            service_seconds = max(0.0, self._clock() - ticket.admitted_at)
         with self._lock:
             self.policy.release(ticket, service_seconds)
             self._resolve(self.policy.poll())

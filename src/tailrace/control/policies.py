@@ -140,12 +140,17 @@ class SLOPolicy(_Limited):
     """Deadline- and priority-ordered admission with weighted fair share and early rejection.
 
     max_lead: weighted seconds a pipeline may run ahead of its fair share for urgency's sake.
+    reserve: lanes (of max_in_flight) that lower priority classes may not take while a higher
+        class has sent requests within ``reserve_window`` seconds: headroom so an urgent
+        request rarely waits for a long one to finish (there is no preemption).
+    reserve_window: seconds a priority class counts as active after its last arrival.
     options: max_in_flight (required), max_cost, max_queue (per pipeline), the common ones.
     """
 
     name = "slo"
 
-    def __init__(self, *, max_lead: float = 2.0, **options: Any) -> None:
+    def __init__(self, *, max_lead: float = 2.0, reserve: int = 0,
+                 reserve_window: float = 10.0, **options: Any) -> None:
         super().__init__(**options)
         if self.max_in_flight is None:
             raise ValueError("admission policy 'slo': max_in_flight must be a positive integer "
@@ -154,6 +159,14 @@ class SLOPolicy(_Limited):
             raise ValueError(f"admission policy 'slo': max_lead must be a non-negative number "
                              f"of seconds, got {max_lead!r}")
         self.max_lead = float(max_lead)
+        if not _is_count(reserve) or reserve >= self.max_in_flight:
+            raise ValueError(f"admission policy 'slo': reserve must be a non-negative integer "
+                             f"below max_in_flight ({self.max_in_flight}), got {reserve!r}")
+        if not _is_number(reserve_window) or reserve_window < 0:
+            raise ValueError(f"admission policy 'slo': reserve_window must be a non-negative "
+                             f"number of seconds, got {reserve_window!r}")
+        self.reserve, self.reserve_window = reserve, float(reserve_window)
+        self._seen: dict[int, float] = {}  # priority rank -> time of its latest arrival
         self._lanes: int = self.max_in_flight
         self._flows: dict[str, _Flow] = {}
         self._waiting = 0
@@ -172,23 +185,40 @@ class SLOPolicy(_Limited):
     def _predicted_delay(self, flow: _Flow, cost: float, deadline: float, now: float) -> float:
         """Seconds before a request of ``cost`` and ``deadline`` in ``flow`` is predicted to start.
 
-        A fluid weighted-fair-share estimate: the in-flight remainder drains first; while the
-        flow is served its earlier-deadline requests plus ``cost``, each other backlogged flow
-        is served its weight's share of that, capped by its queue; all over max_in_flight lanes.
+        It starts when a lane frees up (the earliest in-flight completion when all lanes are
+        busy) and the work queued ahead of it has drained over the lanes: its flow's
+        earlier-deadline requests, plus, from each other backlogged flow of the same or a
+        higher priority class, its weight's share of that (capped by its queue). Lower
+        classes wait behind it (within ``max_lead``), so they do not delay it.
         """
         ahead = flow.queued_cost
         if flow.heap and deadline < flow.last_deadline:  # EDF: only earlier deadlines go first
             ahead = sum(e.cost for d, _, e in flow.heap if d <= deadline)
         mine = ahead + cost
         for other in self._flows.values():
-            if other is not flow and other.heap:
+            if other is not flow and other.heap and other.rank >= flow.rank:
                 ahead += min(other.queued_cost, mine * other.weight / flow.weight)
-        return (self._remaining_work(now) + ahead) / self._lanes
+        busy = len(self._in_flight) >= self._lanes
+        first_free = self._next_completion(now) if busy else 0.0
+        return first_free + ahead / self._lanes
+
+    def _room(self, flow: _Flow, cost: float, now: float) -> bool:
+        """Capacity for ``flow`` now, keeping ``reserve`` lanes for active higher classes."""
+        if not self._fits(cost):
+            return False
+        if self.reserve and len(self._in_flight) >= self._lanes - self.reserve:
+            active = (r for r, t in self._seen.items() if now - t <= self.reserve_window)
+            return flow.rank >= max(active, default=flow.rank)
+        return True
 
     def _decide(self, entry: Pending, now: float) -> Decision:
-        if not self._waiting and self._fits(entry.cost):
-            return ADMIT  # never reject on a system with room: predictions are only predictions
         flow = self._flow(entry.request.pipeline)
+        self._seen[flow.rank] = max(self._seen.get(flow.rank, now), now)
+        ahead = any(f.heap for f in self._flows.values() if f.rank >= flow.rank)
+        if not ahead and self._room(flow, entry.cost, now):
+            # nothing of its class or above waits (lower classes wait behind it anyway);
+            # never reject on a system with room: predictions are only predictions
+            return ADMIT
         if len(flow.heap) >= self.max_queue:
             weights = sum(f.weight for f in self._flows.values() if f.heap or f is flow)
             return _refuse(QUEUE_FULL, self._next_completion(now) * weights / flow.weight)
@@ -233,7 +263,7 @@ class SLOPolicy(_Limited):
         horizon = min(f.vtime for f in backlogged) + self.max_lead
         flow = min((f for f in backlogged if f.vtime <= horizon),
                    key=lambda f: (-f.rank, f.heap[0][0], f.vtime))
-        if not self._fits(flow.heap[0][2].cost):
+        if not self._room(flow, flow.heap[0][2].cost, now):
             return None  # the policy's pick waits for room; nothing overtakes it
         return self._pop(flow)
 
