@@ -1,0 +1,171 @@
+"""The bookkeeping of an engine pool: calls, items, batches, replica state, statistics.
+
+Owned by the pool's loop thread (under the pool's lock); only ``ReplicaState.piece`` and
+``Call.wait`` run on other threads, and they touch nothing the loop reorganises.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..engines.base import TokenCallback
+from .dispatch import ReplicaLoad
+from .replica_worker import Replica, TokenPiece
+
+_EMPTY = object()
+
+
+@dataclass(frozen=True)
+class ReplicaStatistics:
+    """One replica: its load now and what happened to it so far.
+
+    outstanding_work: predicted tokens of the batches it is running.
+    in_flight:        batches it is running.
+    calls, requests:  engine calls (batches) it answered and the requests in them.
+    failures:         deaths, failed starts and batches that came back with errors.
+    restarts:         times it was started again after a failure.
+    down:             it failed to start ``max_restarts`` times in a row and gets no more work.
+    """
+
+    id: int
+    endpoint: str | None
+    pid: int | None
+    healthy: bool
+    down: bool
+    outstanding_work: int
+    in_flight: int
+    calls: int
+    requests: int
+    failures: int
+    restarts: int
+    last_error: str | None
+
+
+@dataclass(frozen=True)
+class PoolStatistics:
+    """A pool: its replicas, the batches formed and what became of failed calls.
+
+    batches:         batches formed (retries not counted again).
+    mean_batch_size: requests per batch on average.
+    shared_batches:  batches holding requests of more than one caller.
+    queued:          requests waiting for a batch or a replica.
+    retries:         batches sent again after a replica failed them.
+    failed_calls:    callers that got an error.
+    """
+
+    name: str
+    replicas: tuple[ReplicaStatistics, ...]
+    batches: int
+    mean_batch_size: float
+    shared_batches: int
+    queued: int
+    retries: int
+    failed_calls: int
+
+
+class Call:
+    """One caller's ``generate``/``embed``: its results fill in as its batches finish."""
+
+    __slots__ = ("results", "remaining", "error", "done", "on_token")
+
+    def __init__(self, n: int, on_token: TokenCallback | None):
+        self.results: list[Any] = [_EMPTY] * n
+        self.remaining = n
+        self.error: Exception | None = None
+        self.done = threading.Event()
+        self.on_token = on_token
+
+    def complete(self, index: int, output: Any) -> None:
+        if self.done.is_set() or self.results[index] is not _EMPTY:
+            return
+        self.results[index] = output
+        self.remaining -= 1
+        if self.remaining == 0:
+            self.done.set()
+
+    def fail(self, exc: Exception) -> bool:
+        """Fail the call (first failure wins); False if it had already ended."""
+        if self.done.is_set():
+            return False
+        self.error = exc
+        self.done.set()
+        return True
+
+    def wait(self) -> list[Any]:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.results
+
+
+class Item:
+    """One request (or text) of a call, as the batcher and the replicas see it."""
+
+    __slots__ = ("call", "index", "payload", "tokens", "emitted", "seen")
+
+    def __init__(self, call: Call, index: int, payload: Any, tokens: int):
+        self.call, self.index, self.payload, self.tokens = call, index, payload, tokens
+        self.emitted = 0  # characters streamed to the caller, over all attempts
+        self.seen = 0  # characters the current attempt has produced
+
+
+@dataclass(eq=False)
+class Batch:
+    """Items sent together as one engine call; ``tried`` are the replicas it failed on."""
+
+    id: int
+    items: list[Item]
+    attempts: int = 0
+    tried: set[int] = field(default_factory=set)
+
+    @property
+    def tokens(self) -> int:
+        return sum(i.tokens for i in self.items)
+
+
+class ReplicaState:
+    """What the pool knows of one replica and the transport of its current incarnation."""
+
+    def __init__(self, rid: int, endpoint: str | None, max_in_flight: int):
+        self.id, self.endpoint, self.max_in_flight = rid, endpoint, max_in_flight
+        self.transport: Replica | None = None
+        self.incarnation = 0
+        self.healthy = self.down = False
+        self.pid: int | None = None
+        self.in_flight: dict[int, Batch] = {}
+        self.outstanding = 0
+        self.calls = self.requests = self.failures = self.restarts = self.failed_starts = 0
+        self.first_try = self.spawned_at = self.restart_at = 0.0
+        self.last_error: str | None = None
+
+    def load(self) -> ReplicaLoad:
+        up = self.healthy and not self.down and self.transport is not None
+        return ReplicaLoad(self.id, up, self.outstanding, len(self.in_flight), self.max_in_flight)
+
+    def statistics(self) -> ReplicaStatistics:
+        return ReplicaStatistics(
+            self.id, self.endpoint, self.pid, self.healthy, self.down, self.outstanding,
+            len(self.in_flight), self.calls, self.requests, self.failures, self.restarts,
+            self.last_error)
+
+    def piece(self, msg: TokenPiece) -> None:
+        """Hand a streamed piece to its caller, skipping text an earlier attempt streamed."""
+        batch = self.in_flight.get(msg.batch_id)
+        if batch is None or msg.index >= len(batch.items):
+            return
+        item = batch.items[msg.index]
+        start = item.seen
+        item.seen = end = start + len(msg.text)
+        if end <= item.emitted:
+            return
+        text = msg.text[max(item.emitted - start, 0):]
+        item.emitted = end
+        call = item.call
+        if call.on_token is None or call.done.is_set():
+            return
+        try:
+            call.on_token(item.index, text)
+        except Exception as e:  # the caller's callback failed: that fails its call only
+            call.fail(e)

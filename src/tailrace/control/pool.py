@@ -1,0 +1,519 @@
+"""Engine pools: one per named engine, shared by every pipeline in the process.
+
+A pool owns N replicas of one engine (each its own process, or a remote endpoint) and one
+loop thread. Callers on any thread call ``generate``/``embed``; their requests become items
+of a ``Batcher`` (batching.py), so calls from different callers share engine calls; each
+batch goes to the replica the dispatch policy (dispatch.py) picks, and the results are split
+back to each caller. The loop only orchestrates; policy lives in those two objects.
+
+Failure: a replica process that dies takes its in-flight batches with it; they are retried
+on another healthy replica (at most ``max_retries`` times, then ``EngineError`` to the
+callers) and the replica is restarted in the background (marked down after
+``max_restarts`` failed starts in a row). A request the engine rejects itself
+(``ContextOverflow``) fails only its caller and is not retried; other engine errors are.
+
+    with EnginePool("llm", {"backend": "llama_cpp", "model": "smollm2-135m-instruct",
+                            "n_threads": 1}, replicas=2) as pool:
+        [gen] = pool.generate([GenerationRequest(prompt="Hi", max_tokens=8)])
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..engines.base import Generation, GenerationRequest, TokenCallback
+from ..engines.openai import approx_tokens
+from ..engines.registry import BACKENDS
+from ..errors import ContextOverflow, EngineError
+from ._pool_state import Batch, Call, Item, PoolStatistics, ReplicaState, ReplicaStatistics
+from .batching import Batcher
+from .dispatch import make_dispatch
+from .replica_worker import (
+    BatchResult,
+    EmbedBatch,
+    Exited,
+    FromReplica,
+    GenerateBatch,
+    ProcessReplica,
+    Ready,
+    StartFailed,
+    ThreadReplica,
+    TokenPiece,
+)
+
+__all__ = ["EnginePool", "PoolStatistics", "ReplicaStatistics", "close_pools", "get_pool",
+           "predicted_tokens"]
+
+#: errors that are the request's own fault: failing on another replica would fail again
+NOT_RETRIED: dict[str, type[EngineError]] = {"ContextOverflow": ContextOverflow}
+_STOP = object()
+_TICK_S = 0.25  # liveness checks and restarts happen at least this often
+
+
+def predicted_tokens(req: GenerationRequest) -> int:
+    """A request's predicted cost in tokens: its prompt (4 characters a token) + max_tokens.
+
+    req: the generation request.
+    """
+    if req.prompt is not None:
+        text = req.prompt
+    else:
+        text = " ".join(str(m.get("content", "")) for m in (req.messages or ()))
+    return approx_tokens(text) + max(req.max_tokens, 0)
+
+
+class EnginePool:
+    """N replicas of one engine behind one batching, dispatching, retrying front.
+
+    Thread-safe: ``generate`` and ``embed`` may be called from many threads at once.
+    """
+
+    def __init__(self, name: str, spec: dict[str, Any], *, replicas: int | None = None,
+                 endpoints: Sequence[str] | None = None, dispatch: str = "least_work",
+                 max_batch_size: int = 8, max_wait_ms: float = 2.0,
+                 max_batch_tokens: int | None = None, max_retries: int = 2,
+                 health_timeout_s: float = 60.0, max_in_flight: int | None = None,
+                 isolation: str = "process", max_restarts: int = 3,
+                 clock: Callable[[], float] = time.monotonic):
+        """Configure the pool (nothing starts until ``start``).
+
+        name:             the engine's name in the pipeline (used in every message).
+        spec:             the engine spec, e.g. ``{backend: llama_cpp, model: ..., n_threads: 1}``.
+        replicas:         embedded replicas to run (each opens ``spec`` itself).
+        endpoints:        base URLs of remote OpenAI-compatible servers, one replica each.
+        dispatch:         the dispatch policy (``least_work`` or ``round_robin``).
+        max_batch_size:   the most requests in one engine call.
+        max_wait_ms:      the longest a request waits for others to share its engine call.
+        max_batch_tokens: the most predicted tokens in one engine call (None: no budget).
+        max_retries:      times a failed batch is retried on another replica.
+        health_timeout_s: seconds a replica has to become healthy (at start and on restart).
+        max_in_flight:    engine calls each replica runs at once (default 1 for embedded
+                          replicas, 4 for endpoints).
+        isolation:        ``process`` (one spawned process per replica) or ``thread``
+                          (replicas in this process) for embedded replicas.
+        max_restarts:     failed starts in a row after which a replica is marked down.
+        clock:            seconds, monotonic; tests may inject their own.
+        """
+        where = f"engine pool '{name}'"
+        if (replicas is None) == (endpoints is None):
+            raise EngineError(f"{where}: give either replicas=N (embedded engines) or "
+                              "endpoints=[URL, ...] (remote servers), not both or neither")
+        count = replicas if endpoints is None else len(endpoints)
+        if not isinstance(count, int) or count < 1:
+            raise EngineError(f"{where} needs at least one replica, got {count}")
+        if isolation not in ("process", "thread"):
+            raise EngineError(f"{where}: isolation must be 'process' or 'thread', "
+                              f"got {isolation!r}")
+        backend = spec.get("backend")
+        if backend not in BACKENDS:
+            raise EngineError(f"{where}: unknown backend '{backend}'; known: "
+                              f"{', '.join(sorted(BACKENDS))}")
+        if max_retries < 0 or max_restarts < 0 or health_timeout_s <= 0:
+            raise EngineError(f"{where}: max_retries and max_restarts must be >= 0 and "
+                              f"health_timeout_s > 0 (got {max_retries}, {max_restarts}, "
+                              f"{health_timeout_s})")
+        try:
+            self._policy = make_dispatch(dispatch)
+            self._batcher = Batcher(max_batch_size, max_wait_ms, max_batch_tokens)
+        except ValueError as e:
+            raise EngineError(f"{where}: {e}") from None
+        self.name, self.spec = name, dict(spec)
+        self.kind = str(spec.get("kind") or BACKENDS[backend][2][0])
+        self.model: str = str(spec.get("model", ""))
+        self.context_length: int | None = None
+        self.dim: int | None = None
+        self.endpoints = tuple(endpoints) if endpoints is not None else None
+        self.max_retries, self.max_restarts = max_retries, max_restarts
+        self.health_timeout_s = float(health_timeout_s)
+        self._isolation = "thread" if endpoints is not None else isolation
+        in_flight = max_in_flight or (4 if endpoints is not None else 1)
+        self._replicas = [ReplicaState(i, (self.endpoints or [None] * count)[i], in_flight)
+                          for i in range(count)]
+        self._clock = clock
+        self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Condition()
+        self._held: deque[Batch] = deque()  # batches waiting for a replica (retries first)
+        self._batch_ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._started = self._stopped = self._running = False
+        self._broken: str | None = None
+        self._stoppers: list[threading.Thread] = []  # stopping replaced replicas
+        self._shared_batches = self._retries = self._failed_calls = 0
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def start(self) -> EnginePool:
+        """Start every replica and wait until each is healthy; EngineError if one never is."""
+        with self._lock:
+            if self._stopped:
+                raise EngineError(f"engine pool '{self.name}' was stopped; create a new one")
+            if self._started:
+                return self
+            self._started = True
+            now = self._clock()
+            for r in self._replicas:
+                r.first_try = now
+                self._spawn(r, now)
+            self._thread = threading.Thread(target=self._loop, daemon=True,
+                                            name=f"tailrace-pool-{self.name}")
+            self._thread.start()
+            while (error := self._start_error()) is None:
+                if all(r.healthy for r in self._replicas):
+                    self._running = True
+                    return self
+                self._lock.wait(0.05)
+        self.stop()
+        raise EngineError(error)
+
+    def _start_error(self) -> str | None:
+        """Why ``start`` must give up (a replica is late, the pool was stopped), or None."""
+        if self._stopped or self._broken:
+            return f"engine pool '{self.name}' {self._broken or 'was stopped'} while starting"
+        for r in self._replicas:
+            if not r.healthy and self._clock() - r.first_try >= self.health_timeout_s:
+                return (f"engine pool '{self.name}': replica {r.id} did not become healthy "
+                        f"within {self.health_timeout_s}s (its last error: "
+                        f"{r.last_error or 'none, it never answered'})")
+        return None
+
+    def stop(self) -> None:
+        """Stop the loop and every replica (no process is left behind); idempotent.
+
+        Calls still waiting get ``EngineError`` saying the pool was stopped.
+        """
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        self._events.put(_STOP)
+        if self._thread is not None:
+            self._thread.join()
+        transports = [r.transport for r in self._replicas if r.transport is not None]
+        for t in transports:
+            t.request_stop()
+        for t in transports:
+            t.stop()
+        for thread in self._stoppers:
+            thread.join()
+        with self._lock:
+            self._fail_everything(f"engine pool '{self.name}' was stopped")
+            for r in self._replicas:
+                r.transport, r.healthy = None, False
+
+    def __enter__(self) -> EnginePool:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- calls ----------------------------------------------------------------------------
+
+    def generate(self, requests: Sequence[GenerationRequest],
+                 on_token: TokenCallback | None = None) -> list[Generation]:
+        """Generate for ``requests`` (batched with other callers'); results in request order.
+
+        requests: the requests.
+        on_token: called as ``on_token(index, piece)`` as text is produced, on a pool
+                  thread (keep it quick); a retried request does not repeat pieces.
+        """
+        self._check_kind("generate")
+        call = Call(len(requests), on_token)
+        self._submit(call, [Item(call, i, r, predicted_tokens(r)) for i, r in
+                            enumerate(requests)])
+        return call.wait()
+
+    def embed(self, texts: Sequence[str]) -> Any:
+        """Embed ``texts`` (batched with other callers'): float32 array, one row each.
+
+        texts: the texts.
+        """
+        import numpy as np
+
+        self._check_kind("embed")
+        call = Call(len(texts), None)
+        self._submit(call, [Item(call, i, t, approx_tokens(t)) for i, t in enumerate(texts)])
+        rows = call.wait()
+        if not rows:
+            return np.zeros((0, self.dim or 0), dtype=np.float32)
+        return np.stack(rows).astype(np.float32, copy=False)
+
+    def statistics(self) -> PoolStatistics:
+        """A snapshot: per replica load, calls, failures and restarts; batches formed."""
+        with self._lock:
+            b = self._batcher.statistics()
+            return PoolStatistics(
+                self.name, tuple(r.statistics() for r in self._replicas), b.batches,
+                b.mean_batch_size, self._shared_batches, b.queued + sum(
+                    len(x.items) for x in self._held), self._retries, self._failed_calls)
+
+    def _check_kind(self, kind: str) -> None:
+        if self.kind != kind:
+            raise EngineError(f"engine pool '{self.name}' serves {self.kind}, not {kind}")
+
+    def _submit(self, call: Call, items: list[Item]) -> None:
+        if not items:
+            call.done.set()
+            return
+        with self._lock:
+            if not self._started or self._stopped or self._broken:
+                state = ("is not started; call start() or use it as a context manager"
+                         if not self._started else self._broken or "was stopped")
+                raise EngineError(f"engine pool '{self.name}' {state}")
+        self._events.put(items)
+
+    # -- the loop: only orchestrates --------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                try:
+                    ev = self._events.get(timeout=self._wait_s())
+                except queue.Empty:
+                    ev = None
+                with self._lock:
+                    while ev is not None:
+                        if ev is _STOP:
+                            return
+                        self._handle(ev)
+                        ev = None if self._events.empty() else self._events.get()
+                    now = self._clock()
+                    self._maintain(now)
+                    self._dispatch(now)
+                    self._lock.notify_all()
+        except Exception as e:  # a bug here must not leave callers waiting forever
+            with self._lock:
+                self._broken = f"loop failed: {type(e).__name__}: {e}"
+                self._fail_everything(f"engine pool '{self.name}' {self._broken}")
+            raise
+
+    def _wait_s(self) -> float:
+        with self._lock:
+            deadline = self._batcher.next_deadline()
+            if deadline is None or self._held or self._batcher.ready(self._clock()):
+                return _TICK_S
+            return min(max(deadline - self._clock(), 0.0), _TICK_S)
+
+    def _handle(self, ev: Any) -> None:
+        if isinstance(ev, list):  # a caller's items
+            now = self._clock()
+            for item in ev:
+                self._batcher.add(item, item.tokens, now)
+            return
+        rid, incarnation, msg = ev
+        r = self._replicas[rid]
+        if incarnation != r.incarnation:
+            return  # from a replica process that has since been replaced
+        if isinstance(msg, Ready):
+            r.healthy, r.pid, r.failed_starts = True, msg.pid, 0
+            self.model = msg.model or self.model
+            self.context_length, self.dim = msg.context_length, msg.dim
+        elif isinstance(msg, BatchResult):
+            self._finish(r, msg)
+        elif isinstance(msg, StartFailed):
+            self._lost(r, msg.error, started=False)
+        elif isinstance(msg, Exited):
+            self._lost(r, f"its process exited with code {msg.exitcode}", started=r.healthy)
+
+    def _maintain(self, now: float) -> None:
+        running = self._running
+        for r in self._replicas:
+            if r.down:
+                continue
+            if r.transport is None and now >= r.restart_at:
+                r.restarts += 1
+                self._spawn(r, now)
+            elif r.transport is not None and r.healthy and not r.transport.alive():
+                self._lost(r, "its process is not alive", started=True)
+            elif (running and r.transport is not None and not r.healthy
+                  and now - r.spawned_at >= self.health_timeout_s):
+                self._lost(r, f"it did not become healthy within {self.health_timeout_s}s",
+                           started=False)
+        if all(r.down for r in self._replicas) and not self._broken:
+            errors = "; ".join(f"replica {r.id}: {r.last_error}" for r in self._replicas)
+            self._broken = f"has no replica left, each failed to restart ({errors})"
+            self._fail_everything(f"engine pool '{self.name}' {self._broken}")
+
+    def _dispatch(self, now: float) -> None:
+        while self._held:
+            rid = self._choose(self._held[0])
+            if rid is None:
+                return
+            self._send(rid, self._held.popleft())
+        while self._batcher.ready(now) and any(x.can_take(0) for x in self._loads()):
+            batch = Batch(next(self._batch_ids), self._batcher.take(now))
+            if len({id(i.call) for i in batch.items}) > 1:
+                self._shared_batches += 1
+            rid = self._choose(batch)
+            if rid is None:
+                self._held.append(batch)
+                return
+            self._send(rid, batch)
+
+    # -- steps the loop takes ---------------------------------------------------------------
+
+    def _loads(self, exclude: set[int] | frozenset[int] = frozenset()) -> list[Any]:
+        return [r.load() for r in self._replicas if r.id not in exclude]
+
+    def _choose(self, batch: Batch) -> int | None:
+        """A replica for ``batch``: one it has not failed on, while such a one is healthy."""
+        untried = batch.tried and any(r.healthy and r.id not in batch.tried
+                                      for r in self._replicas)
+        return self._policy.choose(self._loads(batch.tried if untried else frozenset()),
+                                   batch.tokens)
+
+    def _send(self, rid: int, batch: Batch) -> None:
+        r = self._replicas[rid]
+        batch.attempts += 1
+        batch.tried.add(rid)
+        r.in_flight[batch.id] = batch
+        r.outstanding += batch.tokens
+        for item in batch.items:
+            item.seen = 0
+        payload = tuple(i.payload for i in batch.items)
+        assert r.transport is not None
+        if self.kind == "embed":
+            r.transport.send(EmbedBatch(batch.id, payload))
+        else:
+            stream = tuple(k for k, i in enumerate(batch.items) if i.call.on_token is not None)
+            r.transport.send(GenerateBatch(batch.id, payload, stream))
+
+    def _finish(self, r: ReplicaState, msg: BatchResult) -> None:
+        batch = r.in_flight.pop(msg.batch_id, None)
+        if batch is None:
+            return
+        r.outstanding -= batch.tokens
+        r.calls += 1
+        r.requests += len(batch.items)
+        errors = {e.index: e for e in msg.errors}
+        again: list[Item] = []
+        for k, item in enumerate(batch.items):
+            err = errors.get(k)
+            if err is None:
+                item.call.complete(item.index, msg.outputs[k])
+            elif err.kind in NOT_RETRIED:
+                self._fail(item.call, NOT_RETRIED[err.kind](err.message))
+            else:
+                again.append(item)
+                r.last_error = err.message
+        if again:
+            r.failures += 1
+            self._retry(Batch(batch.id, again, batch.attempts, batch.tried), r.last_error or "")
+
+    def _lost(self, r: ReplicaState, reason: str, *, started: bool) -> None:
+        """Replica ``r`` died or failed to start: retry its batches, schedule a restart."""
+        r.failures += 1
+        r.last_error = reason
+        r.healthy = False
+        r.incarnation += 1  # ignore whatever its old process still sends
+        transport, r.transport = r.transport, None
+        if transport is not None:
+            transport.request_stop()
+            self._stoppers = [t for t in self._stoppers if t.is_alive()]
+            self._stoppers.append(threading.Thread(target=transport.stop, daemon=True))
+            self._stoppers[-1].start()
+        lost, r.in_flight, r.outstanding = list(r.in_flight.values()), {}, 0
+        for batch in lost:
+            self._retry(batch, f"replica {r.id} failed: {reason}")
+        if not started:
+            r.failed_starts += 1
+        if self._running and r.failed_starts > self.max_restarts:
+            r.down = True
+            return
+        r.restart_at = self._clock() + min(0.1 * 2 ** r.failed_starts, 2.0)
+
+    def _retry(self, batch: Batch, reason: str) -> None:
+        if batch.attempts > self.max_retries:
+            for call in {id(i.call): i.call for i in batch.items}.values():
+                self._fail(call, EngineError(
+                    f"engine pool '{self.name}': a call failed {batch.attempts} times "
+                    f"(replicas {sorted(batch.tried)}); last error: {reason}"))
+            return
+        self._retries += 1
+        self._held.appendleft(batch)
+
+    def _fail(self, call: Call, exc: Exception) -> None:
+        if call.fail(exc):
+            self._failed_calls += 1
+
+    def _fail_everything(self, message: str) -> None:
+        items = self._batcher.drain()
+        for b in list(self._held) + [b for r in self._replicas for b in r.in_flight.values()]:
+            items += b.items
+        self._held.clear()
+        for r in self._replicas:
+            r.in_flight, r.outstanding = {}, 0
+        while not self._events.empty():
+            ev = self._events.get()
+            if isinstance(ev, list):
+                items += ev
+        for call in {id(i.call): i.call for i in items}.values():
+            self._fail(call, EngineError(message))
+
+    def _spawn(self, r: ReplicaState, now: float) -> None:
+        inc = r.incarnation
+        label = f"tailrace-pool-{self.name}-{r.id}"
+
+        def deliver(msg: FromReplica, rid: int = r.id) -> None:
+            if isinstance(msg, TokenPiece):
+                if self._replicas[rid].incarnation == inc:
+                    self._replicas[rid].piece(msg)
+            else:
+                self._events.put((rid, inc, msg))
+
+        if self._isolation == "process":
+            r.transport = ProcessReplica(self.spec, self.kind, deliver, label)
+        else:
+            r.transport = ThreadReplica(self.spec, self.kind, deliver, label, r.endpoint,
+                                        r.max_in_flight)
+        r.spawned_at = now
+        try:
+            r.transport.start()
+        except Exception as e:  # e.g. no more processes: a failed start like any other
+            r.transport = None
+            r.failed_starts += 1
+            r.last_error = f"could not start: {type(e).__name__}: {e}"
+            r.restart_at = now + min(0.1 * 2 ** r.failed_starts, 2.0)
+
+
+_POOLS: dict[str, EnginePool] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def get_pool(name: str, spec: dict[str, Any], **options: Any) -> EnginePool:
+    """The process-wide started pool for engine ``name``, created on first use.
+
+    name:    the engine's name; every pipeline naming it shares the pool.
+    spec:    its engine spec; a different spec under the same name is an error.
+    options: ``EnginePool`` keyword arguments, used when the pool is created.
+    """
+    with _POOLS_LOCK:
+        pool = _POOLS.get(name)
+        if pool is not None and not pool._stopped:
+            if pool.spec != dict(spec):
+                raise EngineError(f"engine pool '{name}' already runs {pool.spec}, not "
+                                  f"{dict(spec)}; give the other engine another name")
+            return pool
+        if "replicas" not in options and "endpoints" not in options:
+            options["replicas"] = 1
+        pool = EnginePool(name, spec, **options).start()
+        _POOLS[name] = pool
+        return pool
+
+
+def close_pools() -> None:
+    """Stop every pool ``get_pool`` created (tests, shutdown)."""
+    with _POOLS_LOCK:
+        pools = list(_POOLS.values())
+        _POOLS.clear()
+    for pool in pools:
+        pool.stop()
+
+
+atexit.register(close_pools)

@@ -1,0 +1,271 @@
+"""EnginePool: batching across callers, dispatch, retries, restarts, health, shutdown.
+
+The first half runs replicas on threads over a fake backend (fast, exact failure
+injection); the second half runs real llama.cpp replica processes (``engine`` mark).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from tailrace.control.pool import EnginePool, close_pools, get_pool
+from tailrace.engines.base import Generation, GenerationRequest
+from tailrace.engines.registry import BACKENDS
+from tailrace.errors import ContextOverflow, EngineError
+
+
+class FakeEngine:
+    """Upper-cases prompts. Endpoint 'bad' streams a correct prefix then fails every call;
+    'broken' cannot be opened; the prompt 'overflow' does not fit."""
+
+    def __init__(self, model: str = "fake", base_url: str | None = None,
+                 kind: str = "generate"):
+        if base_url == "broken":
+            raise EngineError("cannot reach broken")
+        self.model, self.base_url, self.context_length, self.dim = model, base_url, 100, 2
+
+    def generate(self, requests, on_token=None):
+        if self.base_url == "bad":
+            if on_token is not None:
+                on_token(0, requests[0].prompt.upper()[:2])
+            raise EngineError("bad endpoint")
+        out = []
+        for i, r in enumerate(requests):
+            if r.prompt == "overflow":
+                raise ContextOverflow("the prompt does not fit")
+            text = r.prompt.upper()
+            for ch in text if on_token is not None else ():
+                on_token(i, ch)
+            out.append(Generation(text, len(r.prompt), len(text), "stop"))
+        return out
+
+    def embed(self, texts):
+        import numpy as np
+
+        return np.array([[len(t), 1.0] for t in texts], dtype=np.float32)
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    monkeypatch.setitem(BACKENDS, "fake", (__name__, "FakeEngine", ("generate", "embed")))
+    return {"backend": "fake", "model": "fake"}
+
+
+def prompt(text: str) -> GenerationRequest:
+    return GenerationRequest(prompt=text, max_tokens=4)
+
+
+def run_callers(pool, texts, **kw):
+    """Call ``pool.generate`` from one thread per text at once; results or errors by text."""
+    barrier, out = threading.Barrier(len(texts)), {}
+
+    def caller(text):
+        barrier.wait()
+        try:
+            out[text] = pool.generate([prompt(text)], **kw)[0].text
+        except Exception as e:  # noqa: BLE001 - collected for the assertions
+            out[text] = e
+
+    threads = [threading.Thread(target=caller, args=(t,)) for t in texts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"replicas": 0}, "engine pool 'llm' needs at least one replica, got 0"),
+    ({"endpoints": []}, "engine pool 'llm' needs at least one replica, got 0"),
+    ({"replicas": 1, "endpoints": ["x"]}, "give either replicas=N .* not both or neither"),
+    ({}, "give either replicas=N"),
+    ({"replicas": 1, "dispatch": "fastest"},
+     "unknown dispatch policy 'fastest'; known: least_work, round_robin"),
+    ({"replicas": 1, "max_batch_size": 0}, "max_batch_size must be an integer >= 1"),
+])
+def test_bad_configuration_is_one_clear_error(kw, match):
+    with pytest.raises(EngineError, match=match):
+        EnginePool("llm", {"backend": "llama_cpp", "model": "smollm2-135m-instruct"}, **kw)
+
+
+def test_calls_before_start_and_after_stop_say_so(fake):
+    pool = EnginePool("llm", fake, endpoints=["a"])
+    with pytest.raises(EngineError, match="engine pool 'llm' is not started; call start()"):
+        pool.generate([prompt("x")])
+    pool.start()
+    pool.stop()
+    pool.stop()  # idempotent
+    with pytest.raises(EngineError, match="engine pool 'llm' was stopped"):
+        pool.generate([prompt("x")])
+
+
+def test_concurrent_callers_share_batches_and_get_their_own_results(fake):
+    texts = [f"q{i}" for i in range(8)]
+    with EnginePool("llm", fake, endpoints=["a", "b"], max_batch_size=4,
+                    max_wait_ms=200, max_in_flight=1) as pool:
+        assert run_callers(pool, texts) == {t: t.upper() for t in texts}
+        assert pool.generate([prompt("x"), prompt("y")]) == [
+            Generation("X", 1, 1, "stop"), Generation("Y", 1, 1, "stop")]
+        stats = pool.statistics()
+    assert stats.shared_batches >= 1 and stats.mean_batch_size > 1
+    assert sum(r.requests for r in stats.replicas) == 10 and stats.queued == 0
+
+
+def test_a_failing_replica_is_retried_elsewhere_without_repeating_streamed_text(fake):
+    pieces: list[str] = []
+    with EnginePool("llm", fake, endpoints=["bad", "good"], dispatch="round_robin") as pool:
+        gen = pool.generate([prompt("abc")], on_token=lambda i, t: pieces.append(t))
+        stats = pool.statistics()
+    assert gen[0].text == "ABC"
+    assert "".join(pieces) == "ABC"  # "AB" streamed by the failed attempt is not repeated
+    assert stats.retries == 1 and stats.replicas[0].failures == 1
+    assert stats.replicas[0].last_error == "bad endpoint"
+
+
+def test_retries_are_bounded(fake):
+    with EnginePool("llm", fake, endpoints=["bad", "bad"], max_retries=1) as pool, \
+            pytest.raises(EngineError, match=r"engine pool 'llm': a call failed 2 times "
+                                             r"\(replicas \[0, 1\]\); last error: bad endpoint"):
+        pool.generate([prompt("abc")])
+
+
+def test_a_request_that_does_not_fit_fails_alone_and_is_not_retried(fake):
+    with EnginePool("llm", fake, endpoints=["a"], max_wait_ms=200) as pool:
+        out = run_callers(pool, ["overflow", "fine"])
+        stats = pool.statistics()
+    assert out["fine"] == "FINE"
+    assert isinstance(out["overflow"], ContextOverflow)
+    assert stats.retries == 0 and stats.failed_calls == 1 and stats.shared_batches == 1
+
+
+def test_embeddings_are_split_back_per_caller(fake):
+    with EnginePool("emb", {**fake, "kind": "embed"}, endpoints=["a"], max_wait_ms=50) as pool:
+        rows = pool.embed(["a", "bbb"])
+        assert rows.tolist() == [[1.0, 1.0], [3.0, 1.0]] and rows.dtype.name == "float32"
+        assert pool.embed([]).shape == (0, 2)
+        with pytest.raises(EngineError, match="engine pool 'emb' serves embed, not generate"):
+            pool.generate([prompt("x")])
+
+
+def test_a_replica_that_cannot_start_times_out_with_its_last_error(fake):
+    pool = EnginePool("llm", fake, endpoints=["a", "broken"], health_timeout_s=0.3)
+    with pytest.raises(EngineError, match=r"engine pool 'llm': replica 1 did not become healthy "
+                                          r"within 0.3s \(its last error: cannot reach broken\)"):
+        pool.start()
+
+
+def test_get_pool_shares_one_pool_per_name(fake):
+    try:
+        pool = get_pool("shared", fake, endpoints=["a"])
+        assert get_pool("shared", fake) is pool
+        with pytest.raises(EngineError, match="engine pool 'shared' already runs"):
+            get_pool("shared", {**fake, "model": "other"})
+    finally:
+        close_pools()
+    assert pool.statistics().replicas[0].healthy is False
+
+
+# -- real llama.cpp replica processes -------------------------------------------------------
+
+LLAMA = {"backend": "llama_cpp", "model": "smollm2-135m-instruct", "n_threads": 1,
+         "n_ctx": 512, "n_seq_max": 4}
+QUESTIONS = ["What is the capital of France?", "Name a primary colour.",
+             "Who wrote Hamlet?", "What is 2 + 2?"]
+
+
+def chat(text: str, max_tokens: int = 8) -> GenerationRequest:
+    return GenerationRequest(messages=({"role": "user", "content": text},),
+                             max_tokens=max_tokens)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Greedy texts from one engine in this process (the expected pool results)."""
+    pytest.importorskip("llama_cpp")
+    from tailrace.engines.llama_cpp import LlamaCppEngine
+
+    eng = LlamaCppEngine(**{k: v for k, v in LLAMA.items() if k != "backend"})
+    try:
+        texts = {q: eng.generate([chat(q)])[0].text for q in QUESTIONS}
+        texts["long"] = eng.generate([chat(QUESTIONS[0], 64)])[0].text
+    finally:
+        eng.close()
+    return texts
+
+
+def wait_until(predicate, timeout_s: float = 30.0) -> None:
+    """Poll a real process's state (not a timing assertion)."""
+    end = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < end, "condition not reached in time"
+        time.sleep(0.05)
+
+
+@pytest.mark.engine
+def test_llama_replicas_serve_concurrent_callers_like_one_engine(reference):
+    with EnginePool("llm", LLAMA, replicas=2, max_batch_size=4, max_wait_ms=100) as pool:
+        out: dict[str, str] = {}
+        barrier = threading.Barrier(len(QUESTIONS))
+
+        def caller(q):
+            barrier.wait()
+            out[q] = pool.generate([chat(q)])[0].text
+
+        threads = [threading.Thread(target=caller, args=(q,)) for q in QUESTIONS]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        stats = pool.statistics()
+        pids = {r.pid for r in stats.replicas}
+    assert out == {q: reference[q] for q in QUESTIONS}
+    assert stats.shared_batches >= 1 and stats.mean_batch_size > 1
+    assert len(pids) == 2 and os.getpid() not in pids
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.engine
+def test_killed_replica_call_completes_on_the_other_and_it_restarts(reference):
+    started = threading.Event()
+    pieces: list[str] = []
+
+    def on_token(_i, text):
+        pieces.append(text)
+        started.set()
+
+    with EnginePool("llm", LLAMA, replicas=2, max_wait_ms=0) as pool:
+        result: list = []
+        caller = threading.Thread(target=lambda: result.append(
+            pool.generate([chat(QUESTIONS[0], 64)], on_token=on_token)))
+        caller.start()
+        assert started.wait(30)
+        [victim] = [r for r in pool.statistics().replicas if r.in_flight == 1]
+        os.kill(victim.pid, signal.SIGKILL)
+        caller.join(60)
+        assert result and result[0][0].text == reference["long"]
+        assert "".join(pieces) == reference["long"]  # nothing streamed twice
+        wait_until(lambda: pool.statistics().replicas[victim.id].healthy)  # restarted
+        stats = pool.statistics()
+        dead = stats.replicas[victim.id]
+        assert dead.failures == 1 and dead.restarts == 1 and dead.pid != victim.pid
+        assert stats.retries == 1 and stats.replicas[1 - victim.id].calls == 1
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.engine
+def test_a_replica_that_never_starts_fails_start_with_the_health_timeout(tmp_path):
+    spec = {**LLAMA, "path": str(tmp_path / "missing.gguf")}
+    pool = EnginePool("llm", spec, replicas=1, health_timeout_s=5.0)
+    with pytest.raises(EngineError, match=r"engine pool 'llm': replica 0 did not become healthy "
+                                          r"within 5.0s \(its last error: model file not found"):
+        pool.start()
+    assert multiprocessing.active_children() == []
