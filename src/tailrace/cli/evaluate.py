@@ -23,7 +23,7 @@ from ..operators.retrieval import index_dir
 from ..runtime import run
 from ..stores.corpus import EvalQuestion, answer_correct, read_fanoutqa
 
-BASELINE_PROMPT = "Answer the question.\n\nQuestion: {question}\nAnswer:"
+BASELINE_SYSTEM = "Answer the question with a short phrase."
 
 
 @dataclass(frozen=True)
@@ -84,11 +84,20 @@ def _details(qs: list[EvalQuestion], rag: dict[str, str], base: dict[str, str]) 
             for q in qs]
 
 
-def baseline_pipeline(llm: dict[str, Any], max_tokens: int) -> Pipeline:
+def baseline_pipeline(gen: Any, llm: dict[str, Any]) -> Pipeline:
+    """The RAG pipeline's generate stage (same model, instructions, budget) without the
+    context: its template with the ``{context}`` part removed."""
+    params = {k: v for k, v in gen.params.items() if k not in ("engine", "prompt", "input")}
+    template = gen.params.get("prompt") or "{question}"
+    if "{context}" in template:
+        template = "Question: {question}" + ("\nAnswer:" if template.rstrip().endswith(
+            "Answer:") else "")
+    if params.get("system"):
+        params["system"] = BASELINE_SYSTEM
     p = Pipeline("no-retrieval-baseline", engines={"llm": llm})
     (p.source(fields=["question"])
-     .apply("generate", id="answer", engine="llm", prompt=BASELINE_PROMPT, output="answer",
-            max_tokens=max_tokens, batch={"max_size": 8, "max_wait_ms": 0})
+     .apply("generate", id="answer", engine="llm", prompt=template, **params,
+            batch={"max_size": 8, "max_wait_ms": 0})
      .sink())
     return p
 
@@ -121,7 +130,7 @@ def evaluate(pipeline_path: str, *, k: int = 10, limit: int | None = None,
             p.engines[gen.params["engine"]] = spec
         llm = spec.get("model")
         rag_answers = _answers(p, qs, f"RAG answers ({llm})")
-        base_p = baseline_pipeline(spec, gen.params.get("max_tokens", 64))
+        base_p = baseline_pipeline(gen, spec)
         base_answers = _answers(base_p, qs, f"baseline answers ({llm})")
         rag, base = _accuracy(rag_answers, qs), _accuracy(base_answers, qs)
         details = _details(qs, rag_answers, base_answers)
