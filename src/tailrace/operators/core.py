@@ -59,6 +59,25 @@ def _fn(params: dict) -> Callable:
     return resolve(params["fn"])
 
 
+def per_record(f: Callable[[Any], Any]) -> Callable[[list, list], list]:
+    """A batch function applying ``f`` to each record (one output each); a record whose
+    call raises goes to ``errors`` and the loop resumes with the next one."""
+
+    def batch_fn(batch: list, errors: list) -> list:
+        out: list = []
+        append = out.append
+        it = iter(batch)
+        while True:
+            try:
+                for x in it:
+                    append(f(x))
+                return out
+            except Exception as e:  # noqa: BLE001 - operator code may raise anything
+                errors.append((x, e))
+
+    return batch_fn
+
+
 # -- map ------------------------------------------------------------------------------
 def _build_map(params: dict, contract: Contract) -> OpRuntime:
     raw = _fn(params)
@@ -75,20 +94,7 @@ def _build_map(params: dict, contract: Contract) -> OpRuntime:
         return OpRuntime("map", record_fn=arecord, is_async=True)
     if contract.batch is not None:
         return OpRuntime("map", record_fn=_whole_batch(raw, params), whole_batch=True)
-
-    def batch_fn(batch: list, errors: list) -> list:
-        out: list = []
-        append = out.append
-        it = iter(batch)
-        while True:
-            try:
-                for x in it:
-                    append(f(x))
-                return out
-            except Exception as e:
-                errors.append((x, e))
-
-    return OpRuntime("map", batch_fn=batch_fn, record_fn=lambda x: [f(x)])
+    return OpRuntime("map", batch_fn=per_record(f), record_fn=lambda x: [f(x)])
 
 
 def _whole_batch(fn: Callable, params: dict) -> Callable:
@@ -218,19 +224,7 @@ def _build_stateful(params: dict, contract: Contract) -> OpRuntime:
                 state[k] = new
             return emit if target is None else {**x, target: emit}
 
-    def batch_fn(batch: list, errors: list) -> list:
-        out: list = []
-        append = out.append
-        it = iter(batch)
-        while True:
-            try:
-                for x in it:
-                    append(step(x))
-                return out
-            except Exception as e:
-                errors.append((x, e))
-
-    return OpRuntime("map", batch_fn=batch_fn, record_fn=lambda x: [step(x)])
+    return OpRuntime("map", batch_fn=per_record(step), record_fn=lambda x: [step(x)])
 
 
 def _stateful_fields(params: dict) -> tuple:

@@ -19,6 +19,7 @@ import inspect
 from typing import Any
 
 from ..api.pipeline import Contract
+from .core import per_record
 from .registry import OpDef, OpRuntime, Param, is_async_callable
 
 
@@ -55,6 +56,7 @@ def custom_op(cls: Any) -> OpDef:
                 return [await inst.process(x)]
             return OpRuntime("map", record_fn=arecord, is_async=True)
         overridden = type(inst).process_batch is not Operator.process_batch
+        one_by_one = per_record(inst.process)
 
         def batch_fn(batch: list, errors: list) -> list:
             if overridden:
@@ -63,16 +65,7 @@ def custom_op(cls: Any) -> OpDef:
                 except Exception as e:
                     errors.extend((x, e) for x in batch)
                     return []
-            out: list = []
-            append = out.append
-            it = iter(batch)
-            while True:
-                try:
-                    for x in it:
-                        append(inst.process(x))
-                    return out
-                except Exception as e:
-                    errors.append((x, e))
+            return one_by_one(batch, errors)
 
         return OpRuntime("map", batch_fn=batch_fn, record_fn=lambda x: [inst.process(x)])
 

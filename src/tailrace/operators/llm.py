@@ -13,7 +13,7 @@ from typing import Any
 
 from ..engines import GenerationRequest, open_engine
 from ..errors import ContextOverflow
-from .core import FieldError
+from .core import FieldError, per_record
 from .registry import OpDef, OpRuntime, Param, register
 from .retrieval import _ENGINE_HINT, link_engine
 
@@ -52,20 +52,7 @@ def _check_template(params: dict, ctx: Any) -> dict:
 def _build_prompt(params: dict, contract: Any) -> OpRuntime:
     template, out = params["template"], params["output"]
     f = lambda r: {**r, out: render(template, r)}  # noqa: E731
-
-    def batch_fn(batch: list, errors: list) -> list:
-        result: list = []
-        append = result.append
-        it = iter(batch)
-        while True:
-            try:
-                for x in it:
-                    append(f(x))
-                return result
-            except Exception as e:  # noqa: BLE001
-                errors.append((x, e))
-
-    return OpRuntime("map", batch_fn=batch_fn, record_fn=lambda x: [f(x)])
+    return OpRuntime("map", batch_fn=per_record(f), record_fn=lambda x: [f(x)])
 
 
 register(OpDef(
