@@ -144,3 +144,31 @@ def test_ctrl_c_stops_cleanly_and_keeps_output(tmp_path):
     assert "INTERRUPTED" in err and "tailrace: interrupted; output so far was written" in err
     lines = out.read_text().splitlines()
     assert 0 < len(lines) < 10_000 and all(json.loads(x) == {"i": 1} for x in lines)
+
+
+def test_run_with_admission_policy(files, capsys):
+    pipe, inp, tmp = files
+    out = tmp / "out.jsonl"
+    assert main(["run", str(pipe), "-i", str(inp), "-o", str(out), "-q",
+                 "--admission", "slo", "--max-in-flight", "1"]) == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert sorted(r["text"] for r in rows) == ["ab", "cde"]
+    assert all("_admission" not in r for r in rows)
+
+
+def test_negative_slo_budget_is_a_clear_error(files, capsys):
+    pipe, inp, tmp = files
+    bad = tmp / "slo.yaml"
+    bad.write_text(PIPE.replace("source:", "slo: {p99_ms: -5}\nsource:"))
+    assert main(["run", str(bad), "-i", str(inp), "--admission", "slo"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"tailrace: error: {bad}: slo for pipeline 'cli': p99_ms must be a "
+                   "positive number of milliseconds, got -5")
+
+
+def test_unknown_admission_policy_is_refused_by_the_parser(files, capsys):
+    pipe, inp, _ = files
+    with pytest.raises(SystemExit) as e:
+        main(["run", str(pipe), "--admission", "lifo"])
+    assert e.value.code == 2
+    assert "invalid choice: 'lifo'" in capsys.readouterr().err

@@ -38,6 +38,10 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--output", "-o", default="-", help="output JSONL file (default: stdout)")
     r.add_argument("--metrics-json", metavar="FILE", help="write the run's stats as JSON")
     r.add_argument("--runtime", default="local", choices=["local"], help="executor")
+    r.add_argument("--admission", choices=["simultaneous", "fcfs", "slo"],
+                   help="admission policy at the door (uses the pipeline's slo:)")
+    r.add_argument("--max-in-flight", type=int, default=8,
+                   help="records admitted at once by fcfs/slo (default 8)")
     r.add_argument("--no-fuse", action="store_true", help="run every operator as its own stage")
     r.add_argument("--quiet", "-q", action="store_true", help="no stats table on stderr")
     r.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -110,6 +114,29 @@ def _load(args: argparse.Namespace) -> Any:
     return compile_pipeline(Pipeline.from_yaml(args.pipeline), fuse=not args.no_fuse)
 
 
+def _gate(args: argparse.Namespace, plan: Any) -> Any:
+    """An admission gate for ``tailrace run --admission POLICY``."""
+    from ..control import PipelineSLO, make_policy
+    from ..control.gate import AdmissionGate
+
+    p = plan.pipeline
+    options: dict[str, Any] = {}
+    if p.slo:
+        try:
+            options["slos"] = {p.name: PipelineSLO.from_config(p.name, p.slo)}
+        except ValueError as e:
+            raise TailraceError(f"{p.source_file}: {e}") from None
+    if args.admission != "simultaneous":
+        options["max_in_flight"] = args.max_in_flight
+    max_tokens = sum(o.params.get("max_tokens") or 0 for s in plan.stages for o in s.ops
+                     if o.op.name == "generate")
+    try:
+        policy = make_policy(args.admission, **options)
+    except ValueError as e:
+        raise TailraceError(str(e)) from None
+    return AdmissionGate(policy, max_tokens={p.name: max_tokens or 64})
+
+
 def _ingest(args: argparse.Namespace) -> int:
     from .ingest import ingest
 
@@ -156,9 +183,10 @@ def _run(args: argparse.Namespace) -> int:
         writer.write_error(err)
 
     interrupted = False
+    gate = _gate(args, plan) if args.admission else None
     try:
         result: Any = run_plan(plan, input=reader, output=writer.write, errors=on_error,
-                               runtime=args.runtime)
+                               runtime=args.runtime, admission=gate)
     except RunInterrupted as e:
         interrupted = True
         result = e.result
