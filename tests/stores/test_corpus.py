@@ -3,8 +3,7 @@
 import pytest
 
 from tailrace.errors import StoreError
-from tailrace.stores.corpus import (answer_correct, normalize_answer, read_fanoutqa,
-                                    read_wiki)
+from tailrace.stores.corpus import answer_correct, normalize_answer, read_fanoutqa, read_wiki
 
 
 def test_wiki_corpus_has_10033_documents():
