@@ -73,7 +73,7 @@ class AdmissionGate:
             self._waiters[req.id] = (loop, fut)
             self._ensure_poller()
         self._wake.set()
-        return await fut  # type: ignore[no-any-return]
+        return await fut
 
     def done(self, ticket: Ticket, service_seconds: float | None = None) -> None:
         """The admitted work left the pipeline: free its capacity, admit who fits.
