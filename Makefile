@@ -29,9 +29,13 @@ demo: $(STAMP)  ## set up and run the main job
 test: $(STAMP)  ## set up and run the tests
 	$(BIN)/python -m pytest
 
-bench: $(STAMP)  ## run the benchmarks and print their figures
+bench: $(STAMP)  ## run the benchmarks and print their figures (~15 minutes)
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/backpressure.py
+	$(BIN)/python bench/scheduling.py
+	$(BIN)/python bench/dispatch.py
+	$(BIN)/python bench/contention.py
+	$(BIN)/python bench/engine_efficiency.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples
