@@ -47,7 +47,11 @@ class LocalRun:
         self.replicas: dict[str, list[Replica]] = {}
         self.source_meters: dict[str, StageMeter] = {}
         self.inputs = inputs
-        n_threads = sum(s.replicas for s in plan.stages if s.mode == "thread")
+        # Blocking replicas each get one dedicated thread (native libraries such as
+        # llama.cpp keep per-thread state: OpenMP teams, caches). Calls under a timeout go
+        # to a shared pool instead, so an abandoned call never blocks the replica.
+        n_threads = sum(s.replicas for s in plan.stages if s.mode == "thread"
+                        and s.ops[0].contract.timeout_ms is not None)
         self.pool = ThreadPoolExecutor(max_workers=n_threads + 4,
                                        thread_name_prefix="tailrace") if n_threads else None
         for s in plan.stages:
@@ -227,10 +231,25 @@ class LocalRun:
         careful = (rt.is_async or first.contract.retries > 0
                    or first.contract.timeout_ms is not None)
         run_blocking = None
+        own: ThreadPoolExecutor | None = None
         if s.mode == "thread":
             loop = asyncio.get_running_loop()
             pool = self.pool
+            if first.contract.timeout_ms is None:
+                i = self.replicas[s.id].index(rep)
+                pool = own = ThreadPoolExecutor(1, thread_name_prefix=f"tailrace-{s.id}-{i}")
             run_blocking = partial(loop.run_in_executor, pool)
+        try:
+            await self._serve(s, rep, ch, first, rt, meter, max_n, max_wait, collect, careful,
+                              run_blocking)
+        finally:
+            if own is not None:
+                own.shutdown(wait=False)
+
+    async def _serve(self, s: PlanStage, rep: Replica, ch: Channel, first: Any, rt: Any,
+                     meter: StageMeter, max_n: int, max_wait: float, collect: bool,
+                     careful: bool, run_blocking: Any) -> None:
+        """The replica's loop: take a micro-batch, run it, hand the results on."""
         is_sink = s.ops[-1].op.kind == "sink"
         first_stage = s.id in self.first_stages
         errors: list[ErrorRecord] = []
