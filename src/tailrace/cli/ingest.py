@@ -53,7 +53,7 @@ def ingest(*, index: str = "wiki", embedder: str = DEFAULT_EMBEDDER, kind: str =
         except StoreError:
             pass  # missing or stale: build it
     docs = read_wiki(src, limit)
-    engine = open_engine({"backend": "onnx", "model": embedder})
+    engine = open_engine({"backend": "onnx", "model": embedder, "batch_size": 32})
     t0 = time.perf_counter()
     idx = VectorIndex.create(engine.dim, model=embedder, kind=kind)
     stream = sys.stderr if not quiet else io.StringIO()
