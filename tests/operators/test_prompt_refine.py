@@ -60,3 +60,12 @@ def test_mmr_prefers_diverse_documents():
     docs /= np.linalg.norm(docs, axis=1, keepdims=True)
     assert mmr(q, docs, 2, diversity=0.0) == [0, 1]  # pure relevance
     assert mmr(q, docs, 2, diversity=0.7) == [0, 2]  # the near-duplicate is skipped
+
+
+def test_engine_operator_batch_sizes_must_be_positive():
+    p = tr.Pipeline("t", engines={"e": {"backend": "onnx", "model": "minilm-l6-int8"}})
+    p.source(fields=["q"]).apply("embed", id="emb", engine="e", input="q", output="v",
+                                 max_batch=0).sink()
+    with pytest.raises(tr.PlanError, match=r"stage 'emb': 'max_batch' must be a positive "
+                       r"integer, got 0$"):
+        tr.compile_pipeline(p)

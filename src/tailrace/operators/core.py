@@ -59,13 +59,14 @@ def _fn(params: dict) -> Callable:
     return resolve(params["fn"])
 
 
-def per_record(f: Callable[[Any], Any]) -> Callable[[list, list], list]:
-    """A batch function applying ``f`` to each record (one output each); a record whose
-    call raises goes to ``errors`` and the loop resumes with the next one."""
+def per_record(f: Callable[[Any], Any], *, many: bool = False) -> Callable[[list, list], list]:
+    """A batch function applying ``f`` to each record (one output each, or each item of
+    the iterable it returns when ``many``); a record whose call raises goes to ``errors``
+    and the loop resumes with the next one."""
 
     def batch_fn(batch: list, errors: list) -> list:
         out: list = []
-        append = out.append
+        append = out.extend if many else out.append
         it = iter(batch)
         while True:
             try:
@@ -149,19 +150,8 @@ def _build_flat_map(params: dict, contract: Contract) -> OpRuntime:
         def items(r: Any) -> list:
             return [{**r, key: v} for v in raw(r if inp is None else _get(r, inp))]
 
-    def batch_fn(batch: list, errors: list) -> list:
-        out: list = []
-        extend = out.extend
-        it = iter(batch)
-        while True:
-            try:
-                for x in it:
-                    extend(items(x))
-                return out
-            except Exception as e:
-                errors.append((x, e))
-
-    return OpRuntime("map", batch_fn=batch_fn, record_fn=lambda x: list(items(x)))
+    return OpRuntime("map", batch_fn=per_record(items, many=True),
+                     record_fn=lambda x: list(items(x)))
 
 
 # -- key_by ---------------------------------------------------------------------------
@@ -250,7 +240,7 @@ def _build_placeholder(kind: str) -> Callable[[dict, Contract], OpRuntime]:
     return lambda params, contract: OpRuntime(kind)
 
 
-def _positive_int(v: Any) -> bool:
+def positive_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
@@ -276,7 +266,7 @@ register(OpDef("stateful", "map", _build_stateful,
                state="keyed", fields=_stateful_fields, doc="keyed state per record key"))
 register(OpDef("batch", "collect", _build_batch,
                (Param("max_size", (int,), required=True, want="a positive integer",
-                      check=_positive_int),
+                      check=positive_int),
                 Param("max_wait_ms", (int, float), default=0.0, check=_non_negative,
                       want="a non-negative number of milliseconds"),
                 OUTPUT),

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..engines import GenerationRequest, open_engine
 from ..errors import ContextOverflow
-from .core import FieldError, per_record
+from .core import FieldError, per_record, positive_int
 from .registry import OpDef, OpRuntime, Param, register
 from .retrieval import _ENGINE_HINT, link_engine
 
@@ -152,12 +152,12 @@ register(OpDef(
      Param("output", (str,), default="answer", want="a field name"),
      Param("system", (str,), want="a system message (chat models)"),
      Param("max_tokens", (int,), default=64, want="a positive integer",
-           check=lambda v: isinstance(v, int) and v >= 1),
+           check=positive_int),
      Param("temperature", (int, float), default=0.0, want="a number >= 0",
            check=lambda v: v >= 0),
      Param("stop", (list,), want="a list of stop strings"),
      Param("max_batch", (int,), default=8, want="a positive integer",
-           check=lambda v: isinstance(v, int) and v >= 1),
+           check=positive_int),
      Param("usage", (str,), want="a field for {prompt_tokens, completion_tokens}")),
     batchable=True, blocking=True,
     fields=lambda p: ((template_fields(p["prompt"]) if p.get("prompt") else (p["input"],)),

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..engines import check_spec, home, open_engine
 from ..errors import TailraceError
-from .core import FieldError, _get
+from .core import FieldError, _get, positive_int
 from .registry import LinkContext, OpDef, OpRuntime, Param, register
 
 _ENGINE_HINT = "a name declared under 'engines:'"
@@ -83,7 +83,7 @@ register(OpDef(
     (Param("engine", (str,), required=True, want=_ENGINE_HINT),
      Param("input", (str,), required=True, want="a text field"),
      Param("output", (str,), required=True, want="a field name"),
-     Param("max_batch", (int,), default=256, want="a positive integer")),
+     Param("max_batch", (int,), default=256, want="a positive integer", check=positive_int)),
     batchable=True, blocking=True, fields=lambda p: _io(p, (p["input"],)),
     prepare=lambda p, ctx: link_engine(p, ctx, "embed"),
     doc="embed a text field into a vector field"))
@@ -134,10 +134,10 @@ register(OpDef(
     (Param("index", (str,), required=True, want="an index name (see tailrace ingest) or path"),
      Param("query", (str,), required=True, want="a vector field written by an embed stage"),
      Param("k", (int,), default=5, want="a positive integer",
-           check=lambda v: isinstance(v, int) and v >= 1),
+           check=positive_int),
      Param("output", (str,), default="passages", want="a field name"),
      Param("embedder", (str,), want=_ENGINE_HINT),
-     Param("max_batch", (int,), default=256, want="a positive integer")),
+     Param("max_batch", (int,), default=256, want="a positive integer", check=positive_int)),
     batchable=True, blocking=True, fields=lambda p: _io(p, (p["query"],)),
     prepare=_prepare_retrieve, doc="top-k passages from a vector index"))
 
@@ -201,11 +201,11 @@ register(OpDef(
      Param("input", (str,), required=True, want="a passages field (from retrieve)"),
      Param("query", (str,), required=True, want="the question text or query vector field"),
      Param("k", (int,), default=5, want="a positive integer",
-           check=lambda v: isinstance(v, int) and v >= 1),
+           check=positive_int),
      Param("diversity", (int, float), default=0.3, want="a number from 0 to 1",
            check=lambda v: 0 <= v <= 1),
      Param("output", (str,), want="a field name"),
-     Param("max_batch", (int,), default=64, want="a positive integer")),
+     Param("max_batch", (int,), default=64, want="a positive integer", check=positive_int)),
     batchable=True, blocking=True,
     fields=lambda p: ((p["input"], p["query"]), (p.get("output") or p["input"],)),
     prepare=lambda p, ctx: link_engine(p, ctx, "embed"),
@@ -311,7 +311,7 @@ register(OpDef(
     (Param("input", (str,), required=True, want="a passages field (from retrieve/rerank)"),
      Param("output", (str,), default="context", want="a field name"),
      Param("max_tokens", (int,), default=512, want="a positive integer",
-           check=lambda v: isinstance(v, int) and v >= 1),
+           check=positive_int),
      Param("dedup", (int, float), default=0.8, want="a Jaccard threshold from 0 to 1",
            check=lambda v: 0 <= v <= 1),
      Param("sources", (str,), want="a field name for the kept passages' titles"),
