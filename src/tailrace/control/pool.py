@@ -30,7 +30,7 @@ from typing import Any
 
 from ..engines.base import Generation, GenerationRequest, TokenCallback
 from ..engines.openai import approx_tokens
-from ..engines.registry import BACKENDS
+from ..engines.registry import BACKENDS, PoolHooks, set_pool_hooks
 from ..errors import ContextOverflow, EngineError
 from ._pool_state import Batch, Call, Item, PoolStatistics, ReplicaState, ReplicaStatistics
 from .batching import Batcher
@@ -129,6 +129,8 @@ class EnginePool:
         self.model: str = str(spec.get("model", ""))
         self.context_length: int | None = None
         self.dim: int | None = None
+        self.chat = True  # the replicas' engine takes chat messages (known once started)
+        self._counter: Any = None  # counts tokens here (see count_tokens)
         self.endpoints = tuple(endpoints) if endpoints is not None else None
         self.max_retries, self.max_restarts = max_retries, max_restarts
         self.health_timeout_s = float(health_timeout_s)
@@ -244,6 +246,30 @@ class EnginePool:
             return np.zeros((0, self.dim or 0), dtype=np.float32)
         return np.stack(rows).astype(np.float32, copy=False)
 
+    def count_tokens(self, text: str) -> int:
+        """Tokens ``text`` takes in the replicas' model, counted in this process.
+
+        llama.cpp replicas: exact, with the model's vocabulary (loaded here on first use,
+        weights not needed); other backends: the 4-characters-a-token estimate.
+
+        text: the text to count.
+        """
+        if self._counter is None:
+            counter: Any = approx_tokens
+            if self.spec.get("backend") == "llama_cpp":
+                from ..engines.llama_vocab import LlamaVocab
+                from ..engines.registry import model_info, model_path
+
+                path = self.spec.get("path") or str(
+                    model_path(model_info(str(self.spec.get("model", "")), "llama_cpp")))
+                counter = LlamaVocab(path).count_tokens
+            self._counter = counter
+        return int(self._counter(text))
+
+    def close(self) -> None:
+        """Stop the pool (the engine protocol's name for ``stop``)."""
+        self.stop()
+
     def statistics(self) -> PoolStatistics:
         """A snapshot: per replica load, calls, failures and restarts; batches formed."""
         with self._lock:
@@ -314,6 +340,8 @@ class EnginePool:
             r.healthy, r.pid, r.failed_starts = True, msg.pid, 0
             self.model = msg.model or self.model
             self.context_length, self.dim = msg.context_length, msg.dim
+            if msg.chat is not None:
+                self.chat = msg.chat
         elif isinstance(msg, BatchResult):
             self._finish(r, msg)
         elif isinstance(msg, StartFailed):
@@ -507,6 +535,14 @@ def get_pool(name: str, spec: dict[str, Any], **options: Any) -> EnginePool:
         return pool
 
 
+def _check_options(name: str, spec: dict[str, Any], options: dict[str, Any]) -> None:
+    """EngineError for bad pool options (builds the pool object, starts nothing)."""
+    try:
+        EnginePool(name, spec, **options)
+    except TypeError as e:  # an option of the wrong type reached a comparison
+        raise EngineError(f"engine pool '{name}': bad option ({e})") from None
+
+
 def close_pools() -> None:
     """Stop every pool ``get_pool`` created (tests, shutdown)."""
     with _POOLS_LOCK:
@@ -517,3 +553,5 @@ def close_pools() -> None:
 
 
 atexit.register(close_pools)
+set_pool_hooks(PoolHooks(check=_check_options, open=lambda name, spec, options: get_pool(
+    name, spec, **options), close=close_pools))

@@ -67,6 +67,7 @@ class Ready:
     model: str
     context_length: int | None = None
     dim: int | None = None
+    chat: bool | None = None  # a generation engine that takes chat messages
 
 
 @dataclass(frozen=True)
@@ -131,8 +132,9 @@ def describe(engine: Any, kind: str) -> Ready:
     kind:   ``"generate"`` or ``"embed"`` (only an embedder is asked its ``dim``).
     """
     dim = int(engine.dim) if kind == "embed" else None
+    chat = getattr(engine, "chat", None) if kind == "generate" else None
     return Ready(os.getpid(), str(getattr(engine, "model", "")),
-                 getattr(engine, "context_length", None), dim)
+                 getattr(engine, "context_length", None), dim, chat)
 
 
 def serve(engine: Any, msg: GenerateBatch | EmbedBatch, send: Deliver) -> BatchResult:

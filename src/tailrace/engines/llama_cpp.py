@@ -199,7 +199,9 @@ class LlamaCppEngine:
         requests: the requests; ``messages`` are rendered with the model's chat template,
                   ``prompt`` is used as is.
         on_token: called as ``on_token(request_index, piece)`` for each piece of text as it
-                  is produced (never text that turns out to belong to a stop string).
+                  is produced (never text that turns out to belong to a stop string); when
+                  it returns ``False`` that sequence stops at once (``finish_reason``
+                  ``"cancelled"``) and its slot goes to the next waiting request.
         """
         with self._lock:
             if self._ctx is None:
@@ -368,7 +370,7 @@ class LlamaCppEngine:
 
         def finish(s: _Seq, reason: str) -> None:
             tail = s.stream.finish()
-            if tail and on_token is not None:
+            if tail and on_token is not None and reason != "cancelled":
                 on_token(s.index, tail)
             results[s.index] = Generation(s.stream.text, s.n_prompt, s.n_gen, reason)
             lib.llama_memory_seq_rm(mem, s.slot, -1, -1)
@@ -441,9 +443,9 @@ class LlamaCppEngine:
                         continue
                     s.n_gen += 1
                     text = s.stream.feed(piece)
-                    if text and on_token is not None:
-                        on_token(s.index, text)
-                    if s.stream.stopped:
+                    if text and on_token is not None and on_token(s.index, text) is False:
+                        finish(s, "cancelled")  # the caller went away: free the slot now
+                    elif s.stream.stopped:
                         finish(s, "stop")
                     elif s.n_gen >= s.max_tokens:
                         finish(s, "length")

@@ -5,6 +5,13 @@ A pipeline's ``engines:`` block maps names to specs like
 validates a spec at compile time without loading anything (unknown backend or model,
 missing model package -> one clear line with the fix); ``open_engine`` creates the
 engine on first use and shares it with every stage and run in the process.
+
+A spec with ``replicas: N`` (embedded engines, each in its own process) or
+``endpoints: [URL, ...]`` (remote OpenAI-compatible servers) names an engine POOL: the
+control plane's ``EnginePool`` (batching, least-loaded dispatch, failover), one per engine
+name, shared by every pipeline in the process. This layer only knows the spec keys; the
+control plane registers how pools are checked and opened (``set_pool_hooks``), so engines
+never import the layer above them.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import importlib.util
 import json
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -140,11 +148,86 @@ def _assemble_gemma(info: ModelInfo) -> Path:
     return Path(mod.assemble(output_path=target))
 
 
+#: spec keys that configure an engine pool (``tailrace.control.EnginePool`` arguments)
+POOL_KEYS = ("replicas", "endpoints", "dispatch", "max_batch_size", "max_wait_ms",
+             "max_batch_tokens", "max_retries", "health_timeout_s", "max_in_flight",
+             "isolation", "max_restarts")
+
+
+@dataclass(frozen=True)
+class PoolHooks:
+    """How the control plane checks and opens engine pools (``set_pool_hooks``).
+
+    check: ``check(name, spec, options)`` raises EngineError for bad pool options.
+    open:  ``open(name, spec, options)`` returns the started, shared pool for ``name``.
+    close: stops every pool ``open`` started.
+    """
+
+    check: Callable[[str, dict, dict], None]
+    open: Callable[[str, dict, dict], Any]
+    close: Callable[[], None]
+
+
+_POOL_HOOKS: PoolHooks | None = None
+
+
+def set_pool_hooks(hooks: PoolHooks) -> None:
+    """Register the control plane's pool functions (done when ``tailrace`` is imported)."""
+    global _POOL_HOOKS
+    _POOL_HOOKS = hooks
+
+
+def is_pool(spec: Any) -> bool:
+    """Does ``spec`` describe a pool of replicas (``replicas:`` or ``endpoints:``)?"""
+    return isinstance(spec, dict) and ("replicas" in spec or "endpoints" in spec)
+
+
+def split_pool(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the engine spec each replica opens, the pool's options) of a pool spec."""
+    base = {k: v for k, v in spec.items() if k not in POOL_KEYS and not k.startswith("_")}
+    options = {k: spec[k] for k in POOL_KEYS if k in spec}
+    if "endpoints" in options:
+        options["endpoints"] = list(options["endpoints"])
+    return base, options
+
+
+def _pool_hooks() -> PoolHooks:
+    if _POOL_HOOKS is None:
+        raise EngineError("engine pools need the control plane: import tailrace first")
+    return _POOL_HOOKS
+
+
+def _check_pool(name: str, spec: dict[str, Any], kind: str) -> None:
+    replicas, endpoints = spec.get("replicas"), spec.get("endpoints")
+    if replicas is not None and endpoints is not None:
+        raise EngineError(f"engine '{name}': give either replicas: N (embedded engines) or "
+                          "endpoints: [URL, ...] (remote servers), not both")
+    if replicas is not None and (type(replicas) is not int or replicas < 1):
+        raise EngineError(f"engine '{name}': replicas must be a positive integer (engine "
+                          f"processes in its pool), got {replicas!r}")
+    if endpoints is not None and (not isinstance(endpoints, list) or not endpoints or
+                                  not all(isinstance(e, str) and e for e in endpoints)):
+        raise EngineError(f"engine '{name}': endpoints must be a non-empty list of base URLs "
+                          f"like [http://127.0.0.1:8001/v1], got {endpoints!r}")
+    base, options = split_pool(spec)
+    if endpoints is not None:
+        base = {**base, "base_url": endpoints[0]}
+    check_spec(name, base, kind)
+    _pool_hooks().check(name, base, options)
+
+
 def check_spec(name: str, spec: Any, kind: str) -> None:
     """Validate an engine spec without loading it; EngineError says what to fix."""
     if not isinstance(spec, dict):
         raise EngineError(f"engine '{name}' must be a mapping like "
                           "{backend: llama_cpp, model: smollm2-135m-instruct}")
+    if is_pool(spec):
+        _check_pool(name, spec, kind)
+        return
+    stray = [k for k in POOL_KEYS if k in spec]
+    if stray:
+        raise EngineError(f"engine '{name}': {', '.join(stray)} configure an engine pool; add "
+                          "replicas: N (or endpoints: [URL, ...]) to make it one")
     backend = spec.get("backend")
     if backend not in BACKENDS:
         raise EngineError(f"engine '{name}': unknown backend '{backend}'; known: "
@@ -169,8 +252,17 @@ _CACHE: dict[str, Any] = {}
 _LOCK = threading.Lock()
 
 
-def open_engine(spec: dict[str, Any]) -> Any:
-    """The engine for ``spec``, created once per process and shared."""
+def open_engine(spec: dict[str, Any], name: str | None = None) -> Any:
+    """The engine for ``spec``, created once per process and shared.
+
+    spec: the engine spec; a pool spec (``replicas``/``endpoints``) opens the shared,
+          started pool for the engine's name instead.
+    name: the engine's name in the pipeline (pools are shared by name; default: the
+          spec's ``_name``, which stages' linking sets).
+    """
+    if is_pool(spec):
+        base, options = split_pool(spec)
+        return _pool_hooks().open(name or spec.get("_name") or "engine", base, options)
     key = json.dumps(spec, sort_keys=True, default=str)
     with _LOCK:
         eng = _CACHE.get(key)
@@ -187,8 +279,10 @@ def open_engine(spec: dict[str, Any]) -> Any:
 
 
 def close_all() -> None:
-    """Close every cached engine (tests, shutdown)."""
+    """Close every cached engine and engine pool (tests, shutdown)."""
     with _LOCK:
         for eng in _CACHE.values():
             eng.close()
         _CACHE.clear()
+    if _POOL_HOOKS is not None:
+        _POOL_HOOKS.close()

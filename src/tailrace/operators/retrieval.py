@@ -12,7 +12,7 @@ import os
 import re
 from typing import Any
 
-from ..engines import check_spec, home, open_engine
+from ..engines import check_spec, home, is_pool, open_engine
 from ..errors import TailraceError
 from .core import FieldError, _get, positive_int
 from .registry import LinkContext, OpDef, OpRuntime, Param, register
@@ -32,8 +32,9 @@ def link_engine(params: dict, ctx: LinkContext, kind: str, *, key: str = "engine
         declared = ", ".join(ctx.engines) or "none"
         raise ValueError(f"unknown engine '{name}' (declared engines: {declared}); add it "
                          f"under 'engines:' like {name}: {{backend: ..., model: ...}}")
-    check_spec(name, ctx.engines[name], kind)
-    params["_" + key] = ctx.engines[name]
+    spec = ctx.engines[name]
+    check_spec(name, spec, kind)
+    params["_" + key] = {**spec, "_name": name} if is_pool(spec) else spec
     return params
 
 
