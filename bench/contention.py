@@ -11,7 +11,7 @@ rejections; total goodput — output tokens per second of the requests that met 
 second), both over the time until the last request finished.
 
     python bench/contention.py                      # latency-model server (default)
-    python bench/contention.py --engine llama       # the real embedded llama.cpp engine
+    python bench/contention.py --engine llama       # a real embedded llama.cpp pool
 
 The latency-model server (bench/latency_server.py) is a real OpenAI-wire HTTP server
 whose timing follows a continuous-batching model, so contention is measured on this
@@ -37,6 +37,7 @@ from tailrace.control import PipelineSLO, make_policy  # noqa: E402
 from tailrace.control.gate import AdmissionGate  # noqa: E402
 from tailrace.control.slo import CostModel  # noqa: E402
 from tailrace.engines import open_engine  # noqa: E402
+from tailrace.stores.corpus import read_wiki  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class Workload:
     slo_ms: float
     priority: str
     weight: float
+    texts: tuple[str, ...] = ()  # prompts, used in turn (default: prompt_words x "word")
 
 
 def trace(w: Workload, duration: float, seed: int) -> list[float]:
@@ -89,14 +91,14 @@ def run_policy(policy_name: str, workloads: list[Workload], traces: dict, engine
     lock = threading.Lock()
 
     def go(w: Workload) -> None:
-        text = " ".join(["word"] * w.prompt_words)
+        texts = w.texts or (" ".join(["word"] * w.prompt_words),)
 
         async def arrivals():
-            for offset in traces[w.name]:
+            for i, offset in enumerate(traces[w.name]):
                 delay = start + offset - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                yield {"text": text, "t0": time.perf_counter()}
+                yield {"text": texts[i % len(texts)], "t0": time.perf_counter()}
 
         def sink(rec: dict) -> None:
             now = time.perf_counter()
@@ -164,14 +166,22 @@ def main() -> None:
         interactive = Workload("interactive", 0, 240, 32, 2000, "interactive", 4)
         batch = Workload("batch", 0, 1600, 128, 60000, "batch", 1)
     else:
-        engine = {"backend": "llama_cpp", "model": "smollm2-135m-instruct", "n_threads": 2,
-                  "n_ctx": 1024, "n_seq_max": 4}
-        capacity, replicas = 4, 1
-        per_tok = 1 / 28.0  # ~113 tok/s over 4 sequences here
-        cost = CostModel(prefill_tps=800, decode_tps=1 / per_tok, overhead_s=0.02)
-        interactive = Workload("interactive", 0, 40, 8, 4000, "interactive", 4)
-        batch = Workload("batch", 0, 300, 48, 120000, "batch", 1)
-        open_engine(engine)  # load the model once, outside the timing
+        # A pool of 2 llama.cpp replica processes (1 thread each: this machine has 2 cores),
+        # shared by both pipelines through the pipeline spec's `replicas:`. Real prompts:
+        # questions for the interactive pipeline, Wikipedia summaries to condense for batch.
+        engine = {"backend": "llama_cpp", "model": "smollm2-135m-instruct", "n_threads": 1,
+                  "n_ctx": 1024, "n_seq_max": 4, "replicas": 2, "max_batch_size": 4,
+                  "max_wait_ms": 2}
+        capacity, replicas = 8, 8
+        docs = [d for d in read_wiki() if len(d["text"]) > 1200][:64]
+        questions = tuple(f"In one sentence: what is {d['title']}?" for d in docs)
+        summaries = tuple("Summarise this text in three sentences.\n\n" + d["text"][:1200]
+                          for d in docs)
+        per_tok = 1 / 24.0  # per sequence at 4 sequences a replica, 1 thread (measured here)
+        cost = CostModel(prefill_tps=600, decode_tps=1 / per_tok, overhead_s=0.05)
+        interactive = Workload("interactive", 0, 12, 16, 4000, "interactive", 4, questions)
+        batch = Workload("batch", 0, 240, 64, 120000, "batch", 1, summaries)
+        open_engine(engine, "llm")  # start the pool once, outside the timing
 
     # Offered load: interactive takes 20% of capacity; batch brings the total to --load.
     def service(w: Workload) -> float:
