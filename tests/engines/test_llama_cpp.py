@@ -159,15 +159,48 @@ def test_count_tokens(engine):
     assert longer >= 10 * (short + 3) // 2
 
 
-def test_generate_is_serialised_across_threads(engine):
-    results: list[list] = []
-    threads = [threading.Thread(target=lambda: results.append(
-        engine.generate([chat(QUESTIONS[4], max_tokens=8)]))) for _ in range(2)]
-    for t in threads:
+COUNT = "Count from 1 to 100, separated by commas."  # generates past 120 tokens
+
+
+def test_concurrent_calls_share_the_decode_loop(engine, one_at_a_time):
+    """A short call arriving while a long one generates joins the running loop (continuous
+    batching): it finishes first, and both results equal their solo greedy runs."""
+    started, order, out = threading.Event(), [], {}
+
+    def long_call():
+        out["long"] = engine.generate([chat(COUNT, max_tokens=120)],
+                                      on_token=lambda i, t: started.set())[0]
+        order.append("long")
+
+    def short_call():
+        out["short"] = engine.generate([chat(QUESTIONS[0])])[0]
+        order.append("short")
+
+    solo_long = engine.generate([chat(COUNT, max_tokens=120)])[0]
+    t_long = threading.Thread(target=long_call)
+    t_long.start()
+    assert started.wait(60)
+    t_short = threading.Thread(target=short_call)
+    t_short.start()
+    t_short.join(60)
+    t_long.join(60)
+    assert solo_long.completion_tokens == 120  # long enough to still run when short came
+    assert order == ["short", "long"]
+    assert out["short"] == one_at_a_time[0] and out["long"] == solo_long
+
+
+def test_a_failing_callback_fails_only_its_call(engine, one_at_a_time):
+    def broken(i, text):
+        raise RuntimeError("the caller's callback broke")
+
+    results: list = []
+    t = threading.Thread(target=lambda: results.append(engine.generate([chat(QUESTIONS[2])])))
+    with pytest.raises(RuntimeError, match="the caller's callback broke"):
         t.start()
-    for t in threads:
-        t.join()
-    assert len(results) == 2 and results[0] == results[1]
+        engine.generate([chat(COUNT, max_tokens=64)], on_token=broken)
+    t.join(60)
+    assert results == [[one_at_a_time[2]]]
+    assert engine.generate([chat(QUESTIONS[0])])[0] == one_at_a_time[0]  # still healthy
 
 
 def test_gemma_base_model_completion_with_default_stops():

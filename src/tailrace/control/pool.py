@@ -94,8 +94,8 @@ class EnginePool:
         max_batch_tokens: the most predicted tokens in one engine call (None: no budget).
         max_retries:      times a failed batch is retried on another replica.
         health_timeout_s: seconds a replica has to become healthy (at start and on restart).
-        max_in_flight:    engine calls each replica runs at once (default 1 for embedded
-                          replicas, 4 for endpoints).
+        max_in_flight:    engine calls each replica runs at once (default 4 for endpoints
+                          and llama.cpp, which decodes concurrent calls together; 1 else).
         isolation:        ``process`` (one spawned process per replica) or ``thread``
                           (replicas in this process) for embedded replicas.
         max_restarts:     failed starts in a row after which a replica is marked down.
@@ -135,7 +135,9 @@ class EnginePool:
         self.max_retries, self.max_restarts = max_retries, max_restarts
         self.health_timeout_s = float(health_timeout_s)
         self._isolation = "thread" if endpoints is not None else isolation
-        in_flight = max_in_flight or (4 if endpoints is not None else 1)
+        # remote servers and llama.cpp (continuous batching) decode several calls together
+        in_flight = max_in_flight or (4 if endpoints is not None or backend == "llama_cpp"
+                                      else 1)
         self._replicas = [ReplicaState(i, (self.endpoints or [None] * count)[i], in_flight)
                           for i in range(count)]
         self._clock = clock
@@ -496,7 +498,8 @@ class EnginePool:
                 self._events.put((rid, inc, msg))
 
         if self._isolation == "process":
-            r.transport = ProcessReplica(self.spec, self.kind, deliver, label)
+            r.transport = ProcessReplica(self.spec, self.kind, deliver, label,
+                                         r.max_in_flight)
         else:
             r.transport = ThreadReplica(self.spec, self.kind, deliver, label, r.endpoint,
                                         r.max_in_flight)

@@ -190,12 +190,14 @@ def serve(engine: Any, msg: GenerateBatch | EmbedBatch, send: Deliver) -> BatchR
     return BatchResult(bid, outputs, tuple(errors))
 
 
-def worker_main(conn: Any, spec: dict[str, Any], kind: str) -> None:
+def worker_main(conn: Any, spec: dict[str, Any], kind: str, workers: int = 1) -> None:
     """A replica process: open the engine, say Ready, serve batches until Shutdown or EOF.
 
-    conn: this end of the pool's Pipe.
-    spec: the engine spec (``open_engine``).
-    kind: ``"generate"`` or ``"embed"``.
+    conn:    this end of the pool's Pipe.
+    spec:    the engine spec (``open_engine``).
+    kind:    ``"generate"`` or ``"embed"``.
+    workers: batches served at once, each on its own thread (an engine that batches
+             continuously, like llama.cpp's, decodes them together).
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     try:
@@ -205,6 +207,16 @@ def worker_main(conn: Any, spec: dict[str, Any], kind: str) -> None:
         conn.send(StartFailed(_one_line(e)))
         return
     conn.send(ready)
+    lock = threading.Lock()  # one message at a time on the pipe
+
+    def send(m: FromReplica) -> None:
+        with lock:
+            conn.send(m)
+
+    def handle(m: GenerateBatch | EmbedBatch) -> None:
+        send(serve(engine, m, send))
+
+    pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="replica")
     try:
         while True:
             try:
@@ -213,8 +225,9 @@ def worker_main(conn: Any, spec: dict[str, Any], kind: str) -> None:
                 break
             if isinstance(msg, Shutdown):
                 break
-            conn.send(serve(engine, msg, conn.send))
+            pool.submit(handle, msg)
     finally:
+        pool.shutdown(wait=True)  # batches already taken finish before the engine closes
         engine.close()
 
 
@@ -244,17 +257,20 @@ class ProcessReplica:
     (the process ended, however it ended).
     """
 
-    def __init__(self, spec: dict[str, Any], kind: str, deliver: Deliver, label: str):
+    def __init__(self, spec: dict[str, Any], kind: str, deliver: Deliver, label: str,
+                 max_workers: int = 1):
         """Prepare (nothing runs until ``start``).
 
-        spec:    the engine spec the worker opens.
-        kind:    ``"generate"`` or ``"embed"``.
-        deliver: called with each message from the replica (on the reader thread).
-        label:   the process name, e.g. ``tailrace-pool-llm-0``.
+        spec:        the engine spec the worker opens.
+        kind:        ``"generate"`` or ``"embed"``.
+        deliver:     called with each message from the replica (on the reader thread).
+        label:       the process name, e.g. ``tailrace-pool-llm-0``.
+        max_workers: batches the worker serves at once.
         """
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=worker_main, args=(child, dict(spec), kind),
+        self._proc = ctx.Process(target=worker_main,
+                                 args=(child, dict(spec), kind, max_workers),
                                  name=label, daemon=True)
         self._child = child
         self._deliver = deliver

@@ -1,12 +1,14 @@
 """Text generation on llama.cpp (``llama-cpp-python``) with multi-sequence batch decoding.
 
 One ``LlamaCppEngine`` loads one GGUF model and one llama.cpp context that holds
-``n_seq_max`` sequences. ``generate`` serves a batch of requests together: every decode
-step sends ONE ``llama_batch`` with the next token of each active sequence (``seq_id`` =
-slot) plus chunks of prompts still being prefilled, then samples each sequence's next
-token from its logits row. A finished sequence is dropped from the KV cache
-(``llama_memory_seq_rm``) and its slot is refilled with the next waiting request, so
-more requests than ``n_seq_max`` stream through the same context.
+``n_seq_max`` sequences, decoded by one loop on the engine's own thread (continuous
+batching): every decode step sends ONE ``llama_batch`` with the next token of each
+active sequence (``seq_id`` = slot) plus chunks of prompts still being prefilled, then
+samples each sequence's next token from its logits row. A finished sequence is dropped
+from the KV cache (``llama_memory_seq_rm``) and its slot is refilled with the next
+waiting request. ``generate`` calls from any number of threads hand their requests to
+that loop, which takes them in between steps: a short request arriving while long ones
+generate starts at the next step instead of waiting for them to finish.
 
 Context: the KV cache is split per sequence (llama.cpp's non-unified cache), created
 with ``n_ctx * n_seq_max`` cells, so every sequence gets its own ``n_ctx`` tokens:
@@ -20,6 +22,7 @@ import heapq
 import logging
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -58,14 +61,33 @@ def _init_backend(lib: Any) -> None:
         _BACKEND_READY = True
 
 
+class _Call:
+    """One ``generate`` call: its requests' results, filled in by the decode loop."""
+
+    __slots__ = ("results", "on_token", "remaining", "done", "error")
+
+    def __init__(self, n: int, on_token: TokenCallback | None):
+        self.results: list[Generation | None] = [None] * n
+        self.on_token = on_token
+        self.remaining = n
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def fail(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+        self.done.set()
+
+
 class _Seq:
     """One request occupying a sequence slot while it is prefilled and generated."""
 
-    __slots__ = ("index", "slot", "prompt", "n_prompt", "fed", "pos", "last", "n_gen",
-                 "max_tokens", "temperature", "rng", "stream", "row")
+    __slots__ = ("call", "index", "slot", "prompt", "n_prompt", "fed", "pos", "last",
+                 "n_gen", "max_tokens", "temperature", "rng", "stream", "row")
 
-    def __init__(self, index: int, slot: int, prompt: Any, max_tokens: int,
+    def __init__(self, call: _Call, index: int, slot: int, prompt: Any, max_tokens: int,
                  temperature: float, rng: Any, stream: TextStream):
+        self.call = call
         self.index = index
         self.slot = slot
         self.prompt = prompt  # numpy int32 token ids
@@ -84,7 +106,7 @@ class _Seq:
 class LlamaCppEngine:
     """A GGUF model on llama.cpp serving batches of requests with multi-sequence decoding.
 
-    Thread-safe: ``generate`` holds a lock, so one batch runs at a time per engine.
+    Thread-safe: concurrent ``generate`` calls share the decode loop (continuous batching).
     """
 
     def __init__(self, model: str = "smollm2-135m-instruct", *, path: str | None = None,
@@ -127,7 +149,11 @@ class LlamaCppEngine:
         self.path = str(file)
         self.seed = seed
         self._rng = np.random.default_rng(seed)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the context's life and the inbox
+        self._inbox: deque[tuple[_Call, int, GenerationRequest, list[int]]] = deque()
+        self._looping = False  # the decode loop is running (or queued) on _decoder
+        self._idle = threading.Event()
+        self._idle.set()
         self._decoder = ThreadPoolExecutor(1, thread_name_prefix=f"llama-{model}")
         self._model = None
         self._ctx = None
@@ -213,16 +239,41 @@ class LlamaCppEngine:
                         f"prompt has {len(p)} tokens; with max_tokens={r.max_tokens} it "
                         f"exceeds the model context of {self.context_length} tokens; shorten "
                         "the prompt (e.g. a refine stage's max_tokens) or lower max_tokens")
-            # Decode on the engine's own thread: llama.cpp's OpenMP keeps a thread team per
-            # calling thread, and teams of several callers spin against each other (measured:
-            # -20% tok/s once a second thread had called in). One thread, one team.
-            return self._decoder.submit(self._run, requests, prompts, on_token).result()
+            call = _Call(len(requests), on_token)
+            for i, (r, p) in enumerate(zip(requests, prompts, strict=True)):
+                if r.max_tokens <= 0:
+                    call.results[i] = Generation("", len(p), 0, "length")
+                    call.remaining -= 1
+                else:
+                    self._inbox.append((call, i, r, p))
+            if call.remaining == 0:
+                return call.results  # type: ignore[return-value]
+            if not self._looping:
+                # Decode on the engine's own thread: llama.cpp's OpenMP keeps a thread team
+                # per calling thread, and teams of several callers spin against each other
+                # (measured: -20% tok/s once a second thread had called in). One thread.
+                self._looping = True
+                self._idle.clear()
+                self._decoder.submit(self._loop)
+        call.done.wait()
+        if call.error is not None:
+            raise call.error
+        return call.results  # type: ignore[return-value]
 
     def close(self) -> None:
         """Free the llama.cpp context and model (the engine cannot be used afterwards)."""
         lock, lib = getattr(self, "_lock", None), getattr(self, "_lib", None)
-        if lib is None or (lock is not None and not lock.acquire(timeout=60)):
-            return
+        idle = getattr(self, "_idle", None)
+        if lib is None or lock is None or idle is None:
+            return  # __init__ failed before the model was loaded
+        deadline = time.monotonic() + 60
+        while True:  # wait for calls still decoding (new ones may start meanwhile)
+            if not idle.wait(timeout=max(deadline - time.monotonic(), 0)) or \
+                    not lock.acquire(timeout=max(deadline - time.monotonic(), 0)):
+                return
+            if not self._looping:
+                break
+            lock.release()
         try:
             if getattr(self, "_ctx", None) is not None:
                 lib.llama_free(self._ctx)
@@ -233,8 +284,7 @@ class LlamaCppEngine:
             if getattr(self, "_decoder", None) is not None:
                 self._decoder.shutdown(wait=False)
         finally:
-            if lock is not None:
-                lock.release()
+            lock.release()
 
     def __del__(self) -> None:
         try:  # noqa: SIM105 - at interpreter exit, module globals (contextlib) may be gone
@@ -346,8 +396,8 @@ class LlamaCppEngine:
         self._batch = batch
         self._row_type = ctypes.c_float * self.n_vocab
 
-    def _run(self, requests: Sequence[GenerationRequest], prompts: list[list[int]],
-             on_token: TokenCallback | None) -> list[Generation]:
+    def _loop(self) -> None:
+        """The decode loop: runs while any call has requests waiting or generating."""
         np, lib = self._np, self._lib
         ctx, mem, batch = self._ctx, self._mem, self._batch
         tok, pos, seq, out = self._b_tok, self._b_pos, self._b_seq, self._b_out
@@ -357,39 +407,59 @@ class LlamaCppEngine:
         void_p = ctypes.c_void_p
         stops_default = () if self.chat else self.default_stop
 
-        results: list[Generation | None] = [None] * len(requests)
-        waiting: deque[int] = deque()
-        for i, r in enumerate(requests):
-            if r.max_tokens <= 0:
-                results[i] = Generation("", len(prompts[i]), 0, "length")
-            else:
-                waiting.append(i)
+        waiting: deque[tuple[_Call, int, GenerationRequest, list[int]]] = deque()
+        inbox, lock = self._inbox, self._lock
         free = list(range(self.n_seq_max))
         active: list[_Seq] = []  # kept sorted by slot: llama.cpp splits per-seq streams
         lib.llama_memory_clear(mem, True)  # into ubatches of consecutive seq ids
 
+        def emit(s: _Seq, text: str) -> bool:
+            """Give ``text`` to the call's callback; False: stop this sequence."""
+            cb = s.call.on_token
+            if cb is None:
+                return True
+            try:
+                return cb(s.index, text) is not False
+            except Exception as e:  # the caller's callback failed: only its call fails
+                s.call.fail(e)
+                return False
+
         def finish(s: _Seq, reason: str) -> None:
             tail = s.stream.finish()
-            if tail and on_token is not None and reason != "cancelled":
-                on_token(s.index, tail)
-            results[s.index] = Generation(s.stream.text, s.n_prompt, s.n_gen, reason)
+            if tail and reason != "cancelled":
+                emit(s, tail)
+            call = s.call
+            call.results[s.index] = Generation(s.stream.text, s.n_prompt, s.n_gen, reason)
             lib.llama_memory_seq_rm(mem, s.slot, -1, -1)
             heapq.heappush(free, s.slot)
+            call.remaining -= 1
+            if call.remaining == 0:
+                call.done.set()
 
         try:
-            while waiting or active:
+            while True:
+                with lock:
+                    waiting.extend(inbox)
+                    inbox.clear()
+                    if not waiting and not active:
+                        self._looping = False
+                        self._idle.set()
+                        return
                 if waiting and free:
                     while waiting and free:
-                        i = waiting.popleft()
-                        r = requests[i]
+                        call, i, r, prompt = waiting.popleft()
+                        if call.error is not None:  # its call already failed
+                            continue
                         rseed = r.seed if r.seed is not None else int(
                             self._rng.integers(1 << 63))
                         rng = np.random.default_rng(rseed) if r.temperature > 0 else None
                         stream = TextStream(tuple(r.stop) + stops_default)
-                        active.append(_Seq(i, heapq.heappop(free),
-                                           np.asarray(prompts[i], dtype=np.int32),
+                        active.append(_Seq(call, i, heapq.heappop(free),
+                                           np.asarray(prompt, dtype=np.int32),
                                            r.max_tokens, r.temperature, rng, stream))
                     active.sort(key=lambda s: s.slot)
+                    if not active:
+                        continue
 
                 # one batch: the next token of every generating sequence, prompt chunks
                 budget = n_batch - sum(1 for s in active if s.fed == s.n_prompt)
@@ -443,7 +513,7 @@ class LlamaCppEngine:
                         continue
                     s.n_gen += 1
                     text = s.stream.feed(piece)
-                    if text and on_token is not None and on_token(s.index, text) is False:
+                    if text and not emit(s, text) or s.call.error is not None:
                         finish(s, "cancelled")  # the caller went away: free the slot now
                     elif s.stream.stopped:
                         finish(s, "stop")
@@ -456,7 +526,16 @@ class LlamaCppEngine:
                     done = True
                 if done:
                     active = [s for s in active if s.row != -2]
-        except BaseException:
+        except BaseException as e:  # every call still waiting or generating gets the error
             lib.llama_memory_clear(mem, True)
-            raise
-        return results  # type: ignore[return-value]
+            with lock:
+                waiting.extend(inbox)
+                inbox.clear()
+                self._looping = False
+                self._idle.set()
+            for call in {id(x.call): x.call for x in active}.values():
+                call.fail(e)
+            for call, *_ in waiting:
+                call.fail(e)
+            if not isinstance(e, Exception):
+                raise
