@@ -1,4 +1,4 @@
-"""The ``tailrace`` command line: run, plan, demo.
+"""The ``tailrace`` command line: run, plan, demo, ingest, eval, serve.
 
 Bad input (unreadable file, invalid YAML, unknown operator, cycle, bad JSONL line)
 prints one line naming the file:line or stage and the fix, and exits with status 2;
@@ -74,6 +74,10 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--llm", help="override the generation model (e.g. gemma3-270m)")
     e.add_argument("--json", metavar="FILE", help="also write the report as JSON")
     e.add_argument("--debug", action="store_true", help="show tracebacks")
+
+    from .serve import add_parser as add_serve
+
+    add_serve(sub)
     return ap
 
 
@@ -91,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
             return _ingest(args)
         if args.command == "eval":
             return _eval(args)
+        if args.command == "serve":
+            from .serve import serve
+
+            return serve(args)
         from .demo import demo
 
         return demo(limit=args.limit)

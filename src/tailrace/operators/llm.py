@@ -3,7 +3,9 @@
 ``generate`` calls its engine once per micro-batch (at most ``max_batch`` records, or
 the stage's ``batch`` contract), so concurrent requests share one batched decode.
 Tokens stream as they are produced to a record's ``_stream`` callable when it has
-one (fields starting with ``_`` are transient and never written to output files).
+one, and a record whose ``_cancel`` (a ``threading.Event``) is set stops generating at
+the next token, freeing its engine sequence (fields starting with ``_`` are transient
+and never written to output files).
 """
 
 from __future__ import annotations
@@ -106,12 +108,15 @@ def _build_generate(params: dict, contract: Any) -> OpRuntime:
 
     def call(records: list, reqs: list) -> list:
         streams = [r.get("_stream") if isinstance(r, dict) else None for r in records]
+        cancels = [r.get("_cancel") if isinstance(r, dict) else None for r in records]
         on_token = None
-        if any(callable(s) for s in streams):
-            def on_token(i: int, piece: str) -> None:
+        if any(callable(s) for s in streams) or any(c is not None for c in cancels):
+            def on_token(i: int, piece: str) -> bool:
                 s = streams[i]
                 if callable(s):
                     s(piece)
+                c = cancels[i]
+                return c is None or not c.is_set()  # False: the engine stops this one
         gens = engine.generate(reqs, on_token)
         if usage is None:
             return [{**r, out: g.text} for r, g in zip(records, gens, strict=True)]

@@ -1,0 +1,163 @@
+"""``tailrace serve``: pipelines behind an OpenAI-compatible HTTP server (uvicorn).
+
+Every pipeline file becomes one ``PipelineService`` (``model`` = its ``pipeline:``
+name); they share the process's engines and one admission gate. The server listens
+at once and prints its URL; engines load in the background (``/readyz`` turns 200 when
+they have). Ctrl-C (or SIGTERM) drains the pipelines and stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import threading
+from typing import Any
+
+from ..errors import TailraceError
+
+EXIT_BAD_INPUT = 2
+
+
+def add_parser(sub: Any) -> None:
+    """Declare ``tailrace serve`` and its options.
+
+    sub: the ``add_subparsers`` object of the main parser.
+    """
+    s = sub.add_parser("serve", help="serve pipelines over an OpenAI-compatible HTTP API")
+    s.add_argument("pipelines", nargs="+", metavar="PIPELINE", help="pipeline YAML file(s)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free)")
+    s.add_argument("--api-key-env", metavar="VAR",
+                   help="require 'Authorization: Bearer KEY' on /v1/*, KEY read from $VAR")
+    s.add_argument("--admission", choices=["simultaneous", "fcfs", "slo"],
+                   help="admission policy shared by all pipelines (uses their slo:)")
+    s.add_argument("--max-in-flight", type=int, default=8,
+                   help="records admitted at once by fcfs/slo (default 8)")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                   help="largest request body; larger ones get 413 (default 1 MiB)")
+    s.add_argument("--no-fuse", action="store_true", help="run every operator as its own stage")
+    s.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def build_gate(policy: str, plans: list[Any], max_in_flight: int) -> Any:
+    """One admission gate for all served pipelines (as ``tailrace run --admission``).
+
+    policy:        simultaneous | fcfs | slo.
+    plans:         the compiled plans; their ``slo:`` and generate ``max_tokens`` count.
+    max_in_flight: records admitted at once (fcfs, slo).
+    """
+    from ..control import PipelineSLO, make_policy
+    from ..control.gate import AdmissionGate
+
+    slos: dict[str, Any] = {}
+    max_tokens: dict[str, int] = {}
+    for plan in plans:
+        p = plan.pipeline
+        if p.slo:
+            try:
+                slos[p.name] = PipelineSLO.from_config(p.name, p.slo)
+            except ValueError as e:
+                raise TailraceError(f"{p.source_file}: {e}") from None
+        max_tokens[p.name] = sum(o.params.get("max_tokens") or 0 for s in plan.stages
+                                 for o in s.ops if o.op.name == "generate") or 64
+    options: dict[str, Any] = {"slos": slos} if slos else {}
+    if policy != "simultaneous":
+        options["max_in_flight"] = max_in_flight
+    try:
+        return AdmissionGate(make_policy(policy, **options), max_tokens=max_tokens)
+    except ValueError as e:
+        raise TailraceError(f"--admission {policy}: {e}") from None
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto IPPROTO_TCP: asyncio sets TCP_NODELAY only on such sockets (without it a
+    # response's header and body writes meet delayed ACKs: ~40 ms per request)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise TailraceError(f"cannot listen on {host}:{port}: {e.strerror or e}; pick another "
+                            "--port (0 picks a free one)") from None
+    sock.listen(1024)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run ``tailrace serve`` until interrupted; returns the exit status.
+
+    args: the parsed command line.
+    """
+    import uvicorn
+
+    from ..serving import PipelineService, ServingHub
+    from ..serving.app import create_app
+    from .main import _load
+
+    if not 0 <= args.port <= 65535:
+        raise TailraceError(f"--port must be 0..65535, got {args.port}")
+    if args.max_in_flight < 1:
+        raise TailraceError(f"--max-in-flight must be >= 1, got {args.max_in_flight}")
+    if args.max_body_bytes < 1:
+        raise TailraceError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+    api_key = None
+    if args.api_key_env:
+        api_key = os.environ.get(args.api_key_env)
+        if not api_key:
+            raise TailraceError(f"--api-key-env {args.api_key_env}: that environment variable "
+                                "is not set or empty (it should hold the API key)")
+    plans = [_load(argparse.Namespace(pipeline=path, no_fuse=args.no_fuse))
+             for path in args.pipelines]
+    gate = build_gate(args.admission, plans, args.max_in_flight) if args.admission else None
+    hub = ServingHub([PipelineService(p, admission=gate) for p in plans], gate=gate,
+                     api_key=api_key, max_body_bytes=args.max_body_bytes)
+    sock = _listen(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    server = uvicorn.Server(uvicorn.Config(create_app(hub), log_level="warning",
+                                           access_log=False, lifespan="off"))
+    failed: list[str] = []
+
+    def watch() -> None:
+        for s in hub.services.values():
+            if not s.wait_ready():
+                failed.append(f"pipeline '{s.name}' failed to start: "
+                              f"{type(s.failure).__name__}: {s.failure}")
+                server.should_exit = True
+                return
+        print("tailrace: ready (engines loaded)", file=sys.stderr, flush=True)
+
+    print(f"tailrace: serving {', '.join(hub.services)} on http://{shown}:{port}/v1 "
+          "(OpenAI-compatible; GET /readyz, /metrics, /dashboard)", flush=True)
+    old_term = signal.getsignal(signal.SIGTERM)
+    in_main = threading.current_thread() is threading.main_thread()
+    if in_main:  # SIGTERM drains like Ctrl-C (uvicorn re-raises it after shutting down)
+        signal.signal(signal.SIGTERM, _terminate)
+    interrupted = False
+    hub.start()
+    threading.Thread(target=watch, name="tailrace-serve-ready", daemon=True).start()
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, old_term)
+        hub.stop()
+        sock.close()
+    if failed:
+        for line in failed:
+            print(f"tailrace: error: {line}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print("tailrace: stopped" + (" (interrupted)" if interrupted else ""), file=sys.stderr)
+    return 0
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt

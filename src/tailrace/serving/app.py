@@ -1,0 +1,367 @@
+"""The HTTP face of a ``ServingHub``: OpenAI-compatible endpoints on FastAPI.
+
+``create_app(hub)`` serves ``POST /v1/chat/completions`` and ``/v1/completions``
+(``model`` names a pipeline; ``stream: true`` sends SSE chunks as tokens are produced,
+ending ``data: [DONE]``), ``GET /v1/models``, ``POST /v1/pipelines/{name}/runs`` (any
+JSON record in, the output record out; ``?stream=true`` for SSE), ``GET /healthz``
+and ``GET /readyz``. Errors use OpenAI's ``{"error": {"message", "type", "code"}}``.
+A client that disconnects cancels its work: the record's ``_cancel`` event is set and
+the generate stage frees its engine sequence at the next token.
+
+The app does not start or stop the hub; its owner does (``tailrace serve``, tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .errors import RequestFailed, ServiceError
+from .openai_wire import (
+    SSE_DONE,
+    Binding,
+    WireError,
+    WireRequest,
+    bind,
+    chunk,
+    completion_body,
+    dumps,
+    error_body,
+    finish_reason,
+    parse_chat,
+    parse_completion,
+    retry_headers,
+    sse,
+    usage_of,
+)
+from .service import PipelineService, ServingHub
+
+_END = object()  # end of a request's token stream
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+def _error_response(e: WireError | ServiceError) -> Response:
+    body = error_body(str(e), e.status, e.code)
+    if isinstance(e, RequestFailed):
+        rec = e.record.to_dict()
+        body["error"].update(stage=rec["error"]["stage"], attempts=rec["error"]["attempts"])
+        body["input"] = rec["input"]
+    return Response(dumps(body), status_code=e.status, media_type="application/json",
+                    headers=retry_headers(e.retry_after))
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(dumps(obj), status_code=status, media_type="application/json")
+
+
+async def _read_json(request: Request, limit: int) -> dict:
+    """The request body as a JSON object; 413 over ``limit`` bytes, 400 if malformed."""
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > limit:
+        raise WireError(f"request body is {int(size)} bytes; the limit is {limit} bytes",
+                        status=413, code="request_too_large")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise WireError(f"request body exceeds the limit of {limit} bytes",
+                            status=413, code="request_too_large")
+    if not body:
+        raise WireError("request body is empty; send a JSON object", code="empty_body")
+    try:
+        obj = json.loads(body)
+    except ValueError as e:
+        raise WireError(f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise WireError(f"request body must be a JSON object, got {type(obj).__name__}",
+                        code="invalid_body")
+    return obj
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_gone(request: Request, fut: asyncio.Future, cancel: threading.Event) -> Any:
+    """Await ``fut``; if the client disconnects first, set ``cancel`` and raise."""
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait((fut, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if fut not in done:
+        cancel.set()
+        fut.cancel()
+        raise _ClientGone
+    return fut.result()
+
+
+def _quiet(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: no "exception was never retrieved" warning
+
+
+class _Relay:
+    """One submitted request whose text pieces arrive on a queue, then ``_END``."""
+
+    def __init__(self, service: PipelineService, record: dict) -> None:
+        self.pieces: asyncio.Queue = asyncio.Queue()
+        self.cancel = threading.Event()
+        self.task = asyncio.ensure_future(
+            service.submit(record, on_token=self.pieces.put_nowait, cancel=self.cancel))
+        self.task.add_done_callback(_quiet)
+        self.task.add_done_callback(lambda _: self.pieces.put_nowait(_END))
+
+    async def first(self, request: Request) -> Any:
+        """The first piece (or ``_END``); a failure before any piece raises, so it gets
+        its own HTTP status instead of an error inside a 200 stream."""
+        try:
+            item = await _unless_gone(request, asyncio.ensure_future(self.pieces.get()),
+                                      self.cancel)
+        except _ClientGone:
+            self.abandon()
+            raise
+        if item is _END and self.task.exception() is not None:
+            raise self.task.exception()  # type: ignore[misc]
+        return item
+
+    async def texts(self, first: Any) -> AsyncIterator[str]:
+        """Pieces as they come, joined when several are already waiting."""
+        item = first
+        while item is not _END:
+            parts = [item]
+            item = None
+            while not self.pieces.empty():
+                nxt = self.pieces.get_nowait()
+                if nxt is _END:
+                    item = _END
+                    break
+                parts.append(nxt)
+            yield "".join(parts)
+            if item is None:
+                item = await self.pieces.get()
+
+    def abandon(self) -> None:
+        if not self.task.done():
+            self.cancel.set()
+            self.task.cancel()
+
+
+def create_app(hub: ServingHub) -> FastAPI:
+    """The FastAPI app serving ``hub``'s pipelines (see the module docstring).
+
+    hub: the services, shared gate, API key and body limit.
+    """
+    app = FastAPI(title="tailrace", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.hub = hub
+    bindings = {name: bind(s.plan) for name, s in hub.services.items()}
+    limit = hub.max_body_bytes
+    started = int(time.time())
+    key = hub.api_key.encode() if hub.api_key else None
+
+    @app.exception_handler(WireError)
+    async def _wire_error(request: Request, e: WireError) -> Response:
+        return _error_response(e)
+
+    @app.exception_handler(ServiceError)
+    async def _service_error(request: Request, e: ServiceError) -> Response:
+        return _error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError) -> Response:
+        where = "; ".join(f"{'.'.join(map(str, err.get('loc', ())))}: {err.get('msg')}"
+                          for err in e.errors())
+        return _json(error_body(f"{request.url.path}: {where}", 400, "invalid_parameter"),
+                     400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> Response:
+        msg = f"{request.method} {request.url.path}: {e.detail}"
+        return _json(error_body(msg, e.status_code, "not_found" if e.status_code == 404
+                                else "http_error"), e.status_code)
+
+    def check_key(request: Request) -> None:
+        if key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise WireError("missing API key: send the header 'Authorization: Bearer KEY'",
+                            status=401, code="missing_api_key")
+        if not hmac.compare_digest(token.strip().encode(), key):
+            raise WireError("invalid API key", status=401, code="invalid_api_key")
+
+    def service_of(name: str) -> PipelineService:
+        service = hub.services.get(name)
+        if service is None:
+            served = ", ".join(sorted(hub.services)) or "none"
+            raise WireError(f"pipeline '{name}' is not served here; served: {served}",
+                            status=404, code="model_not_found")
+        return service
+
+    @app.get("/healthz")
+    async def healthz() -> Response:
+        return _json({"status": "ok"})
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        pipes = {}
+        for name, s in hub.services.items():
+            f = s.failure
+            pipes[name] = {"ready": s.ready,
+                           "error": f"{type(f).__name__}: {f}" if f is not None else None}
+        ready = all(p["ready"] for p in pipes.values())
+        return _json({"ready": ready, "pipelines": pipes}, 200 if ready else 503)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        check_key(request)
+        return _json({"object": "list", "data": [
+            {"id": name, "object": "model", "created": started, "owned_by": "tailrace"}
+            for name in hub.services]})
+
+    async def openai_call(request: Request, chat: bool) -> Response:
+        check_key(request)
+        body = await _read_json(request, limit)
+        req = parse_chat(body) if chat else parse_completion(body)
+        service = service_of(req.model)
+        b = bindings[req.model]
+        if b.problem is not None:
+            raise WireError(b.problem, code="pipeline_not_chat")
+        record = {b.input_field: req.text}
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        if req.stream:
+            return await _stream_openai(request, service, b, req, record, rid, created)
+        cancel = threading.Event()
+        try:
+            out = await _unless_gone(request, asyncio.ensure_future(
+                service.submit(record, cancel=cancel)), cancel)
+        except _ClientGone:
+            return Response(status_code=499)
+        answer = _answer(b, out)
+        usage = usage_of(b, out, req.text, answer)
+        return _json(completion_body(req, rid, created, answer, finish_reason(b, usage),
+                                     usage))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await openai_call(request, True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await openai_call(request, False)
+
+    @app.post("/v1/pipelines/{name}/runs")
+    async def runs(name: str, request: Request, stream: bool = False) -> Response:
+        check_key(request)
+        service = service_of(name)
+        record = await _read_json(request, limit)
+        bad = [k for k in record if k.startswith("_")]
+        if bad:
+            raise WireError(f"record fields starting with '_' are reserved (transient); "
+                            f"got {', '.join(bad)}", code="reserved_field")
+        if stream:
+            return await _stream_runs(request, service, record)
+        cancel = threading.Event()
+        try:
+            out = await _unless_gone(request, asyncio.ensure_future(
+                service.submit(record, cancel=cancel)), cancel)
+        except _ClientGone:
+            return Response(status_code=499)
+        return _json(out)
+
+    from .observe import install_observability
+
+    install_observability(app, hub)
+    return app
+
+
+def _answer(b: Binding, out: dict) -> str:
+    answer = out.get(b.answer_field) if b.answer_field else None
+    if not isinstance(answer, str):
+        raise ServiceError(f"the output record has no text field '{b.answer_field}' (a later "
+                           "stage dropped or replaced it)", code="no_answer")
+    return answer
+
+
+async def _stream_openai(request: Request, service: PipelineService, b: Binding,
+                         req: WireRequest, record: dict, rid: str,
+                         created: int) -> Response:
+    relay = _Relay(service, record)
+    try:
+        first = await relay.first(request)
+    except _ClientGone:
+        return Response(status_code=499)
+
+    async def events() -> AsyncIterator[bytes]:
+        finished = False
+        try:
+            if req.chat:
+                yield chunk(req, rid, created, "", role=True)
+            async for text in relay.texts(first):
+                yield chunk(req, rid, created, text)
+            try:
+                out = relay.task.result()
+                answer = _answer(b, out)
+            except ServiceError as e:
+                yield sse(error_body(str(e), e.status, e.code))
+            else:
+                usage = usage_of(b, out, req.text, answer)
+                yield chunk(req, rid, created, None if req.chat else "",
+                            finish_reason(b, usage))
+                if req.include_usage:
+                    yield chunk(req, rid, created, None, usage=usage)
+            yield SSE_DONE
+            finished = True
+        finally:
+            if not finished:
+                relay.abandon()  # the client went away: stop generating for it
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=_SSE_HEADERS)
+
+
+async def _stream_runs(request: Request, service: PipelineService, record: dict) -> Response:
+    relay = _Relay(service, record)
+    try:
+        first = await relay.first(request)
+    except _ClientGone:
+        return Response(status_code=499)
+
+    async def events() -> AsyncIterator[bytes]:
+        finished = False
+        try:
+            async for text in relay.texts(first):
+                yield sse({"token": text})
+            try:
+                yield sse({"output": relay.task.result()})
+            except ServiceError as e:
+                body = error_body(str(e), e.status, e.code)
+                if isinstance(e, RequestFailed):
+                    body["error"]["stage"] = e.record.stage
+                yield sse(body)
+            yield SSE_DONE
+            finished = True
+        finally:
+            if not finished:
+                relay.abandon()
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=_SSE_HEADERS)

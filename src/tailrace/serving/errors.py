@@ -1,0 +1,68 @@
+"""What a served request can fail with; each error carries its HTTP status.
+
+``RequestFailed`` carries the pipeline's error record; the others say the service
+could not take or answer the request (not running, too many waiting, no answer in time).
+"""
+
+from __future__ import annotations
+
+from ..api.records import ErrorRecord
+from ..errors import TailraceError
+
+#: Error record types that mean the caller's record was unusable (HTTP 400).
+BAD_INPUT_ERRORS = frozenset({"FieldError", "ContextOverflow", "InputError"})
+
+
+class ServiceError(TailraceError):
+    """A request the service could not answer; ``status`` is the matching HTTP status.
+
+    message:     what went wrong, in one line.
+    status:      HTTP status (400, 429, 500, 503, 504).
+    code:        a short machine-readable reason (OpenAI's ``error.code``).
+    retry_after: seconds after which a retry may succeed (429/503), else None.
+    """
+
+    def __init__(self, message: str, *, status: int = 500, code: str = "server_error",
+                 retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.retry_after = retry_after
+
+
+class RequestFailed(ServiceError):
+    """The pipeline answered with an error record (``.record``) instead of an output."""
+
+    def __init__(self, record: ErrorRecord, retry_after: float | None = None) -> None:
+        if record.error == "AdmissionRejected":
+            status, code = 429, "admission_rejected"
+        elif record.error in BAD_INPUT_ERRORS:
+            status, code = 400, record.error
+        elif record.error == "StageTimeout":
+            status, code = 504, "stage_timeout"
+        else:
+            status, code = 500, record.error
+        super().__init__(f"stage '{record.stage}': {record.error}: {record.message}",
+                         status=status, code=code, retry_after=retry_after)
+        self.record = record
+
+
+class ServiceUnavailable(ServiceError):
+    """The service is not running (stopped, failed to start, or never started)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, status=503, code="service_unavailable", retry_after=1.0)
+
+
+class ServiceOverloaded(ServiceError):
+    """Too many requests are waiting in this service; retry later."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, status=429, code="too_many_pending", retry_after=1.0)
+
+
+class ServiceTimeout(ServiceError):
+    """No output and no error record arrived for the request within ``timeout_s``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, status=504, code="timeout")

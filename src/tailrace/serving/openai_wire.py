@@ -1,0 +1,332 @@
+"""The OpenAI wire format: request parsing, response and SSE chunk shaping, error bodies.
+
+How a pipeline answers an OpenAI request (``Binding``):
+
+- the request's text (the last ``user`` message, or the ``prompt``) becomes the input
+  record ``{FIELD: text}``; FIELD is the first of the source's declared ``fields:``,
+  else the first field the first stage reads;
+- the answer is the ``output`` field of the pipeline's last ``generate`` stage;
+- usage comes from that stage's ``usage:`` field when it declares one (exact counts
+  from the engine), else the engine's tokenizer counts the text and the answer;
+- ``finish_reason`` is ``"length"`` when the answer used all of the stage's
+  ``max_tokens``, else ``"stop"``. Sampling options in the request (``temperature``,
+  ``max_tokens``, ...) are ignored: the pipeline's YAML decides them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ..compiler import Plan
+
+#: The ``error.type`` OpenAI clients expect for each HTTP status.
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+               404: "not_found_error", 405: "invalid_request_error",
+               413: "invalid_request_error", 429: "rate_limit_error"}
+
+
+class WireError(Exception):
+    """A request the server refuses, with its HTTP status and OpenAI error fields.
+
+    message:     what is wrong and how to fix it, in one line.
+    status:      HTTP status.
+    code:        OpenAI's ``error.code`` (a short reason).
+    retry_after: seconds for the ``Retry-After`` header (429, 503), else None.
+    """
+
+    def __init__(self, message: str, *, status: int = 400, code: str = "invalid_request",
+                 retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.retry_after = retry_after
+
+
+def error_body(message: str, status: int, code: str) -> dict[str, Any]:
+    """OpenAI's error JSON: ``{"error": {"message", "type", "code"}}``.
+
+    message: the one-line reason.
+    status:  the HTTP status (chooses ``type``).
+    code:    the short machine-readable reason.
+    """
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "api_error"),
+                      "code": code}}
+
+
+def retry_headers(retry_after: float | None) -> dict[str, str]:
+    """``Retry-After`` (whole seconds, at least 1) and ``retry-after-ms`` headers.
+
+    retry_after: seconds, or None for no headers.
+    """
+    if retry_after is None:
+        return {}
+    return {"Retry-After": str(max(1, math.ceil(retry_after))),
+            "retry-after-ms": str(max(1, math.ceil(retry_after * 1000)))}
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, (set, frozenset, tuple)):
+        return list(v)
+    tolist = getattr(v, "tolist", None)  # numpy arrays and scalars
+    if callable(tolist):
+        return tolist()
+    return repr(v)
+
+
+_encode = json.JSONEncoder(ensure_ascii=False, default=_jsonable,
+                           separators=(",", ":")).encode
+
+
+def dumps(obj: Any) -> bytes:
+    """Compact JSON bytes; numpy values become lists/numbers, other objects their repr."""
+    return _encode(obj).encode()
+
+
+def sse(obj: Any) -> bytes:
+    """One server-sent event carrying ``obj`` as JSON."""
+    return b"data: " + dumps(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+# -- requests ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WireRequest:
+    """A parsed ``/v1/chat/completions`` or ``/v1/completions`` request."""
+
+    model: str
+    text: str
+    stream: bool
+    include_usage: bool
+    chat: bool
+
+
+def _common(body: dict, chat: bool) -> tuple[str, bool, bool]:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise WireError("'model' is required: the name of a served pipeline "
+                        "(GET /v1/models lists them)", code="missing_model")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise WireError(f"'stream' must be true or false, got {stream!r}",
+                        code="invalid_stream")
+    n = body.get("n", 1)
+    if n not in (None, 1):
+        raise WireError(f"'n' must be 1 (one answer per request), got {n!r}",
+                        code="unsupported_n")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise WireError("'stream_options' must be an object like {\"include_usage\": true}",
+                        code="invalid_stream_options")
+    include_usage = opts.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise WireError(f"'stream_options.include_usage' must be true or false, got "
+                        f"{include_usage!r}", code="invalid_stream_options")
+    return model, stream, include_usage
+
+
+def _content_text(content: Any, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for p in content:
+            if not isinstance(p, dict) or p.get("type") != "text" \
+                    or not isinstance(p.get("text"), str):
+                raise WireError(f"messages[{i}].content: only text parts "
+                                "({\"type\": \"text\", \"text\": ...}) are supported",
+                                code="invalid_content")
+            parts.append(p["text"])
+        return "".join(parts)
+    raise WireError(f"messages[{i}].content must be a string or a list of text parts, got "
+                    f"{type(content).__name__}", code="invalid_content")
+
+
+def parse_chat(body: dict) -> WireRequest:
+    """Parse a chat completion request; raises ``WireError`` (400) naming the bad field.
+
+    body: the decoded JSON object.
+    """
+    model, stream, include_usage = _common(body, True)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise WireError("'messages' must be a non-empty list like "
+                        "[{\"role\": \"user\", \"content\": \"...\"}]", code="invalid_messages")
+    text = None
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise WireError(f"messages[{i}] must be an object with a 'role' and 'content'",
+                            code="invalid_messages")
+        if m["role"] == "user":
+            text = _content_text(m.get("content"), i)
+    if text is None:
+        raise WireError("'messages' has no user message; the last user message is the "
+                        "pipeline's input", code="no_user_message")
+    return WireRequest(model, text, stream, include_usage, chat=True)
+
+
+def parse_completion(body: dict) -> WireRequest:
+    """Parse a (legacy) completion request; raises ``WireError`` (400).
+
+    body: the decoded JSON object.
+    """
+    model, stream, include_usage = _common(body, False)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise WireError("'prompt' must be a string (or a list of one string)",
+                        code="invalid_prompt")
+    if body.get("echo"):
+        raise WireError("'echo' is not supported", code="unsupported_echo")
+    return WireRequest(model, prompt, stream, include_usage, chat=False)
+
+
+# -- pipelines as models ---------------------------------------------------------------
+@dataclass(frozen=True)
+class Binding:
+    """Which record fields an OpenAI request maps to for one pipeline.
+
+    input_field:  the field that receives the request's text (None: not usable).
+    answer_field: the last generate stage's output field (None: no generate stage).
+    usage_field:  that stage's ``usage`` field, if it declares one.
+    max_tokens:   that stage's ``max_tokens``.
+    engine:       that stage's engine spec (for counting tokens).
+    problem:      why the pipeline cannot answer chat/completion requests, or None.
+    """
+
+    input_field: str | None
+    answer_field: str | None
+    usage_field: str | None
+    max_tokens: int
+    engine: Any
+    problem: str | None
+
+
+def bind(plan: Plan) -> Binding:
+    """Work out a pipeline's ``Binding`` from its compiled plan.
+
+    plan: the compiled pipeline.
+    """
+    ops = [o for s in plan.stages for o in s.ops]
+    field = None
+    source = next(o for o in ops if o.op.kind == "source")
+    if source.params.get("fields"):
+        field = source.params["fields"][0]
+    else:
+        first = next((o for o in ops if source.id in o.spec.upstream), None)
+        reads = first.op.fields(first.params)[0] if first is not None else None
+        field = reads[0] if reads else None
+    gens = [o for o in ops if o.op.name == "generate"]
+    gen = gens[-1] if gens else None
+    problem = None
+    if field is None:
+        problem = (f"pipeline '{plan.name}' has no text input field: declare it, like "
+                   "source: {fields: [question]}")
+    elif gen is None:
+        problem = (f"pipeline '{plan.name}' has no generate stage to answer with; send "
+                   f"records to POST /v1/pipelines/{plan.name}/runs instead")
+    return Binding(field, gen.params["output"] if gen else None,
+                   gen.params.get("usage") if gen else None,
+                   int(gen.params.get("max_tokens") or 0) if gen else 0,
+                   gen.params.get("_engine") if gen else None, problem)
+
+
+def _count(engine: Any, text: str) -> int:
+    try:
+        from ..engines import open_engine
+
+        eng = open_engine(engine)
+        return max(0, eng.count_tokens(text) - eng.count_tokens(""))
+    except Exception:  # noqa: BLE001 - no tokenizer at hand: ~4 characters a token
+        return len(text) // 4 + (1 if text else 0)
+
+
+def usage_of(b: Binding, record: dict, text: str, answer: str) -> dict[str, int]:
+    """Prompt/completion/total tokens of one answer (see the module docstring).
+
+    b:      the pipeline's binding.
+    record: the output record.
+    text:   the request's input text.
+    answer: the answer text.
+    """
+    u = record.get(b.usage_field) if b.usage_field else None
+    if isinstance(u, dict) and isinstance(u.get("prompt_tokens"), int) \
+            and isinstance(u.get("completion_tokens"), int):
+        p, c = u["prompt_tokens"], u["completion_tokens"]
+    else:
+        p, c = _count(b.engine, text), _count(b.engine, answer)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def finish_reason(b: Binding, usage: dict[str, int]) -> str:
+    """``"length"`` when the answer used all of ``max_tokens``, else ``"stop"``.
+
+    b:     the pipeline's binding.
+    usage: the answer's usage.
+    """
+    return "length" if b.max_tokens and usage["completion_tokens"] >= b.max_tokens \
+        else "stop"
+
+
+# -- responses ---------------------------------------------------------------------------
+def completion_body(req: WireRequest, rid: str, created: int, answer: str, finish: str,
+                    usage: dict[str, int]) -> dict[str, Any]:
+    """The non-streaming response object.
+
+    req:     the parsed request.
+    rid:     the response id.
+    created: Unix seconds.
+    answer:  the answer text.
+    finish:  the finish reason.
+    usage:   token counts.
+    """
+    if req.chat:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None,
+                                  "message": {"role": "assistant", "content": answer}}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": answer, "finish_reason": finish, "logprobs": None}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": req.model,
+            "choices": [choice], "usage": usage}
+
+
+def chunk(req: WireRequest, rid: str, created: int, text: str | None,
+          finish: str | None = None, *, role: bool = False,
+          usage: dict[str, int] | None = None) -> bytes:
+    """One streamed SSE chunk (``text`` None and ``usage`` given: the usage-only chunk).
+
+    req:     the parsed request.
+    rid:     the response id (the same in every chunk).
+    created: Unix seconds.
+    text:    the new text piece.
+    finish:  the finish reason on the last chunk.
+    role:    include ``role: assistant`` (first chat chunk).
+    usage:   token counts (last chunks, when the client asked for them).
+    """
+    choices: list[dict[str, Any]]
+    if text is None and usage is not None:
+        choices = []
+    elif req.chat:
+        delta: dict[str, Any] = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choices = [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+    else:
+        choices = [{"index": 0, "text": text or "", "finish_reason": finish,
+                    "logprobs": None}]
+    out: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if req.chat
+                           else "text_completion", "created": created, "model": req.model,
+                           "choices": choices}
+    if usage is not None:
+        out["usage"] = usage
+    return sse(out)

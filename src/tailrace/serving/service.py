@@ -1,0 +1,432 @@
+"""Long-running pipeline hosts: one compiled plan served continuously to many callers.
+
+A ``PipelineService`` runs ONE plan on its own thread and event loop for as long as it
+is started. Its source reads an endless async stream that ``submit`` feeds; every
+record carries transient fields the runtime passes along untouched:
+
+- ``_rid``: the request id the output (or error record) is routed back by;
+- ``_stream``: called with each text piece the generate stage produces;
+- ``_cancel``: a ``threading.Event``; set, the generate stage stops that sequence.
+
+An output or error record reaches the waiting caller on the caller's own event loop.
+Records the pipeline drops (a filter) or that lose ``_rid`` (a map returning a new
+object) never answer: their callers get ``ServiceTimeout`` after ``timeout_s``.
+A ``ServingHub`` holds the services of one process, their shared admission gate and
+the optional API key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from time import perf_counter
+from typing import Any
+
+from ..api.pipeline import Pipeline
+from ..api.records import ErrorRecord
+from ..compiler import Plan, compile_pipeline
+from ..errors import PlanError
+from ..observability import RunStats
+from .errors import (
+    RequestFailed,
+    ServiceError,
+    ServiceOverloaded,
+    ServiceTimeout,
+    ServiceUnavailable,
+)
+
+_STOP = object()
+
+class _Waiter:
+    __slots__ = ("loop", "future", "retry_after")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> None:
+        self.loop = loop
+        self.future = future
+        self.retry_after: float | None = None
+
+
+def _deliver(fut: asyncio.Future, value: Any, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(value)
+
+
+def _answer(waiter: _Waiter, value: Any, exc: BaseException | None) -> None:
+    """Resolve a waiter's future on its own loop (from any thread)."""
+    with contextlib.suppress(RuntimeError):  # the caller's loop is gone
+        waiter.loop.call_soon_threadsafe(_deliver, waiter.future, value, exc)
+
+
+def _streamer(loop: asyncio.AbstractEventLoop, on_token: Callable[[str], Any],
+              cancel: threading.Event) -> Callable[[str], None]:
+    """A record's ``_stream``: hands each piece to ``on_token`` on the caller's loop."""
+    call_soon = loop.call_soon_threadsafe
+
+    def stream(piece: str) -> None:
+        try:
+            call_soon(on_token, piece)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening
+            cancel.set()
+
+    return stream
+
+
+def _clean(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith("_")}
+
+
+class _Door:
+    """The admission gate as the runtime sees it; remembers each rejection's retry-after
+    so the caller's 429 carries it (the error record keeps only the message)."""
+
+    def __init__(self, gate: Any, service: PipelineService) -> None:
+        self.gate = gate
+        self.service = service
+
+    async def admit(self, pipeline: str, record: Any) -> Any:
+        try:
+            return await self.gate.admit(pipeline, record)
+        except Exception as e:
+            retry = getattr(e, "retry_after", None)
+            if retry is not None and isinstance(record, dict):
+                waiter = self.service._waiting.get(record.get("_rid", 0))
+                if waiter is not None:
+                    waiter.retry_after = float(retry)
+            raise
+
+    def done(self, ticket: Any, service_seconds: float | None = None) -> None:
+        self.gate.done(ticket, service_seconds)
+
+
+class PipelineService:
+    """Hosts one compiled pipeline continuously on its own thread; callers ``submit``.
+
+    plan_or_pipeline: a ``Pipeline`` (compiled here) or a compiled ``Plan``; its source
+                      must be declared without data and its sink without a target.
+    admission:        the process's shared admission gate (``AdmissionGate``) or None.
+    max_pending:      most requests waiting for an answer at once; more get
+                      ``ServiceOverloaded`` (HTTP 429) instead of an unbounded queue.
+    timeout_s:        how long a caller waits for its output before ``ServiceTimeout``.
+    """
+
+    def __init__(self, plan_or_pipeline: Pipeline | Plan, *, admission: Any = None,
+                 max_pending: int = 1024, timeout_s: float = 300.0) -> None:
+        plan = (plan_or_pipeline if isinstance(plan_or_pipeline, Plan)
+                else compile_pipeline(plan_or_pipeline))
+        _check_servable(plan)
+        if type(max_pending) is not int or max_pending < 1:
+            raise ValueError(f"max_pending must be a positive integer, got {max_pending!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
+        self.plan = plan
+        self.name = plan.name
+        self.gate = admission
+        self.max_pending = max_pending
+        self.timeout_s = float(timeout_s)
+        self.unrouted = 0  # outputs/error records with no waiting caller (late, extra)
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._waiting: dict[int, _Waiter] = {}
+        self._state = "new"  # new -> running -> stopping -> stopped | failed
+        self._failure: BaseException | None = None
+        self._ready = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queue: asyncio.Queue | None = None
+        self._run: Any = None  # the LocalRun, once built
+        self._t0 = 0.0
+
+    # -- lifecycle ----------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        """True once the engines are loaded and the run is accepting records."""
+        return self._ready.is_set() and self._state == "running"
+
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the service stopped on its own (engine load failure, runtime bug), or None."""
+        return self._failure
+
+    def start(self) -> PipelineService:
+        """Start the run on its own thread; returns at once (see ``ready``, ``wait_ready``)."""
+        with self._lock:
+            if self._state != "new":
+                raise ServiceError(f"pipeline '{self.name}': start() called twice "
+                                   f"(state {self._state}); create a new service")
+            self._loop = asyncio.new_event_loop()
+            self._queue = asyncio.Queue()
+            self._state = "running"
+        self._thread = threading.Thread(target=self._main, name=f"tailrace-serve-{self.name}",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until ready (True), failed or ``timeout`` seconds passed (False).
+
+        timeout: most seconds to wait (None: until ready or failed).
+        """
+        deadline = None if timeout is None else perf_counter() + timeout
+        while not self._ready.wait(0.05):
+            if self._state in ("failed", "stopped"):
+                return False
+            if deadline is not None and perf_counter() >= deadline:
+                return False
+        return self.ready
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop taking requests, finish those in the pipeline, then end the run.
+
+        timeout: most seconds to wait for the drain; callers still waiting then get
+                 ``ServiceUnavailable``.
+        """
+        with self._lock:
+            if self._state != "running":
+                if self._state == "new":
+                    self._state = "stopped"
+                return
+            self._state = "stopping"
+        loop, queue = self._loop, self._queue
+        assert loop is not None and queue is not None
+        with contextlib.suppress(RuntimeError):  # the loop already ended (the run failed)
+            loop.call_soon_threadsafe(queue.put_nowait, _STOP)
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._fail_waiting(ServiceUnavailable(
+            f"pipeline '{self.name}' stopped before answering this request"))
+
+    def _main(self) -> None:
+        loop = self._loop
+        assert loop is not None
+        try:
+            with asyncio.Runner(loop_factory=lambda: loop) as runner:
+                runner.run(self._serve())
+        except BaseException as e:  # noqa: BLE001 - reported through .failure and callers
+            while isinstance(e, BaseExceptionGroup):  # the runtime's task groups
+                e = e.exceptions[0]
+            self._failure = e
+        finally:
+            with self._lock:
+                self._state = "stopped" if self._failure is None else "failed"
+            why = (f": {type(self._failure).__name__}: {self._failure}"
+                   if self._failure is not None else "")
+            self._fail_waiting(ServiceUnavailable(f"pipeline '{self.name}' stopped{why}"))
+
+    async def _serve(self) -> None:
+        from ..runtime import _bind
+        from ..runtime.local import LocalRun
+
+        inputs, outputs, _ = _bind(self.plan, self._feed(), self._on_output)
+        door = _Door(self.gate, self) if self.gate is not None else None
+        self._run = LocalRun(self.plan, inputs=inputs, outputs=outputs,
+                             on_error=self._on_error, admission=door)  # loads engines
+        self._t0 = perf_counter()
+        self._ready.set()
+        await self._run.execute()
+
+    async def _feed(self) -> Any:
+        queue = self._queue
+        assert queue is not None
+        while True:
+            record = await queue.get()
+            if record is _STOP:
+                return
+            yield record
+
+    # -- requests -----------------------------------------------------------------------
+    async def submit(self, record: dict, on_token: Callable[[str], Any] | None = None,
+                     cancel: threading.Event | None = None) -> dict:
+        """Run one record through the pipeline; returns its output record.
+
+        record:   a JSON object (dict); ``_``-prefixed keys are reserved.
+        on_token: called on the caller's event loop with each generated text piece.
+        cancel:   an event the caller sets to stop the work (a fresh one if None);
+                  cancelling this coroutine sets it too.
+        Raises ``RequestFailed`` (carrying the error record; admission rejections are
+        status 429 with ``retry_after``), ``ServiceOverloaded``, ``ServiceUnavailable``
+        or ``ServiceTimeout``.
+        """
+        if not isinstance(record, dict):
+            raise ServiceError(f"pipeline '{self.name}': a record must be a JSON object, got "
+                               f"{type(record).__name__}", status=400, code="invalid_record")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        rid = next(self._ids)
+        cancel = cancel if cancel is not None else threading.Event()
+        rec = {**record, "_rid": rid, "_cancel": cancel}
+        if on_token is not None:
+            rec["_stream"] = _streamer(loop, on_token, cancel)
+        with self._lock:
+            if self._state != "running":
+                raise ServiceUnavailable(self._why_unavailable())
+            if len(self._waiting) >= self.max_pending:
+                raise ServiceOverloaded(f"pipeline '{self.name}': {self.max_pending} requests "
+                                        "already waiting; retry later")
+            self._waiting[rid] = _Waiter(loop, fut)
+            assert self._loop is not None and self._queue is not None
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, rec)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await fut
+        except TimeoutError:
+            raise ServiceTimeout(
+                f"pipeline '{self.name}': no output within {self.timeout_s:g} s (a filter "
+                "dropped the record, or a stage replaced it without keeping '_rid')") from None
+        finally:
+            if not fut.done() or fut.cancelled():
+                cancel.set()
+            with self._lock:
+                self._waiting.pop(rid, None)
+
+    def _why_unavailable(self) -> str:
+        if self._state == "failed" and self._failure is not None:
+            return (f"pipeline '{self.name}' failed: {type(self._failure).__name__}: "
+                    f"{self._failure}")
+        if self._state == "new":
+            return f"pipeline '{self.name}' is not started; call start() first"
+        return f"pipeline '{self.name}' is stopping or stopped"
+
+    def _waiter_of(self, record: Any) -> _Waiter | None:
+        rid = record.get("_rid") if isinstance(record, dict) else None
+        with self._lock:
+            waiter = self._waiting.pop(rid, None) if rid is not None else None
+        if waiter is None:
+            self.unrouted += 1
+        return waiter
+
+    def _on_output(self, record: Any) -> None:
+        waiter = self._waiter_of(record)
+        if waiter is not None:
+            _answer(waiter, _clean(record), None)
+
+    def _on_error(self, err: ErrorRecord) -> None:
+        waiter = self._waiter_of(err.input)
+        if waiter is not None:
+            _answer(waiter, None, RequestFailed(err, waiter.retry_after))
+
+    def _fail_waiting(self, exc: ServiceError) -> None:
+        with self._lock:
+            waiters = list(self._waiting.values())
+            self._waiting.clear()
+        for w in waiters:
+            _answer(w, None, exc)
+
+    # -- figures ------------------------------------------------------------------------
+    @property
+    def local_run(self) -> Any:
+        """The running ``LocalRun`` (live meters and channels), or None before start."""
+        return self._run
+
+    @property
+    def pending(self) -> int:
+        """Requests submitted and not yet answered."""
+        return len(self._waiting)
+
+    def stats(self) -> RunStats:
+        """A live snapshot of the run's statistics (approximate while records flow:
+        counters are read without stopping the stages)."""
+        from ..runtime import _stats
+
+        lr = self._run
+        if lr is None:
+            return RunStats((), 0, 0, 0, 0.0)
+        stats = _stats(lr, perf_counter() - self._t0, False)
+        # the runtime counts a source's records in when it ends; a service's never does
+        arrived = {sid: m.records_out for sid, m in lr.source_meters.items()}
+        stages = tuple(replace(s, records_in=arrived[s.stage]) if s.stage in arrived else s
+                       for s in stats.stages)
+        return replace(stats, stages=stages, records_in=sum(arrived.values()))
+
+    def queue_depths(self) -> dict[str, int]:
+        """Records buffered now in each stage's input channel, by stage id."""
+        lr = self._run
+        if lr is None:
+            return {}
+        return {sid: ch.depth for sid, ch in lr.channels.items()}
+
+
+def _check_servable(plan: Plan) -> None:
+    open_sources = [o.id for s in plan.stages for o in s.ops
+                    if o.op.kind == "source" and o.params.get("data") is None]
+    open_sinks = [o.id for s in plan.stages for o in s.ops
+                  if o.op.kind == "sink" and o.params.get("target") is None]
+    if len(open_sources) != 1:
+        raise PlanError(f"pipeline '{plan.name}' cannot be served: it needs exactly one "
+                        "source declared without data (the requests), found "
+                        f"{len(open_sources)}")
+    if not open_sinks:
+        raise PlanError(f"pipeline '{plan.name}' cannot be served: no sink without a target "
+                        "receives its outputs; end it with .sink() (YAML pipelines do)")
+
+
+class ServingHub:
+    """The services of one process, their shared admission gate and the API key.
+
+    services:       the services (or a mapping name -> service); names must be unique.
+    gate:           the shared ``AdmissionGate`` (None: admit everything).
+    api_key:        bearer token required on ``/v1/*`` (None: no authentication).
+    max_body_bytes: largest request body accepted (HTTP 413 above it).
+    """
+
+    def __init__(self, services: Iterable[PipelineService] | dict[str, PipelineService], *,
+                 gate: Any = None, api_key: str | None = None,
+                 max_body_bytes: int = 1 << 20) -> None:
+        items = list(services.values()) if isinstance(services, dict) else list(services)
+        self.services: dict[str, PipelineService] = {}
+        for s in items:
+            if s.name in self.services:
+                raise PlanError(f"two pipelines are named '{s.name}'; each served pipeline "
+                                "needs its own 'pipeline:' name")
+            self.services[s.name] = s
+        if type(max_body_bytes) is not int or max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be a positive integer, got "
+                             f"{max_body_bytes!r}")
+        if api_key is not None and not api_key:
+            raise ValueError("api_key must be a non-empty string or None")
+        self.gate = gate
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+
+    @property
+    def ready(self) -> bool:
+        """True when every service is ready."""
+        return all(s.ready for s in self.services.values())
+
+    def start(self) -> ServingHub:
+        """Start every service (engines load in the background)."""
+        for s in self.services.values():
+            s.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Drain and stop every service, then close the gate.
+
+        timeout: most seconds each service may take to drain.
+        """
+        for s in self.services.values():
+            s.stop(timeout)
+        if self.gate is not None and hasattr(self.gate, "close"):
+            self.gate.close()
+
+    def pools(self) -> dict[str, Any]:
+        """``statistics()`` of the engine pools (and engines that keep statistics) in
+        this process, by name; may be empty."""
+        from ..control.pool import _POOLS
+        from ..engines.registry import _CACHE
+
+        out: dict[str, Any] = {}
+        for key, eng in list(_CACHE.items()):
+            if callable(getattr(eng, "statistics", None)):
+                out[str(getattr(eng, "name", None) or getattr(eng, "model", key))] = \
+                    eng.statistics()
+        for name, pool in list(_POOLS.items()):
+            out[name] = pool.statistics()
+        return out

@@ -1,0 +1,107 @@
+"""Fakes for fast serving tests: an echo generation engine and blocking map functions."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import tailrace as tr
+from tailrace.engines import Generation, GenerationRequest
+
+
+class EchoEngine:
+    """Generates the prompt's words back, one piece per word, ``delay`` seconds apart.
+
+    Honours the cancellation protocol: ``on_token`` returning False stops a sequence
+    with finish_reason "cancelled". Every finished generation is appended to ``LOG``.
+    """
+
+    LOG: list[Generation] = []
+    chat = True
+    context_length = 4096
+
+    def __init__(self, model: str = "echo", path: str | None = None, delay: float = 0.0,
+                 repeat: int = 1):
+        self.model = model
+        self.delay = delay
+        self.repeat = repeat
+
+    def count_tokens(self, text: str) -> int:
+        return len(text.split()) + 1  # like a BOS token
+
+    def generate(self, requests: Sequence[GenerationRequest],
+                 on_token: Any = None) -> list[Generation]:
+        out = []
+        for i, r in enumerate(requests):
+            text = r.messages[-1]["content"] if r.messages else r.prompt or ""
+            words = (text.split() * self.repeat)[:r.max_tokens]
+            done, reason = [], "length" if len(words) == r.max_tokens else "stop"
+            for w in words:
+                if self.delay:
+                    time.sleep(self.delay)
+                piece = w if not done else " " + w
+                done.append(piece)
+                if on_token is not None and on_token(i, piece) is False:
+                    reason = "cancelled"
+                    break
+            g = Generation("".join(done), len(text.split()), len(done), reason)
+            EchoEngine.LOG.append(g)
+            out.append(g)
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+def echo_spec(**kw: Any) -> dict[str, Any]:
+    """An engine spec for ``EchoEngine`` (``register_echo`` must have run)."""
+    return {"backend": "echo", "model": "echo", "path": __file__, **kw}
+
+
+def register_echo(monkeypatch: Any) -> None:
+    """Make ``backend: echo`` known to the engine registry for one test."""
+    from tailrace.engines import registry
+
+    monkeypatch.setitem(registry.BACKENDS, "echo",
+                        ("tests.serving.fakes", "EchoEngine", ("generate",)))
+
+
+GATE = threading.Event()  # set: ``held`` returns
+ENTERED = threading.Event()  # set by ``held`` when a record arrives
+
+
+def held(record: dict) -> dict:
+    """Blocks until ``GATE`` is set (run it as a blocking stage)."""
+    ENTERED.set()
+    if not GATE.wait(10):
+        raise TimeoutError("test gate never opened")
+    return {**record, "held": True}
+
+
+def shout(record: dict) -> dict:
+    """Upper-cases ``text``; fails on 'boom'."""
+    if record["text"] == "boom":
+        raise ValueError("no boom allowed")
+    return {**record, "loud": record["text"].upper()}
+
+
+RECORDED: list[dict] = []  # what ``remember`` saw
+
+
+def remember(record: dict) -> dict:
+    """Appends the record's answer and usage to ``RECORDED`` (after a generate stage)."""
+    RECORDED.append({"answer": record.get("answer"), "usage": record.get("usage")})
+    return record
+
+
+
+class Broken(tr.Operator):
+    """An operator whose model fails to load when a run builds it."""
+
+    def __init__(self) -> None:
+        raise RuntimeError("model file vanished")
+
+    def process(self, record: dict) -> dict:
+        return record

@@ -1,0 +1,45 @@
+"""A real uvicorn server for a ``ServingHub`` on a free loopback port, in a thread."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import uvicorn
+
+from tailrace.serving import ServingHub, create_app
+
+
+@contextlib.contextmanager
+def running(hub: ServingHub, *, start_hub: bool = True) -> Iterator[str]:
+    """Serve ``hub`` on 127.0.0.1:<free port>; yields the base URL (``http://...:N``).
+
+    hub:       the hub to serve (stopped on exit).
+    start_hub: start the hub's services first (False: the test starts them).
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # NODELAY
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(hub), log_level="warning",
+                                           access_log=False, lifespan="off"))
+    if start_hub:
+        hub.start()
+        for s in hub.services.values():
+            assert s.wait_ready(120), f"service {s.name} did not start: {s.failure}"
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        hub.stop()
+        sock.close()
