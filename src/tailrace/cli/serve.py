@@ -38,6 +38,9 @@ def add_parser(sub: Any) -> None:
                    help="records admitted at once by fcfs/slo (default 8)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20,
                    help="largest request body; larger ones get 413 (default 1 MiB)")
+    s.add_argument("--otlp-endpoint", metavar="URL",
+                   help="export OpenTelemetry traces to this OTLP/HTTP collector (default: "
+                        "$OTEL_EXPORTER_OTLP_ENDPOINT; off when neither is set)")
     s.add_argument("--no-fuse", action="store_true", help="run every operator as its own stage")
     s.add_argument("--debug", action="store_true", help="show tracebacks")
 
@@ -112,6 +115,10 @@ def serve(args: argparse.Namespace) -> int:
         if not api_key:
             raise TailraceError(f"--api-key-env {args.api_key_env}: that environment variable "
                                 "is not set or empty (it should hold the API key)")
+    if args.otlp_endpoint:
+        from ..observability.tracing import configure_tracing
+
+        configure_tracing(endpoint=args.otlp_endpoint)
     plans = [_load(argparse.Namespace(pipeline=path, no_fuse=args.no_fuse))
              for path in args.pipelines]
     gate = build_gate(args.admission, plans, args.max_in_flight) if args.admission else None

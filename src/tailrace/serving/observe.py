@@ -22,6 +22,7 @@ from importlib import resources
 from time import perf_counter
 from typing import Any
 
+from ..observability import Histogram
 from ..observability.prometheus import (
     HttpMeter,
     PipelineScrape,
@@ -72,7 +73,10 @@ def stage_histograms(run: Any) -> dict[str, StageHistograms]:
     run: the running ``LocalRun``.
     """
     out: dict[str, StageHistograms] = {}
-    for reps in list(run.replicas.values()):
+    replicas = getattr(run, "replicas", None)  # another runtime: no live meters here
+    if not isinstance(replicas, dict):
+        return out
+    for reps in list(replicas.values()):
         for i, meter in enumerate(reps[0].meters):
             ms = [r.meters[i] for r in reps]
             if len(ms) == 1:
@@ -97,7 +101,8 @@ def scrape(hub: Any, http: HttpMeter | None = None) -> Scrape:
         pipelines.append(PipelineScrape(
             svc.name, bool(svc.ready), svc.stats(),
             stage_histograms(run) if run is not None else {}, _depths(svc),
-            getattr(run, "latency", None)))
+            latency if isinstance(latency := getattr(run, "latency", None), Histogram)
+            else None))
     return Scrape(tuple(pipelines), _admission(hub), tuple(_pools(hub)), http)
 
 

@@ -21,6 +21,8 @@ from ...api.records import ErrorRecord
 from ...compiler import Plan, PlanStage
 from ...errors import PlanError
 from ...observability import Histogram, StageMeter
+from ...observability.tracing import STATE as TRACING
+from ...observability.tracing import stage_spans
 from ...operators import OpRuntime
 from .channel import Channel
 from .stage import Replica, call_with_policy, sink_runtime
@@ -276,6 +278,8 @@ class LocalRun:
                 ports = await run_blocking(rep.run_chain, batch, errors)
             else:
                 ports = rep.run_chain(batch, errors)
+            if TRACING.tracer is not None:  # tracing off: this check is all it costs
+                stage_spans(TRACING.tracer, s, batch, ports, errors, enq, now, perf_counter())
             if errors:
                 self._error(errors)
                 errors = []

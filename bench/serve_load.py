@@ -1,0 +1,390 @@
+"""Serving under load: `tailrace serve` on loopback, over the latency-model engine.
+
+Starts two latency-model engine servers (bench/latency_server.py, child processes) and
+`tailrace serve` (a child process) with two pipelines and the `slo` admission policy, then
+drives it from this process over HTTP:
+
+1. HTTP overhead: one request at a time to a pipeline whose engine answers in ~1 ms; the
+   server's own request time (its /dashboard/data HTTP p50, arrival to last byte) minus
+   the pipeline's p50 (its service stats: arrival at the source to the sink).
+2. A closed-loop sweep at increasing concurrency over /v1/chat/completions: throughput,
+   p50/p99 as the client sees them.
+3. 3x overload: open-loop Poisson arrivals at three times the best throughput of the
+   sweep. /healthz is probed every 50 ms from a separate process (target < 100 ms),
+   excess requests must get 429 quickly rather than queue without bound, and the
+   server's RSS is sampled every second.
+
+The load generator is a small HTTP/1.1 client on asyncio streams (keep-alive, one write
+per request), so the client is not what saturates first on a small machine.
+
+Bounded and self-stopping (every phase has a fixed duration; stragglers are cut off);
+about 2 minutes:
+
+    python bench/serve_load.py            # prints the tables
+    python bench/serve_load.py --quick    # shorter phases (~1 minute)
+    python bench/serve_load.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from latency_server import LatencyConfig, spawn  # noqa: E402
+
+#: chat: 8 tokens at 50 tok/s (~160 ms alone), 8 sequences at once; fast: ~1 ms
+CHAT = LatencyConfig(prefill_tps=1e5, decode_tps=50, batch_slowdown=0.02, max_seqs=8)
+FAST = LatencyConfig(prefill_tps=1e6, decode_tps=2000, batch_slowdown=0.0, max_seqs=64)
+MAX_IN_FLIGHT = 8
+
+PIPELINE = """version: 1
+pipeline: {name}
+slo: {{p99_ms: {p99_ms}, priority: interactive}}
+source: {{fields: [prompt]}}
+engines:
+  llm: {{backend: openai, base_url: "{url}", model: latency-model, concurrency: 64,
+         timeout_s: 60, retries: 0}}
+stages:
+  - {{id: answer, op: generate, engine: llm, input: prompt, output: answer,
+     max_tokens: {max_tokens}, max_batch: 1, replicas: {replicas}, usage: usage}}
+"""
+
+
+def pct(xs: list[float], q: float) -> float:
+    """The q-quantile of xs (nearest rank); nan when empty."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def rss_mb(pid: int) -> float:
+    """Resident set size of a process in MiB (from /proc)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def start_serve(files: list[Path], log: Path) -> tuple[subprocess.Popen, str]:
+    """`tailrace serve FILES --port 0 --admission slo`; returns (process, base URL)."""
+    cmd = [sys.executable, "-m", "tailrace.cli.main", "serve", *map(str, files), "--port", "0",
+           "--admission", "slo", "--max-in-flight", str(MAX_IN_FLIGHT)]
+    err = open(log, "wb")  # noqa: SIM115 - the child writes to it while it lives
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL)
+    assert proc.stdout is not None
+    line = proc.stdout.readline().decode()
+    m = re.search(r"on (http://\S+)/v1", line)
+    if not m:
+        proc.kill()
+        raise SystemExit(f"serve_load: tailrace serve did not start: {line!r}; see {log}")
+    base = m.group(1)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(base + "/readyz", timeout=2).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit(f"serve_load: tailrace serve not ready after 60 s; see {log}")
+
+
+def chat_body(i: int) -> dict:
+    return {"model": "chat", "messages": [{"role": "user", "content": f"question {i}: why?"}]}
+
+
+class Http:
+    """A minimal keep-alive HTTP/1.1 client on asyncio streams (one write per request).
+
+    base: ``http://HOST:PORT``.
+    """
+
+    def __init__(self, base: str) -> None:
+        host, port = base.removeprefix("http://").rsplit(":", 1)
+        self.host, self.port = host.strip("[]"), int(port)
+        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def request(self, method: str, path: str, body: dict | None = None) -> int:
+        """Send one request, read the whole response; returns its status (-1: failed).
+
+        method: GET or POST.
+        path: the request path.
+        body: a JSON body, or None.
+        """
+        data = json.dumps(body).encode() if body is not None else b""
+        head = (f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n")
+        raw = head.encode() + data
+        if self.idle:  # the server may have closed an idle connection: then a fresh one
+            status = await self._send(self.idle.pop(), raw)
+            if status != -1:
+                return status
+        return await self._send(None, raw)
+
+    async def _send(self, conn: Any, raw: bytes) -> int:
+        try:
+            if conn is None:
+                conn = await asyncio.open_connection(self.host, self.port)
+            reader, writer = conn
+            writer.write(raw)
+            status = int((await reader.readline()).split()[1])
+            length, chunked, close = 0, False, False
+            while (line := await reader.readline()) not in (b"\r\n", b""):
+                k, _, v = line.decode("latin-1").partition(":")
+                k, v = k.strip().lower(), v.strip().lower()
+                if k == "content-length":
+                    length = int(v)
+                elif k == "transfer-encoding":
+                    chunked = "chunked" in v
+                elif k == "connection":
+                    close = v == "close"
+            if chunked:
+                while (size := int((await reader.readline()).strip(), 16)) > 0:
+                    await reader.readexactly(size + 2)
+                await reader.readline()
+            else:
+                await reader.readexactly(length)
+        except (OSError, ValueError, IndexError, asyncio.IncompleteReadError):
+            if conn is not None:
+                conn[1].close()
+            return -1
+        if close:
+            writer.close()
+        else:
+            self.idle.append(conn)
+        return status
+
+    def close(self) -> None:
+        for _, writer in self.idle:
+            writer.close()
+        self.idle.clear()
+
+
+async def timed(http: Http, path: str, body: dict) -> tuple[int, float]:
+    t0 = time.perf_counter()
+    status = await http.request("POST", path, body)
+    return status, time.perf_counter() - t0
+
+
+async def closed_loop(base: str, path: str, body, concurrency: int, seconds: float) -> dict:
+    """``concurrency`` clients each sending the next request when the last one answers."""
+    lat: list[float] = []
+    codes: dict[int, int] = {}
+    stop = time.perf_counter() + seconds
+    http = Http(base)
+
+    async def worker(w: int) -> None:
+        i = 0
+        while time.perf_counter() < stop:
+            status, dt = await timed(http, path, body(w * 100_000 + i))
+            i += 1
+            codes[status] = codes.get(status, 0) + 1
+            if status == 200:
+                lat.append(dt)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    wall = time.perf_counter() - t0
+    http.close()
+    return {"concurrency": concurrency, "ok": len(lat), "codes": codes,
+            "throughput": len(lat) / wall, "p50_ms": pct(lat, 0.5) * 1e3,
+            "p99_ms": pct(lat, 0.99) * 1e3}
+
+
+def probe(base: str, pid: int, seconds: float) -> None:
+    """Probe mode (a child process): GET /healthz every 50 ms, RSS of ``pid`` every second
+    and the admission queue; prints one JSON line at the end."""
+    import http.client
+
+    host, port = base.removeprefix("http://").rsplit(":", 1)
+    health, rss, queued = [], [], []
+    t_start = time.perf_counter()
+    conn = http.client.HTTPConnection(host, int(port), timeout=5)
+    while time.perf_counter() - t_start < seconds:
+        t0 = time.perf_counter()
+        try:
+            conn.request("GET", "/healthz")
+            ok = conn.getresponse().read() == b'{"status":"ok"}'
+        except OSError:
+            ok = False
+            conn = http.client.HTTPConnection(host, int(port), timeout=5)
+        health.append(time.perf_counter() - t0 if ok else float("inf"))
+        if len(health) % 20 == 1:
+            rss.append((time.perf_counter() - t_start, rss_mb(pid)))
+            try:
+                conn.request("GET", "/dashboard/data")
+                adm = json.loads(conn.getresponse().read())["admission"]
+                queued.append(adm["queued"] if adm else 0)
+            except (OSError, ValueError):
+                conn = http.client.HTTPConnection(host, int(port), timeout=5)
+        time.sleep(max(0.0, 0.05 - (time.perf_counter() - t0)))
+    print(json.dumps({"health": health, "rss": rss, "queued": queued}))
+
+
+async def overload(base: str, pid: int, rate: float, seconds: float, seed: int) -> dict:
+    """Open-loop Poisson arrivals at ``rate``/s; a child process probes /healthz meanwhile."""
+    rng = random.Random(seed)
+    lat_ok: list[float] = []
+    lat_429: list[float] = []
+    codes: dict[int, int] = {}
+    prober = subprocess.Popen([sys.executable, __file__, "--probe", base, str(pid),
+                               str(seconds + 2)], stdout=subprocess.PIPE)
+    http = Http(base)
+
+    async def one(i: int) -> None:
+        status, dt = await timed(http, "/v1/chat/completions", chat_body(i))
+        codes[status] = codes.get(status, 0) + 1
+        (lat_ok if status == 200 else lat_429 if status == 429 else []).append(dt)
+
+    tasks = []
+    t0 = time.perf_counter()
+    i = 0
+    next_at = t0 + 1.0  # the prober starts first
+    while next_at < t0 + 1.0 + seconds:
+        delay = next_at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.ensure_future(one(i)))
+        i += 1
+        next_at += rng.expovariate(rate)
+    offered_s = time.perf_counter() - t0 - 1.0
+    _, late = await asyncio.wait(tasks, timeout=30)  # stragglers are cut off
+    for t in late:
+        t.cancel()
+    http.close()
+    with urllib.request.urlopen(base + "/dashboard/data", timeout=10) as resp:
+        adm = json.loads(resp.read())["admission"] or {}
+    out, _ = prober.communicate(timeout=60)
+    probed = json.loads(out)
+    health, rss = probed["health"], probed["rss"]
+    rss_vals = [r for _, r in rss]
+    return {"offered": i, "offered_rate": i / offered_s, "codes": codes, "cut_off": len(late),
+            "rejected_by_reason": adm.get("rejected_by_reason", {}),
+            "ok_p50_ms": pct(lat_ok, 0.5) * 1e3, "ok_p99_ms": pct(lat_ok, 0.99) * 1e3,
+            "reject_p50_ms": pct(lat_429, 0.5) * 1e3, "reject_p99_ms": pct(lat_429, 0.99) * 1e3,
+            "healthz_p50_ms": pct(health, 0.5) * 1e3, "healthz_p99_ms": pct(health, 0.99) * 1e3,
+            "healthz_max_ms": max(health) * 1e3 if health else float("nan"),
+            "healthz_probes": len(health), "max_admission_queue": max(probed["queued"],
+                                                                         default=0),
+            "rss_mb": rss, "rss_first_mb": rss_vals[0] if rss_vals else float("nan"),
+            "rss_last_mb": rss_vals[-1] if rss_vals else float("nan"),
+            "rss_max_mb": max(rss_vals, default=float("nan"))}
+
+
+def http_overhead(base: str, n: int) -> dict:
+    """One request at a time to the fast pipeline; server p50 minus pipeline p50."""
+    lat = []
+    with httpx.Client(base_url=base, timeout=10) as client:
+        for i in range(n):
+            t0 = time.perf_counter()
+            r = client.post("/v1/pipelines/fast/runs", json={"prompt": f"hi {i}"})
+            lat.append(time.perf_counter() - t0)
+            if r.status_code != 200:
+                raise SystemExit(f"serve_load: fast pipeline answered {r.status_code}: {r.text}")
+        data = client.get("/dashboard/data").json()
+    route = next(h for h in data["http"] if h["route"] == "/v1/pipelines/{name}/runs")
+    pipe = next(p for p in data["pipelines"] if p["name"] == "fast")
+    return {"n": n, "client_p50_us": pct(lat, 0.5) * 1e6, "server_p50_us": route["p50_us"],
+            "server_p99_us": route["p99_us"], "pipeline_p50_us": pipe["latency_p50_us"],
+            "pipeline_p99_us": pipe["latency_p99_us"],
+            "overhead_p50_us": route["p50_us"] - pipe["latency_p50_us"]}
+
+
+def report(o: dict, sweep: list[dict], ov: dict, capacity: float) -> None:
+    print("\n1. HTTP layer overhead (one request at a time, ~1 ms engine)")
+    print(f"   server p50 {o['server_p50_us'] / 1e3:.2f} ms (arrival to last byte, "
+          f"{o['n']} requests) - pipeline p50 {o['pipeline_p50_us'] / 1e3:.2f} ms = "
+          f"{o['overhead_p50_us'] / 1e3:.2f} ms   (target <= 1 ms)")
+    print(f"   client p50 {o['client_p50_us'] / 1e3:.2f} ms (adds the client and the loopback)")
+    print("\n2. closed-loop sweep, POST /v1/chat/completions (8 tokens, ~160 ms alone; "
+          f"engine runs {CHAT.max_seqs} sequences, admission {MAX_IN_FLIGHT} in flight)")
+    print(f"   {'clients':>7}  {'req/s':>7}  {'p50 ms':>8}  {'p99 ms':>8}  statuses")
+    for r in sweep:
+        print(f"   {r['concurrency']:>7}  {r['throughput']:>7.1f}  {r['p50_ms']:>8.1f}  "
+              f"{r['p99_ms']:>8.1f}  {dict(sorted(r['codes'].items()))}")
+    c = ov["codes"]
+    print(f"\n3. 3x overload: {ov['offered']} requests at {ov['offered_rate']:.0f}/s "
+          f"(3 x {capacity:.1f}/s), open loop")
+    other = {k: v for k, v in sorted(c.items()) if k not in (200, 429)}
+    print(f"   200: {c.get(200, 0)}  429: {c.get(429, 0)}  other: {other or 0} "
+          f"(-1: connection failed)  cut off after 30 s: {ov['cut_off']}")
+    print(f"   admission rejections by reason (server): {ov['rejected_by_reason']}")
+    print(f"   admitted p50 {ov['ok_p50_ms']:.0f} ms p99 {ov['ok_p99_ms']:.0f} ms; 429 answered "
+          f"in p50 {ov['reject_p50_ms']:.1f} ms p99 {ov['reject_p99_ms']:.1f} ms; "
+          f"admission queue at most {ov['max_admission_queue']}")
+    print(f"   /healthz while loaded: p50 {ov['healthz_p50_ms']:.1f} ms p99 "
+          f"{ov['healthz_p99_ms']:.1f} ms max {ov['healthz_max_ms']:.1f} ms over "
+          f"{ov['healthz_probes']} probes (target < 100 ms)")
+    series = "  ".join(f"{t:.0f}s:{m:.0f}" for t, m in ov["rss_mb"])
+    growth = (ov["rss_last_mb"] / ov["rss_first_mb"] - 1) * 100 if ov["rss_mb"] else 0.0
+    print(f"   server RSS MiB: {series}  (first->last {growth:+.1f}%)")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="shorter phases (~1 minute)")
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    ap.add_argument("--probe", nargs=3, metavar=("URL", "PID", "SECONDS"),
+                    help=argparse.SUPPRESS)  # internal: the /healthz prober child
+    args = ap.parse_args()
+    if args.probe:
+        probe(args.probe[0], int(args.probe[1]), float(args.probe[2]))
+        return 0
+    step_s, overload_s, n_overhead = (3.0, 10.0, 200) if args.quick else (6.0, 20.0, 500)
+    levels = [1, 2, 4, 8, 16]
+    tmp = Path(tempfile.mkdtemp(prefix="serve_load-"))
+    chat_srv, fast_srv = spawn(CHAT), spawn(FAST)
+    proc = None
+    try:
+        files = [tmp / "chat.yaml", tmp / "fast.yaml"]
+        files[0].write_text(PIPELINE.format(name="chat", p99_ms=1000, url=chat_srv.url,
+                                            max_tokens=8, replicas=2 * MAX_IN_FLIGHT))
+        files[1].write_text(PIPELINE.format(name="fast", p99_ms=1000, url=fast_srv.url,
+                                            max_tokens=1, replicas=2))
+        proc, base = start_serve(files, tmp / "serve.log")
+        print(f"serve_load: tailrace serve at {base} (pid {proc.pid}); engines: latency model "
+              f"at {chat_srv.url} and {fast_srv.url}", flush=True)
+        overhead = http_overhead(base, n_overhead)
+        sweep = [asyncio.run(closed_loop(base, "/v1/chat/completions", chat_body, c, step_s))
+                 for c in levels]
+        capacity = max(r["throughput"] for r in sweep)
+        ov = asyncio.run(overload(base, proc.pid, 3 * capacity, overload_s, args.seed))
+        report(overhead, sweep, ov, capacity)
+        if args.json:
+            Path(args.json).write_text(json.dumps(
+                {"overhead": overhead, "sweep": sweep, "overload": ov, "capacity": capacity},
+                indent=2, default=str))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for srv in (chat_srv, fast_srv):
+            srv.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
