@@ -152,3 +152,20 @@ def test_two_pipelines_share_llama_replica_processes():
     finally:
         close_pools()
     assert multiprocessing.active_children() == []
+
+
+@pytest.mark.engine
+def test_a_caller_that_goes_away_frees_its_sequence_in_a_replica_process():
+    pytest.importorskip("llama_cpp")
+    from tailrace.control import EnginePool
+
+    spec = {k: v for k, v in LLAMA_POOL.items() if k not in ("replicas", "max_wait_ms")}
+    count = chat("Count from 1 to 100, separated by commas.", max_tokens=120)
+    pieces: list[str] = []
+    with EnginePool("llm", spec, replicas=1) as pool:
+        [gone] = pool.generate([count], on_token=lambda i, t: pieces.append(t) or
+                               len(pieces) < 3)
+        [full] = pool.generate([count])
+    assert gone.finish_reason == "cancelled" and gone.completion_tokens < 10
+    assert full.finish_reason == "length" and full.completion_tokens == 120
+    assert full.text.startswith(gone.text)

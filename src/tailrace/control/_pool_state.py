@@ -12,7 +12,7 @@ from typing import Any
 
 from ..engines.base import TokenCallback
 from .dispatch import ReplicaLoad
-from .replica_worker import Replica, TokenPiece
+from .replica_worker import Cancel, Replica, TokenPiece
 
 _EMPTY = object()
 
@@ -163,9 +163,15 @@ class ReplicaState:
         text = msg.text[max(item.emitted - start, 0):]
         item.emitted = end
         call = item.call
-        if call.on_token is None or call.done.is_set():
+        if call.done.is_set():  # the call already failed: stop its other requests
+            stop = True
+        elif call.on_token is None:
             return
-        try:
-            call.on_token(item.index, text)
-        except Exception as e:  # the caller's callback failed: that fails its call only
-            call.fail(e)
+        else:
+            try:
+                stop = call.on_token(item.index, text) is False
+            except Exception as e:  # the caller's callback failed: that fails its call only
+                call.fail(e)
+                stop = True
+        if stop and self.transport is not None:  # free the engine sequence now
+            self.transport.send(Cancel(msg.batch_id, msg.index))

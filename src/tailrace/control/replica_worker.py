@@ -54,7 +54,15 @@ class Shutdown:
     """Finish the current call, close the engine and exit."""
 
 
-ToReplica = GenerateBatch | EmbedBatch | Shutdown
+@dataclass(frozen=True)
+class Cancel:
+    """The caller of request ``index`` of batch ``batch_id`` went away: stop generating it."""
+
+    batch_id: int
+    index: int
+
+
+ToReplica = GenerateBatch | EmbedBatch | Shutdown | Cancel
 
 # -- up: replica -> pool ---------------------------------------------------------------
 
@@ -137,12 +145,15 @@ def describe(engine: Any, kind: str) -> Ready:
                  getattr(engine, "context_length", None), dim, chat)
 
 
-def serve(engine: Any, msg: GenerateBatch | EmbedBatch, send: Deliver) -> BatchResult:
+def serve(engine: Any, msg: GenerateBatch | EmbedBatch, send: Deliver,
+          cancelled: dict[int, set[int]] | None = None) -> BatchResult:
     """Run one batch on ``engine``; a failing batch is rerun one request at a time.
 
-    engine: an open generation or embedding engine.
-    msg:    the batch to run.
-    send:   where ``TokenPiece`` messages go while the batch runs.
+    engine:    an open generation or embedding engine.
+    msg:       the batch to run.
+    send:      where ``TokenPiece`` messages go while the batch runs.
+    cancelled: batch id -> indexes of requests whose callers went away (filled in while
+               the batch runs): the engine is told to stop them at their next token.
 
     Rerunning singly isolates the request at fault (say one that overflows the context),
     so the other callers merged into the same batch still get their results.
@@ -151,18 +162,19 @@ def serve(engine: Any, msg: GenerateBatch | EmbedBatch, send: Deliver) -> BatchR
     items: Sequence[Any]
     delivered: dict[int, int] = {}  # request index -> characters sent (reruns skip them)
     seen: dict[int, int] = {}
-    on_token: Callable[[int, str], None] | None = None
+    on_token: Callable[[int, str], bool] | None = None
     if isinstance(msg, GenerateBatch):
         items, wanted = msg.requests, frozenset(msg.stream)
 
-        def on_token(i: int, text: str) -> None:
+        def on_token(i: int, text: str) -> bool:
             if i not in wanted:
-                return
+                return True
             start, end = seen.get(i, 0), seen.get(i, 0) + len(text)
             seen[i] = end
             if end > delivered.get(i, 0):
                 send(TokenPiece(bid, i, text[max(delivered.get(i, 0) - start, 0):]))
                 delivered[i] = end
+            return cancelled is None or i not in cancelled.get(bid, ())
 
         def run(batch: Sequence[Any], cb: Any) -> Any:
             return engine.generate(batch, cb)
@@ -213,8 +225,13 @@ def worker_main(conn: Any, spec: dict[str, Any], kind: str, workers: int = 1) ->
         with lock:
             conn.send(m)
 
+    cancelled: dict[int, set[int]] = {}
+
     def handle(m: GenerateBatch | EmbedBatch) -> None:
-        send(serve(engine, m, send))
+        try:
+            send(serve(engine, m, send, cancelled))
+        finally:
+            cancelled.pop(m.batch_id, None)
 
     pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="replica")
     try:
@@ -225,6 +242,9 @@ def worker_main(conn: Any, spec: dict[str, Any], kind: str, workers: int = 1) ->
                 break
             if isinstance(msg, Shutdown):
                 break
+            if isinstance(msg, Cancel):
+                cancelled.setdefault(msg.batch_id, set()).add(msg.index)
+                continue
             pool.submit(handle, msg)
     finally:
         pool.shutdown(wait=True)  # batches already taken finish before the engine closes
@@ -269,6 +289,7 @@ class ProcessReplica:
         """
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
+        self._send_lock = threading.Lock()  # the pool loop and stream readers both send
         self._proc = ctx.Process(target=worker_main,
                                  args=(child, dict(spec), kind, max_workers),
                                  name=label, daemon=True)
@@ -291,7 +312,7 @@ class ProcessReplica:
 
     def send(self, msg: ToReplica) -> None:
         """Send a message; a dead process is reported by ``Exited``, not here."""
-        with contextlib.suppress(OSError, ValueError):
+        with self._send_lock, contextlib.suppress(OSError, ValueError):
             self._conn.send(msg)
 
     def request_stop(self) -> None:
@@ -348,6 +369,7 @@ class ThreadReplica:
                                         thread_name_prefix=label)
         self._engine: Any = None
         self._stopped = False
+        self._cancelled: dict[int, set[int]] = {}
 
     @property
     def pid(self) -> int:
@@ -371,9 +393,18 @@ class ThreadReplica:
 
     def send(self, msg: ToReplica) -> None:
         """Run a batch on a replica thread; its ``BatchResult`` is delivered when done."""
+        if isinstance(msg, Cancel):
+            self._cancelled.setdefault(msg.batch_id, set()).add(msg.index)
+            return
         if isinstance(msg, Shutdown) or self._stopped:
             return
-        self._exec.submit(lambda: self._deliver(serve(self._engine, msg, self._deliver)))
+        self._exec.submit(self._serve, msg)
+
+    def _serve(self, msg: GenerateBatch | EmbedBatch) -> None:
+        try:
+            self._deliver(serve(self._engine, msg, self._deliver, self._cancelled))
+        finally:
+            self._cancelled.pop(msg.batch_id, None)
 
     def request_stop(self) -> None:
         self._stopped = True

@@ -43,8 +43,9 @@ class Generation:
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
-#: ``on_token(request_index, text_piece)``: called as each piece is produced.
-TokenCallback = Callable[[int, str], None]
+#: ``on_token(request_index, text_piece)``: called as each piece is produced; returning
+#: ``False`` asks the engine to stop that request (its caller went away).
+TokenCallback = Callable[[int, str], bool | None]
 
 
 @runtime_checkable
