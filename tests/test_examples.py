@@ -6,6 +6,8 @@ import runpy
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -36,3 +38,68 @@ def test_readme_python_snippet_runs(capsys):
     code = text.split("```python\n", 1)[1].split("```", 1)[0]
     exec(compile(code, "README.md", "exec"), {})
     assert "[0, 2, 4, 6, 8, 10, 12, 14, 16, 18]" in capsys.readouterr().out
+
+
+@pytest.mark.engine
+def test_live_news_yaml_follows_its_feed_across_runs(tmp_path):
+    """examples/live-news.yaml as the README runs it (in a copy: the feed gets appended)."""
+    import shutil
+
+    shutil.copytree(os.path.join(ROOT, "examples", "live-news"),
+                    tmp_path / "examples" / "live-news")
+    shutil.copy(os.path.join(ROOT, "examples", "live-news.yaml"), tmp_path / "examples")
+    env = {**os.environ, "TAILRACE_HOME": str(tmp_path / "home"), "PYTHONPATH": ROOT}
+
+    def run() -> dict:
+        out = tmp_path / "out.jsonl"
+        subprocess.run([sys.executable, "-m", "tailrace.cli.main", "run",
+                        "examples/live-news.yaml", "--input",
+                        "examples/live-news/questions.jsonl", "--output", str(out), "-q"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, check=True)
+        return {r["question"]: r["sources"] for r in map(json.loads, out.open())}
+
+    first = run()
+    assert first["Will the Northline trains run on Friday?"] == ["Northline rail strike called off"]
+    assert first["Who is the new president of the Ostrava chess club?"] == [
+        "Ostrava chess club picks a young president"]
+    feed = tmp_path / "examples" / "live-news" / "news.jsonl"
+    with open(feed, "a") as f:  # an update of one story, the deletion of another
+        f.write((tmp_path / "examples" / "live-news" / "update.jsonl").read_text())
+    second = run()
+    assert second["Will the Northline trains run on Friday?"] == ["Northline rail strike back on"]
+    meta = json.loads((tmp_path / "home" / "live" / "news" / "snapshot" / "meta.json").read_text())
+    assert (meta["count"], meta["next_key"]) == (4, 6)  # 5 stories, 1 replaced, 1 deleted;
+    # the restart resumed the feed: only the one new story was embedded (keys 0-4, then 5)
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_chat_with_memory_yaml_remembers_per_session_and_user(tailrace_home, tmp_path):
+    """examples/chat-with-memory.yaml as the README runs it, on a fresh memory store."""
+    import sqlite3
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "indexes").symlink_to(tailrace_home / "indexes")  # the session's wiki slice
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tailrace.cli.main", "run", "examples/chat-with-memory.yaml",
+         "--input", "examples/chat-with-memory.jsonl", "--output", str(out)],
+        cwd=ROOT, env={**os.environ, "TAILRACE_HOME": str(home)}, capture_output=True,
+        text=True, check=True)
+    assert "6 in, 6 out, 0 errors" in proc.stderr
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    mem = {(r["user_id"], r["session_id"], r["question"][:12]): r["memory"] for r in rows}
+    fact = "- Ada is writing an essay about the film 2001: A Space Odyssey."
+    assert mem["ada", "s1", "Who directed"] == ""
+    assert fact in mem["ada", "s1", "In which yea"]  # the fact written by the first turn
+    assert "user: Who directed 2001: A Space Odyssey?" in mem["ada", "s1", "In which yea"]
+    assert mem["ada", "s2", "Which film i"] == "Known facts about the user:\n" + fact  # no turns
+    assert "user: Who was Alan Turing?" in mem["bob", "s7", "Which machin"]
+    assert "Ada" not in mem["bob", "s7", "Which machin"]
+    assert mem["eve", "s1", "What did I a"] == ""  # ada's session id, another user: nothing
+    [ada2] = [r for r in rows if r["question"].startswith("In which year")]
+    assert ada2["sources"] == ["2001: A Space Odyssey"]  # "that film", found via the memory
+    with sqlite3.connect(home / "memory.sqlite") as db:
+        assert db.execute("SELECT count(*) FROM turns").fetchone() == (12,)
+        assert db.execute("SELECT count(*) FROM pending").fetchone() == (0,)

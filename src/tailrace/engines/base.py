@@ -22,6 +22,8 @@ class GenerationRequest:
     max_tokens:  most tokens to generate.
     temperature: 0 means greedy (deterministic).
     stop:        strings that end generation (not included in the text).
+    logprobs:    report the mean log-probability of the sampled tokens as
+                 ``Generation.extra["mean_logprob"]`` (engines that can).
     """
 
     prompt: str | None = None
@@ -30,6 +32,7 @@ class GenerationRequest:
     temperature: float = 0.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    logprobs: bool = False
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import heapq
 import logging
+import math
 import os
 import threading
 import time
@@ -83,7 +84,8 @@ class _Seq:
     """One request occupying a sequence slot while it is prefilled and generated."""
 
     __slots__ = ("call", "index", "slot", "prompt", "n_prompt", "fed", "pos", "last",
-                 "n_gen", "max_tokens", "temperature", "rng", "stream", "row")
+                 "n_gen", "max_tokens", "temperature", "rng", "stream", "row", "lp_sum",
+                 "n_lp")
 
     def __init__(self, call: _Call, index: int, slot: int, prompt: Any, max_tokens: int,
                  temperature: float, rng: Any, stream: TextStream):
@@ -101,6 +103,8 @@ class _Seq:
         self.rng = rng
         self.stream = stream
         self.row = -1  # batch index whose logits belong to this sequence (-1: none)
+        self.lp_sum = 0.0  # summed log-probabilities of the sampled tokens
+        self.n_lp = -1  # tokens in lp_sum; -1: not asked for (GenerationRequest.logprobs)
 
 
 class LlamaCppEngine:
@@ -429,7 +433,9 @@ class LlamaCppEngine:
             if tail and reason != "cancelled":
                 emit(s, tail)
             call = s.call
-            call.results[s.index] = Generation(s.stream.text, s.n_prompt, s.n_gen, reason)
+            extra = {"mean_logprob": s.lp_sum / s.n_lp} if s.n_lp > 0 else {}
+            call.results[s.index] = Generation(s.stream.text, s.n_prompt, s.n_gen, reason,
+                                               extra)
             lib.llama_memory_seq_rm(mem, s.slot, -1, -1)
             heapq.heappush(free, s.slot)
             call.remaining -= 1
@@ -457,6 +463,8 @@ class LlamaCppEngine:
                         active.append(_Seq(call, i, heapq.heappop(free),
                                            np.asarray(prompt, dtype=np.int32),
                                            r.max_tokens, r.temperature, rng, stream))
+                        if r.logprobs:
+                            active[-1].n_lp = 0
                     active.sort(key=lambda s: s.slot)
                     if not active:
                         continue
@@ -505,6 +513,11 @@ class LlamaCppEngine:
                     logits = frombuffer(row_type.from_address(addr),  # type: ignore[arg-type]
                                         dtype=float32)
                     t = sample(logits, s.temperature, s.rng)
+                    if s.n_lp >= 0:  # log-softmax of the sampled token, stable form
+                        m = logits.max()
+                        s.lp_sum += float(logits[t] - m) - math.log(
+                            float(np.exp(logits - m).sum()))
+                        s.n_lp += 1
                     piece = pieces[t] if t in pieces else self._piece(t)
                     if piece is None:  # end of generation
                         finish(s, "stop")

@@ -1,6 +1,6 @@
 """Built-in operators and the registry that maps YAML ``op:`` names to them."""
 
-from . import core, llm, retrieval  # noqa: F401  (register the built-ins)
+from . import core, llm, memory, retrieval, route, semantic, tools  # noqa: F401  (built-ins)
 from .custom import Operator
 from .registry import OpDef, OpRuntime, Param, known_ops, lookup, qualname, register, resolve
 

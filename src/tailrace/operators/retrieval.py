@@ -117,7 +117,13 @@ def _build_retrieve(params: dict, contract: Any) -> OpRuntime:
 
     from ..stores.vector_index import VectorIndex
 
-    index = VectorIndex.open(index_dir(params["index"]), expect_model=params.get("_model"))
+    if params["index"].startswith("live:"):  # a live index that semantic_state stages update
+        from ..stores.live_index import open_live_index
+
+        index: Any = open_live_index(params["index"][5:])
+        index.expect_model(params.get("_model"))
+    else:
+        index = VectorIndex.open(index_dir(params["index"]), expect_model=params.get("_model"))
     q, k, out = params["query"], params["k"], params["output"]
 
     def batch_fn(batch: list, errors: list) -> list:

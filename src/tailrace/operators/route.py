@@ -1,0 +1,313 @@
+"""Model routing: ``route`` picks the engine of each request by rule or by a cascade.
+
+Rules (``rules:`` + ``default:``): the first rule whose ``when`` holds names the engine;
+``when`` tests record fields (``{field: tier, equals: gold}``, ``{field: lang, in: [fr,
+de]}``) and the prompt's length (``{prompt_tokens_over: 300}``, counted with the default
+engine's tokenizer). Cascade (``cascade: [small, big]``): every request goes to the first
+engine; a reply whose confidence — the mean log-probability of its tokens — is below
+``threshold`` is generated again by the next engine, and so on. Engines report that score
+in ``Generation.extra["mean_logprob"]`` (or a ``logprobs`` list); an engine that reports
+none cannot be a cascade level other than the last (its records become error records).
+
+Requests routed to the same engine within a micro-batch share one batched engine call.
+Each output record carries the decision (``route``: engine, confidences, escalated) and
+its cost (``cost``: prompt and completion tokens per engine, including the tokens a
+cascade spent before escalating); ``route_statistics()`` totals them per stage ``label``.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ..engines import GenerationRequest, open_engine
+from ..errors import ContextOverflow, EngineError
+from .core import FieldError, positive_int
+from .llm import render, template_fields
+from .registry import LinkContext, OpDef, OpRuntime, Param, register
+from .retrieval import link_engine
+
+_LOGPROBS = "logprobs" in {f.name for f in fields(GenerationRequest)}
+_OPTION_KEYS = {"prompt", "system", "stop", "max_tokens"}
+
+
+def confidence(extra: dict) -> float | None:
+    """The mean token log-probability an engine reported, or None.
+
+    extra: ``Generation.extra``.
+
+    >>> confidence({"mean_logprob": -0.5}), confidence({"logprobs": [-1.0, 0.0]})
+    (-0.5, -0.5)
+    """
+    if extra.get("mean_logprob") is not None:
+        return float(extra["mean_logprob"])
+    lps = extra.get("logprobs")
+    if isinstance(lps, (list, tuple)) and lps:
+        return sum(float(x) for x in lps) / len(lps)
+    return None
+
+
+@dataclass(frozen=True)
+class RouteStats:
+    """Requests and tokens per engine of one route stage (all runs in the process).
+
+    label:     the stage's label (its ``label`` param, else its output field).
+    requests:  records answered.
+    escalated: records a cascade sent past its first engine.
+    engines:   engine name -> {requests, prompt_tokens, completion_tokens}.
+    """
+
+    label: str
+    requests: int
+    escalated: int
+    engines: dict[str, dict[str, int]]
+
+
+class _Ledger:
+    def __init__(self, label: str) -> None:
+        self.label, self.lock = label, threading.Lock()
+        self.requests = self.escalated = 0
+        self.engines: dict[str, dict[str, int]] = {}
+
+    def add(self, costs: list[dict], escalated: int) -> None:
+        with self.lock:
+            self.requests += len(costs)
+            self.escalated += escalated
+            for cost in costs:
+                for name, c in cost.items():
+                    e = self.engines.setdefault(name, {"requests": 0, "prompt_tokens": 0,
+                                                       "completion_tokens": 0})
+                    e["requests"] += 1
+                    e["prompt_tokens"] += c["prompt_tokens"]
+                    e["completion_tokens"] += c["completion_tokens"]
+
+    def statistics(self) -> RouteStats:
+        with self.lock:
+            return RouteStats(self.label, self.requests, self.escalated,
+                              {k: dict(v) for k, v in self.engines.items()})
+
+
+_LEDGERS: dict[str, _Ledger] = {}
+_LEDGERS_LOCK = threading.Lock()
+
+
+def route_statistics() -> dict[str, RouteStats]:
+    """Cost accounting of every route stage run in this process, by label."""
+    with _LEDGERS_LOCK:
+        return {k: v.statistics() for k, v in _LEDGERS.items()}
+
+
+def _matches(when: dict, record: Any, count: Any) -> bool:
+    if "field" in when:
+        v = record.get(when["field"]) if isinstance(record, dict) else None
+        if "equals" in when and v != when["equals"]:
+            return False
+        if "in" in when and v not in when["in"]:
+            return False
+        if "exists" in when and (v is not None) != bool(when["exists"]):
+            return False
+    return "prompt_tokens_over" not in when or count() > when["prompt_tokens_over"]
+
+
+class _Target:
+    """One engine with the stage's request settings (and its per-engine overrides)."""
+
+    def __init__(self, name: str, spec: dict, params: dict) -> None:
+        opts = {**params, **(params.get("per_engine") or {}).get(name, {})}
+        self.name, self.engine = name, open_engine(spec)
+        self.template, self.inp = opts.get("prompt"), opts.get("input")
+        self.system, self.stop = opts.get("system"), tuple(opts.get("stop") or ())
+        self.max_tokens, self.temperature = opts["max_tokens"], float(opts["temperature"])
+
+    def text(self, r: Any) -> str:
+        if self.template is not None:
+            return render(self.template, r)
+        v = r.get(self.inp) if isinstance(r, dict) else None
+        if not isinstance(v, str):
+            raise FieldError(f"field '{self.inp}' must hold the prompt text")
+        return v
+
+    def request(self, r: Any) -> GenerationRequest:
+        text, eng = self.text(r), self.engine
+        n = eng.count_tokens(text)
+        if n > eng.context_length - self.max_tokens:
+            raise ContextOverflow(f"engine '{self.name}': prompt has {n} tokens; with "
+                                  f"max_tokens={self.max_tokens} it exceeds the model context "
+                                  f"of {eng.context_length} tokens")
+        kw: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": self.temperature,
+                              "stop": self.stop, **({"logprobs": True} if _LOGPROBS else {})}
+        if getattr(eng, "chat", True):
+            msgs = ({"role": "system", "content": self.system},) if self.system else ()
+            return GenerationRequest(messages=msgs + ({"role": "user", "content": text},), **kw)
+        return GenerationRequest(prompt=(self.system + "\n\n" if self.system else "") + text,
+                                 **kw)
+
+    def generate(self, rows: list, errors: list) -> list:
+        """``(row, Generation)`` for each row ``[record, decision, cost]`` that worked."""
+        keep, reqs = [], []
+        for row in rows:
+            try:
+                reqs.append(self.request(row[0]))
+                keep.append(row)
+            except Exception as e:  # noqa: BLE001 - this record only
+                errors.append((row[0], e))
+        if not keep:
+            return []
+        try:
+            gens = self.engine.generate(reqs)
+        except EngineError:  # isolate the request that failed
+            done = []
+            for row, q in zip(keep, reqs, strict=True):
+                try:
+                    done.append((row, self.engine.generate([q])[0]))
+                except EngineError as e:
+                    errors.append((row[0], e))
+            return done
+        return list(zip(keep, gens, strict=True))
+
+
+def _build_route(params: dict, contract: Any) -> OpRuntime:
+    specs = params["_engines"]
+    targets = {n: _Target(n, s, params) for n, s in specs.items()}
+    rules: list[dict] = params.get("rules") or []
+    default: str = params.get("default") or ""
+    cascade: list[str] = params.get("cascade") or []
+    thresholds = params["threshold"]
+    if not isinstance(thresholds, list):
+        thresholds = [thresholds] * max(0, len(cascade) - 1)
+    out, cost_f, route_f = params["output"], params["cost"], params["route"]
+    label = params.get("label") or out
+    with _LEDGERS_LOCK:
+        ledger = _LEDGERS.setdefault(label, _Ledger(label))
+
+    def spend(row: list, name: str, g: Any) -> None:
+        c = row[2].setdefault(name, {"prompt_tokens": 0, "completion_tokens": 0})
+        c["prompt_tokens"] += g.prompt_tokens
+        c["completion_tokens"] += g.completion_tokens
+
+    def by_rules(batch: list, errors: list) -> list:
+        groups: dict[str, list] = {}
+        for r in batch:
+            count = lambda r=r: targets[default].engine.count_tokens(targets[default].text(r))
+            try:
+                name = next((x["engine"] for x in rules if _matches(x["when"], r, count)),
+                            default)
+            except Exception as e:  # noqa: BLE001 - e.g. the prompt cannot be rendered
+                errors.append((r, e))
+                continue
+            groups.setdefault(name, []).append([r, {"engine": name}, {}])
+        done = []
+        for name, rows in groups.items():
+            for row, g in targets[name].generate(rows, errors):
+                spend(row, name, g)
+                done.append((row, g.text))
+        return done
+
+    def by_cascade(batch: list, errors: list) -> list:
+        rows = [[r, {"engine": None, "confidence": [], "escalated": False}, {}] for r in batch]
+        done = []
+        for level, name in enumerate(cascade):
+            last = level == len(cascade) - 1
+            nxt = []
+            for row, g in targets[name].generate(rows, errors):
+                spend(row, name, g)
+                row[1]["engine"], row[1]["escalated"] = name, level > 0
+                conf = confidence(g.extra)
+                row[1]["confidence"].append(None if conf is None else round(conf, 4))
+                if last or (conf is not None and conf >= thresholds[level]):
+                    done.append((row, g.text))
+                elif conf is None:
+                    errors.append((row[0], EngineError(
+                        f"cascade level {level + 1}: engine '{name}' reports no token "
+                        "log-probabilities (Generation.extra['mean_logprob']), so its "
+                        "confidence is unknown; use an engine that reports them, or rules")))
+                else:
+                    nxt.append(row)
+            rows = nxt
+        return done
+
+    decide = by_cascade if cascade else by_rules
+
+    def batch_fn(batch: list, errors: list) -> list:
+        done = decide(batch, errors)
+        ledger.add([row[2] for row, _ in done], sum(row[1].get("escalated", False)
+                                                    for row, _ in done))
+        return [{**row[0], out: text, route_f: row[1], cost_f: row[2]} for row, text in done]
+
+    return OpRuntime("map", batch_fn=batch_fn, max_batch=params["max_batch"])
+
+
+def _prepare_route(params: dict, ctx: LinkContext) -> dict:
+    if (params.get("prompt") is None) == (params.get("input") is None):
+        raise ValueError("route needs exactly one of 'prompt' (a template with {fields}) or "
+                         "'input' (a field holding the prompt text)")
+    rules, cascade = params.get("rules"), params.get("cascade")
+    if (rules is None) == (cascade is None):
+        raise ValueError("route needs exactly one of 'rules' (with 'default') or 'cascade' "
+                         "(engines from small to large)")
+    if rules is not None:
+        if not params.get("default"):
+            raise ValueError("'rules' needs 'default': the engine when no rule matches")
+        names = [params["default"]]
+        for i, rule in enumerate(rules):
+            if not isinstance(rule, dict) or set(rule) != {"when", "engine"} or \
+                    not isinstance(rule["when"], dict):
+                raise ValueError(f"rules[{i}] must be {{when: {{...}}, engine: NAME}}, got "
+                                 f"{rule!r}")
+            when = rule["when"]
+            bad = set(when) - {"field", "equals", "in", "exists", "prompt_tokens_over"}
+            if bad or not when or (set(when) & {"equals", "in", "exists"}) and "field" not in when:
+                raise ValueError(f"rules[{i}].when: use field + equals/in/exists, or "
+                                 f"prompt_tokens_over: N (got {when!r})")
+            if "in" in when and not isinstance(when["in"], list):
+                raise ValueError(f"rules[{i}].when.in must be a list of values")
+            names.append(rule["engine"])
+    else:
+        if not isinstance(cascade, list) or len(cascade) < 2 or \
+                not all(isinstance(n, str) for n in cascade):
+            raise ValueError("'cascade' must list at least two engine names, small to large")
+        names = list(cascade)
+        t = params["threshold"]
+        if isinstance(t, list) and len(t) != len(cascade) - 1:
+            raise ValueError(f"'threshold' needs one value per escalation ({len(cascade) - 1}),"
+                             f" got {len(t)}")
+    if params.get("prompt") is not None:
+        template_fields(params["prompt"])
+    per = params.get("per_engine") or {}
+    for name, opts in per.items():
+        if name not in names or not isinstance(opts, dict) or set(opts) - _OPTION_KEYS:
+            raise ValueError(f"per_engine.{name}: must name a routed engine ({', '.join(names)})"
+                             f" and set only {', '.join(sorted(_OPTION_KEYS))}")
+        if "prompt" in opts:
+            template_fields(opts["prompt"])
+    params["_engines"] = {}
+    for name in dict.fromkeys(names):
+        params["_engines"][name] = link_engine({"engine": name}, ctx, "generate")["_engine"]
+    return params
+
+
+register(OpDef(
+    "route", "map", _build_route,
+    (Param("rules", (list,), want="a list of {when: {...}, engine: NAME}"),
+     Param("default", (str,), want="the engine when no rule matches"),
+     Param("cascade", (list,), want="engine names from small to large"),
+     Param("threshold", (int, float, list), default=-1.0,
+           want="a mean token log-probability (or one per escalation)"),
+     Param("per_engine", (dict,), want="engine -> {prompt, system, stop, max_tokens}"),
+     Param("prompt", (str,), want="a template with {field} placeholders"),
+     Param("input", (str,), want="a field holding the prompt text"),
+     Param("system", (str,), want="a system message (chat models)"),
+     Param("output", (str,), default="answer", want="a field name"),
+     Param("route", (str,), default="route", want="a field for the routing decision"),
+     Param("cost", (str,), default="cost", want="a field for tokens per engine"),
+     Param("label", (str,), want="the name of this stage's cost totals"),
+     Param("max_tokens", (int,), default=64, want="a positive integer", check=positive_int),
+     Param("temperature", (int, float), default=0.0, want="a number >= 0",
+           check=lambda v: v >= 0),
+     Param("stop", (list,), want="a list of stop strings"),
+     Param("max_batch", (int,), default=8, want="a positive integer", check=positive_int)),
+    batchable=True, blocking=True, fusable=False,
+    fields=lambda p: ((template_fields(p["prompt"]) if p.get("prompt") else (p["input"],)),
+                      (p["output"], p["route"], p["cost"])),
+    prepare=_prepare_route, doc="choose an engine per request by rule or cascade"))

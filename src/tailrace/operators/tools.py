@@ -1,0 +1,361 @@
+"""Tool use: ``tool_call`` lets a model call the pipeline's registered Python functions.
+
+Each record starts a conversation (``system`` + the prompt). Every round, the records of
+a micro-batch are generated together; a reply that calls tools has its calls checked
+(only the stage's ``tools`` exist; arguments must match the tool's JSON schema), run on
+worker threads with a per-call timeout, and their results appended to the conversation;
+the rest are answers. After ``max_rounds`` rounds of calls, one last round runs without
+tools. Tool-call format: OpenAI function calling for ``openai`` engines (the server sees
+``tools``; ``tool_calls`` come back), and for local models a JSON convention: the model
+replies ``{"tool": NAME, "arguments": {...}}`` alone to call a tool.
+
+A failed call (unknown tool, invalid arguments, the tool raised, it timed out) makes the
+record an error record saying which and why (``on_error: record``), or is sent back to the
+model as the tool's result so it can recover (``on_error: model``). A timed-out call is
+abandoned, not killed: Python cannot stop a thread, so its result is discarded.
+"""
+
+from __future__ import annotations
+
+import json
+import keyword
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from time import monotonic
+from typing import Any
+
+from ..engines import GenerationRequest, open_engine
+from ..errors import EngineError
+from .core import FieldError, positive_int
+from .llm import render, template_fields
+from .registry import LinkContext, OpDef, OpRuntime, Param, register, resolve
+from .retrieval import _ENGINE_HINT, link_engine
+from .tool_schema import ToolError, check_schema, parse_json_call, validate
+
+__all__ = ["ToolError", "check_schema", "parse_json_call", "validate"]
+
+_POOL = ThreadPoolExecutor(max_workers=16, thread_name_prefix="tailrace-tool")
+
+
+class Conversation:
+    """One record's conversation: messages, the calls made, and how it ended."""
+
+    __slots__ = ("record", "messages", "calls", "answer", "error")
+
+    def __init__(self, record: Any, messages: list[dict]) -> None:
+        self.record, self.messages = record, messages
+        self.calls: list[dict] = []
+        self.answer: str | None = None
+        self.error: Exception | None = None
+
+
+class ToolRunner:
+    """The registered tools of one stage: look-up, validation, timed calls."""
+
+    def __init__(self, tools: list[dict], timeout_s: float) -> None:
+        """Resolve each tool's function (already checked at compile time).
+
+        tools:     ``{name, fn, schema, description, timeout_ms}`` mappings.
+        timeout_s: the default per-call timeout in seconds.
+        """
+        self.tools = {t["name"]: t for t in tools}
+        self.fns = {t["name"]: resolve(t["fn"]) for t in tools}
+        self.timeout_s = timeout_s
+
+    def start(self, name: str, args: Any, rnd: int) -> tuple[Future | None, float, str]:
+        """Submit one call; returns (future or None, deadline, error message)."""
+        if name not in self.tools:
+            return None, 0.0, (f"round {rnd}: the model called tool '{name}', which is not "
+                               f"registered (registered: {', '.join(self.tools)})")
+        tool = self.tools[name]
+        try:
+            if isinstance(args, ToolError):
+                raise args
+            if not isinstance(args, dict):
+                raise ToolError(f"arguments: expected object, got {type(args).__name__}")
+            validate(args, tool.get("schema") or {"type": "object"})
+        except ToolError as e:
+            return None, 0.0, f"round {rnd}: tool '{name}': invalid arguments: {e}"
+        timeout = tool.get("timeout_ms", self.timeout_s * 1000) / 1000
+        return _POOL.submit(self.fns[name], **args), monotonic() + timeout, ""
+
+    def finish(self, name: str, fut: Future, deadline: float, rnd: int) -> tuple[Any, str]:
+        """(result, "") or (None, error message) of a submitted call."""
+        try:
+            return fut.result(timeout=max(0.0, deadline - monotonic())), ""
+        except FutureTimeout:
+            fut.cancel()
+            ms = self.tools[name].get("timeout_ms", self.timeout_s * 1000)
+            return None, f"round {rnd}: tool '{name}' timed out after {ms:g} ms"
+        except Exception as e:  # noqa: BLE001 - the tool's own failure
+            return None, f"round {rnd}: tool '{name}' raised {type(e).__name__}: {e}"
+
+    def describe(self) -> str:
+        """The tool list for the JSON convention's system message."""
+        return "\n".join(f"- {n}: {t.get('description', '')} arguments (JSON schema): "
+                         f"{json.dumps(t.get('schema') or {'type': 'object'})}"
+                         for n, t in self.tools.items())
+
+    def openai_tools(self) -> list[dict]:
+        """The tools in OpenAI function-calling form."""
+        return [{"type": "function", "function": {
+            "name": n, "description": t.get("description", ""),
+            "parameters": t.get("schema") or {"type": "object", "properties": {}}}}
+            for n, t in self.tools.items()]
+
+
+JSON_CONVENTION = ("You can call these tools:\n{tools}\nTo call a tool, reply with only this "
+                   "JSON and nothing else: {{\"tool\": \"NAME\", \"arguments\": {{...}}}}\n"
+                   "Otherwise reply with the answer.")
+FINAL = "Answer now in plain text, without calling tools."
+
+
+class JsonChat:
+    """Local engines: tool calls by the JSON convention, results as user messages."""
+
+    def __init__(self, engine: Any, params: dict) -> None:
+        """Bind the engine and the stage's generation settings.
+
+        engine: a generation engine (``generate``, ``chat``).
+        params: the stage's parameters (``max_tokens``, ``temperature``).
+        """
+        self.engine, self.chat = engine, getattr(engine, "chat", True)
+        self.max_tokens, self.temperature = params["max_tokens"], float(params["temperature"])
+
+    def _request(self, conv: Conversation, tools_on: bool) -> GenerationRequest:
+        msgs = conv.messages + ([] if tools_on else [{"role": "user", "content": FINAL}])
+        if self.chat:
+            return GenerationRequest(messages=tuple(msgs), max_tokens=self.max_tokens,
+                                     temperature=self.temperature)
+        text = "".join(m["content"] + "\n\n" if m["role"] == "system" else
+                       f"{m['role'].capitalize()}: {m['content']}\n" for m in msgs)
+        return GenerationRequest(prompt=text + "Assistant:", max_tokens=self.max_tokens,
+                                 temperature=self.temperature, stop=("\nUser:",))
+
+    def __call__(self, convs: list[Conversation], tools_on: bool) -> list:
+        """Per conversation: ``(text, [(id, name, arguments)])`` or the exception."""
+        reqs = [self._request(c, tools_on) for c in convs]
+        try:
+            gens: list = self.engine.generate(reqs)
+        except Exception:  # noqa: BLE001 - isolate the record that failed
+            gens = []
+            for q in reqs:
+                try:
+                    gens += self.engine.generate([q])
+                except Exception as e:  # noqa: BLE001
+                    gens.append(e)
+        out: list = []
+        for g in gens:
+            if isinstance(g, Exception):
+                out.append(g)
+                continue
+            call = parse_json_call(g.text)
+            out.append((g.text.strip(), [(None, *call)] if call else []))
+        return out
+
+    def assistant(self, text: str, calls: list) -> dict:
+        return {"role": "assistant", "content": text}
+
+    def result(self, call_id: Any, name: str, value: Any) -> dict:
+        return {"role": "user", "content": f"Result of {name}: "
+                                           f"{json.dumps(value, default=str)}"}
+
+
+class OpenAIChat:
+    """``openai`` engines: OpenAI function calling (``tools`` in, ``tool_calls`` out)."""
+
+    def __init__(self, spec: dict, runner: ToolRunner, params: dict) -> None:
+        """Create a client for the engine's server (the engine class has no tools API).
+
+        spec:   the openai engine spec (base_url or endpoints, model, api_key[_env]...).
+        runner: the stage's tools.
+        params: the stage's parameters (``max_tokens``, ``temperature``).
+        """
+        import os
+
+        import openai
+
+        env = spec.get("api_key_env")
+        key = spec.get("api_key") or (os.environ.get(env) if env else None) or "not-needed"
+        self.base_url = spec.get("base_url") or spec["endpoints"][0]
+        self.model = spec["model"]
+        self.client: Any = openai.OpenAI(base_url=self.base_url, api_key=key,
+                                    timeout=float(spec.get("timeout_s", 60)),
+                                    max_retries=int(spec.get("retries", 2)))
+        self.pool = ThreadPoolExecutor(int(spec.get("concurrency", 8)),
+                                       thread_name_prefix="tailrace-toolchat")
+        self.tools = runner.openai_tools()
+        self.kw = {"max_tokens": params["max_tokens"],
+                   "temperature": float(params["temperature"])}
+
+    def _one(self, conv: Conversation, tools_on: bool) -> Any:
+        try:
+            kw = ({**self.kw, "tools": self.tools, "tool_choice": "auto"} if tools_on
+                  else self.kw)
+            resp = self.client.chat.completions.create(model=self.model,
+                                                       messages=conv.messages, **kw)
+        except Exception as e:  # noqa: BLE001 - becomes this record's error
+            return EngineError(f"openai engine at {self.base_url} (model '{self.model}'): "
+                               f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
+        msg = resp.choices[0].message
+        calls = []
+        for tc in msg.tool_calls or []:
+            try:
+                args: Any = json.loads(tc.function.arguments or "{}")
+            except ValueError as e:
+                args = ToolError(f"not valid JSON ({e}): {tc.function.arguments[:80]!r}")
+            calls.append((tc.id, tc.function.name, args))
+        return (msg.content or "").strip(), calls
+
+    def __call__(self, convs: list[Conversation], tools_on: bool) -> list:
+        """Per conversation: ``(text, [(id, name, arguments)])`` or the exception."""
+        return list(self.pool.map(lambda c: self._one(c, tools_on), convs))
+
+    def assistant(self, text: str, calls: list) -> dict:
+        return {"role": "assistant", "content": text, "tool_calls": [
+            {"id": i, "type": "function", "function": {
+                "name": n, "arguments": json.dumps(a if isinstance(a, dict) else {})}}
+            for i, n, a in calls]}
+
+    def result(self, call_id: Any, name: str, value: Any) -> dict:
+        return {"role": "tool", "tool_call_id": call_id,
+                "content": json.dumps(value, default=str)}
+
+
+def _build_tool_call(params: dict, contract: Any) -> OpRuntime:
+    runner = ToolRunner(params["tools"], params["tool_timeout_ms"] / 1000)
+    spec = params["_engine"]
+    fmt = params["format"]
+    if fmt == "auto":
+        fmt = "openai" if spec.get("backend") == "openai" else "json"
+    chat: Any = (OpenAIChat(spec, runner, params) if fmt == "openai"
+                 else JsonChat(open_engine(spec), params))
+    template, inp, out = params.get("prompt"), params.get("input"), params["output"]
+    calls_field, max_rounds, on_error = params["calls"], params["max_rounds"], params["on_error"]
+    system = params.get("system") or ""
+    if fmt == "json":
+        system = (system + "\n\n" if system else "") + JSON_CONVENTION.format(
+            tools=runner.describe())
+
+    def start(r: Any) -> Conversation:
+        text: Any = render(template, r) if template is not None else (
+            r.get(inp) if isinstance(r, dict) else None)
+        if not isinstance(text, str):
+            raise FieldError(f"field '{inp}' must hold the prompt text")
+        msgs = [{"role": "system", "content": system}] if system else []
+        return Conversation(r, msgs + [{"role": "user", "content": text}])
+
+    def batch_fn(batch: list, errors: list) -> list:
+        convs: list[Conversation] = []
+        for r in batch:
+            try:
+                convs.append(start(r))
+            except FieldError as e:
+                errors.append((r, e))
+        active = convs
+        for rnd in range(1, max_rounds + 2):
+            final = rnd > max_rounds
+            replies = chat(active, not final)
+            pending = []
+            for conv, reply in zip(active, replies, strict=True):
+                if isinstance(reply, Exception):
+                    conv.error = reply
+                    continue
+                text, calls = reply
+                if not calls:
+                    conv.answer = text
+                elif final:
+                    conv.error = ToolError(f"no answer after max_rounds={max_rounds} rounds of "
+                                           "tool calls: the model still calls tools")
+                else:
+                    conv.messages.append(chat.assistant(text, calls))
+                    pending += [(conv, c) for c in calls]
+            running = [(conv, c, *runner.start(c[1], c[2], rnd)) for conv, c in pending]
+            for conv, (call_id, name, args), fut, deadline, err in running:
+                result = None
+                if fut is not None:
+                    result, err = runner.finish(name, fut, deadline, rnd)
+                conv.calls.append({"round": rnd, "tool": name, "arguments": args,
+                                   **({"error": err} if err else {"result": result})})
+                if err and on_error == "record":
+                    conv.error = conv.error or ToolError(err)
+                conv.messages.append(chat.result(call_id, name, {"error": err} if err
+                                                 else result))
+            active = [c for c in active if c.answer is None and c.error is None]
+            if not active:
+                break
+        result = []
+        for conv in convs:
+            if conv.error is not None:
+                errors.append((conv.record, conv.error))
+            else:
+                result.append({**conv.record, out: conv.answer, calls_field: conv.calls})
+        return result
+
+    return OpRuntime("map", batch_fn=batch_fn, max_batch=params["max_batch"])
+
+
+def _prepare_tool_call(params: dict, ctx: LinkContext) -> dict:
+    if (params.get("prompt") is None) == (params.get("input") is None):
+        raise ValueError("tool_call needs exactly one of 'prompt' (a template with {fields}) "
+                         "or 'input' (a field holding the prompt text)")
+    if params.get("prompt") is not None:
+        template_fields(params["prompt"])
+    tools = params["tools"]
+    if not tools:
+        raise ValueError("'tools' is empty; register at least one {name, fn, schema}")
+    seen: set[str] = set()
+    for i, t in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict) or set(t) - {"name", "fn", "schema", "description",
+                                                "timeout_ms"}:
+            raise ValueError(f"{where} must be a mapping with name, fn, schema (optional: "
+                             f"description, timeout_ms), got {t!r}")
+        name = t.get("name")
+        if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
+            raise ValueError(f"{where}.name must be an identifier like get_weather, got "
+                             f"{name!r}")
+        if name in seen:
+            raise ValueError(f"{where}: tool '{name}' is registered twice")
+        seen.add(name)
+        try:
+            resolve(t.get("fn"))
+        except ValueError as e:
+            raise ValueError(f"{where}.fn: {e}") from None
+        check_schema(t.get("schema", {"type": "object"}), f"{where}.schema")
+        ms = t.get("timeout_ms")
+        if ms is not None and (isinstance(ms, bool) or not isinstance(ms, (int, float))
+                               or ms <= 0):
+            raise ValueError(f"{where}.timeout_ms must be a positive number, got {ms!r}")
+    params = link_engine(params, ctx, "generate")
+    backend = params["_engine"].get("backend")
+    if params["format"] == "openai" and backend != "openai":
+        raise ValueError(f"format 'openai' needs an openai engine; engine "
+                         f"'{params['engine']}' is {backend} (use format: json)")
+    return params
+
+
+register(OpDef(
+    "tool_call", "map", _build_tool_call,
+    (Param("engine", (str,), required=True, want=_ENGINE_HINT),
+     Param("tools", (list,), required=True, want="a list of {name, fn, schema} mappings"),
+     Param("prompt", (str,), want="a template with {field} placeholders"),
+     Param("input", (str,), want="a field holding the prompt text"),
+     Param("system", (str,), want="a system message"),
+     Param("output", (str,), default="answer", want="a field name"),
+     Param("calls", (str,), default="tool_calls", want="a field for the calls made"),
+     Param("format", (str,), default="auto", want="auto, openai or json",
+           check=lambda v: v in ("auto", "openai", "json")),
+     Param("max_rounds", (int,), default=3, want="a positive integer", check=positive_int),
+     Param("tool_timeout_ms", (int, float), default=5000, want="a positive number",
+           check=lambda v: not isinstance(v, bool) and v > 0),
+     Param("on_error", (str,), default="record", want="record or model",
+           check=lambda v: v in ("record", "model")),
+     Param("max_tokens", (int,), default=128, want="a positive integer", check=positive_int),
+     Param("temperature", (int, float), default=0.0, want="a number >= 0",
+           check=lambda v: v >= 0),
+     Param("max_batch", (int,), default=8, want="a positive integer", check=positive_int)),
+    batchable=True, blocking=True, fusable=False,
+    fields=lambda p: ((template_fields(p["prompt"]) if p.get("prompt") else (p["input"],)),
+                      (p["output"], p["calls"])),
+    prepare=_prepare_tool_call, doc="let a model call registered tools, then answer"))

@@ -1,0 +1,311 @@
+"""Structured memory: conversation turns per session and long-term facts per user.
+
+Two stores implement ``MemoryStore``: SQLite (the default: one file, WAL journal) in
+``memory_sqlite.py`` and PostgreSQL with pgvector in ``memory_pg.py``. Every row belongs
+to a user, the tenant: turns are keyed by (user, session) and facts by user, and every
+query filters on the user, so one user never reads another's memory, even with a
+guessed session id. All SQL is parameterised. Time is passed in (``now``, epoch
+seconds), so TTL expiry is tested without sleeping. ``open_store`` shares one store per
+configuration in the process: a pipeline's memory_read and memory_write stages (and
+every pipeline naming the same file or server) use the same connection.
+
+Ordered reads (``claim_session``) keep a mark per session in the store itself, so they
+work across processes (Ray actors, several servers): a read marks the session, the
+write of its turn (``add(..., release=...)``) removes the mark, and the next read of
+that session waits for the mark to go (or to be older than its timeout).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..engines.registry import home
+from ..errors import StoreError
+
+BACKENDS = ("sqlite", "postgres")
+_KEYS = {"sqlite": ("backend", "path"), "postgres": ("backend", "dsn", "dsn_env")}
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One conversation turn to store.
+
+    user:    the tenant the turn belongs to.
+    session: the conversation, scoped to its user.
+    role:    who spoke (``user``, ``assistant``, ...).
+    text:    what was said.
+    ttl_s:   seconds until it expires (None: never).
+    """
+
+    user: str
+    session: str
+    role: str
+    text: str
+    ttl_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Fact:
+    """One long-term fact about a user; the same text again replaces the old one.
+
+    user:     the tenant the fact belongs to.
+    text:     the fact.
+    vector:   its embedding (any float sequence; stored unit-normalised).
+    model:    the embedding model (facts are only compared with queries of that model).
+    metadata: a JSON object kept with the fact.
+    ttl_s:    seconds until it expires (None: never).
+    """
+
+    user: str
+    text: str
+    vector: Any
+    model: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+    ttl_s: float | None = None
+
+
+@dataclass(frozen=True)
+class FactHit:
+    """A fact found for a query: text, cosine similarity, metadata, when it was stored."""
+
+    text: str
+    score: float
+    metadata: dict[str, Any]
+    created: float
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """Counters of one store since it was opened (``MemoryStore.statistics()``)."""
+
+    backend: str
+    turns_written: int
+    facts_written: int
+    turn_reads: int
+    fact_reads: int
+    purged: int
+    claims_waited: int
+    claims_timed_out: int
+
+
+class MemoryStore(Protocol):
+    """What memory_read and memory_write need from a store (thread-safe)."""
+
+    backend: str
+
+    def add(self, turns: Sequence[Turn], facts: Sequence[Fact], now: float,
+            release: Sequence[tuple[str, str]] = ()) -> None:
+        """Append turns (in order), insert facts (the same user, model and text again
+        replaces the old fact) and release session claims, all in one transaction."""
+
+    def add_turns(self, turns: Sequence[Turn], now: float) -> None:
+        """``add(turns, (), now)``."""
+
+    def add_facts(self, facts: Sequence[Fact], now: float) -> None:
+        """``add((), facts, now)``."""
+
+    def last_turns(self, user: str, session: str, n: int, now: float) -> list[tuple[str, str]]:
+        """The last ``n`` unexpired ``(role, text)`` of a session, oldest first."""
+
+    def top_facts(self, user: str, model: str, vector: Any, k: int,
+                  now: float) -> list[FactHit]:
+        """The ``k`` unexpired facts of ``user`` most similar to ``vector``, best first."""
+
+    def claim_session(self, user: str, session: str, timeout_s: float) -> bool:
+        """Wait until no turn of the session is in flight, then mark one; False on timeout."""
+
+    def purge(self, now: float) -> int:
+        """Delete expired turns and facts; returns how many rows went."""
+
+    def statistics(self) -> MemoryStats:
+        """Counters since the store was opened."""
+
+    def close(self) -> None:
+        """Close the connection."""
+
+
+class BaseMemory:
+    """What every backend shares: counters, the add wrappers and session claims."""
+
+    backend = ""
+
+    def __init__(self) -> None:
+        self._n = {"turns_written": 0, "facts_written": 0, "turn_reads": 0, "fact_reads": 0,
+                   "purged": 0, "claims_waited": 0, "claims_timed_out": 0}
+
+    def statistics(self) -> MemoryStats:
+        return MemoryStats(self.backend, **self._n)
+
+    def add(self, turns: Sequence[Turn], facts: Sequence[Fact], now: float,
+            release: Sequence[tuple[str, str]] = ()) -> None:
+        raise NotImplementedError
+
+    def add_turns(self, turns: Sequence[Turn], now: float) -> None:
+        self.add(turns, (), now)
+
+    def add_facts(self, facts: Sequence[Fact], now: float) -> None:
+        self.add((), facts, now)
+
+    def _try_claim(self, user: str, session: str, now: float, stale_before: float) -> bool:
+        """Mark the session unless a mark newer than ``stale_before`` exists."""
+        raise NotImplementedError
+
+    def claim_session(self, user: str, session: str, timeout_s: float, *,
+                      clock: Callable[[], float] = time.time,
+                      sleep: Callable[[float], None] = time.sleep) -> bool:
+        """Wait until no other turn of ``(user, session)`` is in flight (read but not yet
+        written back), then mark this one in flight.
+
+        user, session: the conversation.
+        timeout_s:     the longest wait; a mark older than this is taken over (its turn
+                       failed or its run died), and so is any mark once the wait ends.
+        clock, sleep:  wall-clock time and sleeping (tests inject both).
+        Returns False when the wait timed out. Polls every 2 ms, backing off to 50 ms.
+        """
+        start = clock()
+        pause, waited = 0.002, False
+        while True:
+            now = clock()
+            if self._try_claim(user, session, now, now - timeout_s):
+                self._n["claims_waited"] += waited
+                return True
+            if now - start >= timeout_s:
+                self._try_claim(user, session, now, float("inf"))
+                self._n["claims_timed_out"] += 1
+                return False
+            sleep(min(pause, timeout_s - (now - start)))
+            pause, waited = min(pause * 2, 0.05), True
+
+
+def check_store_spec(spec: Any) -> dict[str, Any]:
+    """A validated store config with defaults filled; StoreError says what to fix.
+
+    spec: None (SQLite at ``$TAILRACE_HOME/memory.sqlite``) or a mapping like
+          ``{backend: sqlite, path: mem.sqlite}`` or ``{backend: postgres, dsn: ...}``.
+    """
+    if spec is None:
+        spec = {"backend": "sqlite"}
+    if not isinstance(spec, dict):
+        raise StoreError(f"'store' must be a mapping like {{backend: sqlite, path: "
+                         f"memory.sqlite}}, got {spec!r}")
+    backend = spec.get("backend", "sqlite")
+    if backend not in BACKENDS:
+        raise StoreError(f"unknown memory store backend {backend!r}; known: "
+                         f"{', '.join(BACKENDS)}")
+    stray = sorted(k for k in spec if k not in _KEYS[backend])
+    if stray:
+        raise StoreError(f"unknown key '{stray[0]}' in a {backend} store (its keys: "
+                         f"{', '.join(_KEYS[backend])})")
+    if backend == "sqlite":
+        return {"backend": "sqlite", "path": _sqlite_path(spec.get("path"))}
+    return {"backend": "postgres", **_pg_dsn(spec)}
+
+
+def _sqlite_path(path: Any) -> str:
+    if path is None:
+        return str(home() / "memory.sqlite")
+    if not isinstance(path, str) or not path:
+        raise StoreError(f"sqlite store 'path' must be a file path, got {path!r}")
+    if path == ":memory:":
+        return path
+    full = Path(path).expanduser().absolute()
+    if not full.parent.is_dir():
+        raise StoreError(f"sqlite store path {path!r}: directory {str(full.parent)!r} does "
+                         "not exist; create it or choose another path")
+    return str(full)
+
+
+def _pg_dsn(spec: dict[str, Any]) -> dict[str, Any]:
+    dsn, env = spec.get("dsn"), spec.get("dsn_env")
+    if (dsn is None) == (env is None):
+        raise StoreError("a postgres store needs exactly one of 'dsn' (like "
+                         "postgresql://user@127.0.0.1:5432/db) or 'dsn_env' (an environment "
+                         "variable holding it)")
+    if env is not None:
+        if not isinstance(env, str) or not os.environ.get(env):
+            raise StoreError(f"postgres store 'dsn_env': environment variable {env!r} is not "
+                             "set; export it with the connection string")
+        check_dsn(os.environ[env])
+        return {"dsn_env": env}
+    if not isinstance(dsn, str) or not dsn.strip():
+        raise StoreError(f"postgres store 'dsn' must be a connection string, got {dsn!r}")
+    check_dsn(dsn)
+    return {"dsn": dsn}
+
+
+def check_dsn(dsn: str) -> None:
+    """Parse a PostgreSQL connection string without connecting; StoreError if malformed."""
+    try:
+        from psycopg.conninfo import conninfo_to_dict
+    except ImportError:
+        raise StoreError("the postgres store needs psycopg 3; install it with: "
+                         "pip install 'psycopg[binary]'") from None
+    try:
+        conninfo_to_dict(dsn)
+    except Exception as e:  # noqa: BLE001 - psycopg.ProgrammingError and friends
+        raise StoreError(f"postgres store 'dsn' is malformed ({e}); use a URI like "
+                         "postgresql://user@127.0.0.1:5432/db or 'host=... dbname=...'") \
+            from None
+
+
+_STORES: dict[tuple[str, str], MemoryStore] = {}
+_LOCK = threading.Lock()
+
+
+def open_store(spec: dict[str, Any]) -> MemoryStore:
+    """The process's store for a config from ``check_store_spec`` (opened on first use)."""
+    if spec["backend"] == "sqlite":
+        key = ("sqlite", spec["path"])
+    else:
+        key = ("postgres", spec.get("dsn") or os.environ.get(spec["dsn_env"], ""))
+    with _LOCK:
+        store = _STORES.get(key)
+        if store is None:
+            if key[0] == "sqlite":
+                from .memory_sqlite import SqliteMemory
+
+                store = SqliteMemory(key[1])
+            else:
+                from .memory_pg import PostgresMemory
+
+                store = PostgresMemory(key[1])
+            _STORES[key] = store
+        return store
+
+
+def close_stores() -> None:
+    """Close every store ``open_store`` opened (tests; a process about to exit)."""
+    with _LOCK:
+        stores = list(_STORES.values())
+        _STORES.clear()
+    for s in stores:
+        s.close()
+
+
+def unit_vector(vector: Any) -> Any:
+    """``vector`` as a float32 unit vector; StoreError for empty, zero or non-finite ones."""
+    import numpy as np
+
+    v = np.asarray(vector, dtype=np.float32).ravel()
+    norm = float(np.linalg.norm(v)) if v.size else 0.0
+    if not v.size or not np.isfinite(norm) or norm == 0.0:
+        raise StoreError(f"a memory vector must be non-empty, finite and non-zero "
+                         f"(got {v.size} values, norm {norm})")
+    return v / norm
+
+
+def text_hash(text: str) -> str:
+    """The key that makes a repeated fact (same user, model, text) replace the stored one."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def expiry(now: float, ttl_s: float | None) -> float | None:
+    """The expiry time of a row written at ``now`` with a TTL (None: never)."""
+    return None if ttl_s is None else now + float(ttl_s)
