@@ -71,10 +71,16 @@ def by_q(result) -> dict:
 
 def test_cascade_escalates_unsure_answers_and_counts_tokens_per_engine(run):
     engines = {"small": spec("small"), "big": spec("big", completion=5)}
-    out = by_q(run(pipeline(engines, cascade=["small", "big"], threshold=-1.0,
-                            label="cascade-test"),
-                   input=[{"q": "an easy one"}, {"q": "a hard one"}]))
+    result = run(pipeline(engines, cascade=["small", "big"], threshold=-1.0,
+                          label="cascade-test"),
+                 input=[{"q": "an easy one"}, {"q": "a hard one"}])
+    out = by_q(result)
     easy, hard = out["an easy one"], out["a hard one"]
+    assert result.stats["route"].counters == {  # this run's cost, in the run's stats
+        "requests": 2, "escalated": 1, "small.requests": 2, "small.tokens": 12,
+        "big.requests": 1, "big.tokens": 8}
+    assert "route: requests 2, escalated 1, small.requests 2, small.tokens 12" in \
+        tr.format_stats(result.stats)
     assert easy["answer"] == "small: an easy one"
     assert easy["route"] == {"engine": "small", "confidence": [-0.1], "escalated": False}
     assert easy["cost"] == {"small": {"prompt_tokens": 3, "completion_tokens": 3}}

@@ -130,6 +130,7 @@ class StageStats:
     queue_bound: int
     replicas: int
     fused_into: str | None = None
+    counters: dict[str, float] = field(default_factory=dict)  # the operator's own counts
 
     def to_dict(self) -> dict:
         return asdict(self)

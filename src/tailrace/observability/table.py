@@ -42,6 +42,11 @@ def format_stats(stats: RunStats) -> str:
         lines.append("  ".join(cells).rstrip())
         if j == 0:
             lines.append("  ".join("-" * w for w in widths))
+    for s in stats.stages:
+        if s.counters:
+            lines.append(f"{s.stage}: " + ", ".join(
+                f"{k} {v:,.0f}" if float(v).is_integer() else f"{k} {v:,.3f}"
+                for k, v in s.counters.items()))
     lat = stats.latency_us
     rate = stats.records_in / stats.wall_s if stats.wall_s > 0 else 0.0
     lines.append(

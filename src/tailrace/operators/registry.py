@@ -44,6 +44,9 @@ class OpRuntime:
     record_fn: one record -> list of outputs (branch: -> bool); used when a stage
                has retries or a timeout, and for async operators.
     is_async:  ``record_fn`` is a coroutine function.
+    counters:  ``counters() -> {name: number}``: what the operator counted in this run
+               (e.g. tokens per engine), read once when stats are gathered — never per
+               record — and summed over replicas into ``StageStats.counters``.
     """
 
     kind: str
@@ -52,6 +55,7 @@ class OpRuntime:
     is_async: bool = False
     whole_batch: bool = False  # batch contract: record_fn takes the whole list
     max_batch: int | None = None  # most records per call (e.g. an engine's batch size)
+    counters: Callable[[], dict[str, float]] | None = None
 
 
 @dataclass

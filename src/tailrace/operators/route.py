@@ -180,6 +180,7 @@ def _build_route(params: dict, contract: Any) -> OpRuntime:
     label = params.get("label") or out
     with _LEDGERS_LOCK:
         ledger = _LEDGERS.setdefault(label, _Ledger(label))
+    run_ledger = _Ledger(label)  # this run's (this replica's) share, for the run's stats
 
     def spend(row: list, name: str, g: Any) -> None:
         c = row[2].setdefault(name, {"prompt_tokens": 0, "completion_tokens": 0})
@@ -231,11 +232,22 @@ def _build_route(params: dict, contract: Any) -> OpRuntime:
 
     def batch_fn(batch: list, errors: list) -> list:
         done = decide(batch, errors)
-        ledger.add([row[2] for row, _ in done], sum(row[1].get("escalated", False)
-                                                    for row, _ in done))
+        costs = [row[2] for row, _ in done]
+        escalated = sum(row[1].get("escalated", False) for row, _ in done)
+        ledger.add(costs, escalated)
+        run_ledger.add(costs, escalated)
         return [{**row[0], out: text, route_f: row[1], cost_f: row[2]} for row, text in done]
 
-    return OpRuntime("map", batch_fn=batch_fn, max_batch=params["max_batch"])
+    def counters() -> dict[str, float]:
+        st = run_ledger.statistics()
+        out: dict[str, float] = {"requests": st.requests, "escalated": st.escalated}
+        for name, e in st.engines.items():
+            out[f"{name}.requests"] = e["requests"]
+            out[f"{name}.tokens"] = e["prompt_tokens"] + e["completion_tokens"]
+        return out
+
+    return OpRuntime("map", batch_fn=batch_fn, max_batch=params["max_batch"],
+                     counters=counters)
 
 
 def _prepare_route(params: dict, ctx: LinkContext) -> dict:

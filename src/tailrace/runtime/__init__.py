@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from time import perf_counter
 from typing import Any
 
@@ -14,7 +14,7 @@ from ..compiler import Plan, compile_pipeline
 from ..errors import PlanError, RunInterrupted
 from ..observability import RunStats, StageMeter, StageStats
 
-RUNTIMES = ("local",)
+RUNTIMES = ("local", "ray")
 
 
 @dataclass
@@ -30,6 +30,15 @@ class RunResult:
     stats: RunStats
     errors: list[ErrorRecord] = field(default_factory=list)
     outputs: list[Any] | None = None
+
+
+def sum_counters(counted: list[dict[str, float]]) -> dict[str, float]:
+    """Operator counters of several replicas, added up by name."""
+    total: dict[str, float] = {}
+    for c in counted:
+        for k, v in c.items():
+            total[k] = total.get(k, 0) + v
+    return total
 
 
 def _merge(meters: list[StageMeter]) -> StageStats:
@@ -59,7 +68,11 @@ def _stats(run: Any, wall: float, interrupted: bool) -> RunStats:
         reps = run.replicas[s.id]
         reps[0].meters[0].max_queue_depth = run.channels[s.id].max_depth
         for i in range(len(s.ops)):
-            stages.append(_merge([r.meters[i] for r in reps]))
+            st = _merge([r.meters[i] for r in reps])
+            counted = [r.rts[i].counters() for r in reps if r.rts[i].counters is not None]
+            if counted:
+                st = replace(st, counters=sum_counters(counted))
+            stages.append(st)
     return RunStats(tuple(stages), run.records_in, run.records_out, run.errors, wall,
                     run.latency.statistics(), interrupted, run.scheduling.statistics())
 
@@ -67,7 +80,8 @@ def _stats(run: Any, wall: float, interrupted: bool) -> RunStats:
 def run(pipeline: Pipeline | Plan, *, runtime: str = "local",
         input: Iterable[Any] | None = None, output: list | Callable | None = None,
         errors: list | Callable[[ErrorRecord], None] | None = None,
-        fuse: bool = True, admission: Any = None) -> RunResult:
+        fuse: bool = True, admission: Any = None, address: str | None = None,
+        placement: dict | None = None) -> RunResult:
     """Compile (if needed) and run a pipeline to completion.
 
     input:   records for a source declared without data (YAML pipelines' ``source``).
@@ -79,11 +93,17 @@ def run(pipeline: Pipeline | Plan, *, runtime: str = "local",
     admission: an admission gate shared by the pipelines of the process
              (``tailrace.control.AdmissionGate``): each record waits for it; a rejected
              record becomes an error record (stage ``admission``, ``AdmissionRejected``).
+    address: runtime="ray" only: the cluster (``HOST:PORT``, ``ray://HOST:PORT``,
+             ``auto``); default: the current connection or a new local Ray.
+    placement: runtime="ray" only: ``{stage id: {num_cpus, num_gpus, memory,
+             resources, strategy: pack|spread}}`` (``docs/ray.md``).
     Raises ``PlanError`` for an invalid pipeline and ``RunInterrupted`` (with the
     partial ``.result``) on Ctrl-C.
     """
     if runtime not in RUNTIMES:
         raise PlanError(f"unknown runtime '{runtime}'; choose one of: {', '.join(RUNTIMES)}")
+    if runtime != "ray" and (address is not None or placement is not None):
+        raise PlanError("address= and placement= apply to runtime='ray' only")
     plan = pipeline if isinstance(pipeline, Plan) else compile_pipeline(pipeline, fuse=fuse)
     from .local import LocalRun
 
@@ -95,6 +115,16 @@ def run(pipeline: Pipeline | Plan, *, runtime: str = "local",
         on_error = errors.append
     else:
         on_error = errors
+    if runtime == "ray":  # imports Ray only now
+        from .ray import RayInterrupted, run_on_ray
+
+        try:
+            stats = run_on_ray(plan, inputs=inputs, outputs=outputs, on_error=on_error,
+                               admission=admission, address=address, placement=placement)
+        except RayInterrupted as e:
+            raise RunInterrupted("run interrupted",
+                                 RunResult(plan, e.stats, error_list, collected)) from None
+        return RunResult(plan, stats, error_list, collected)
     lr = LocalRun(plan, inputs=inputs, outputs=outputs, on_error=on_error,
                   admission=admission)
     t0 = perf_counter()
