@@ -11,13 +11,11 @@ cursor); a snapshot retires it as ``wal-SEQ.jsonl`` and deletes it once written.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from ..errors import StoreError
+from .atomic import replace_dir
 
 FORMAT_VERSION = 1
 
@@ -41,27 +39,13 @@ def write_snapshot(directory: Path, data: Any, docs: list[dict], meta: dict) -> 
     meta:      the snapshot's meta.json content.
     """
     target = directory / "snapshot"
-    tmp = Path(tempfile.mkdtemp(prefix=".snapshot.tmp-", dir=directory))
-    old = directory / f".snapshot.old-{tmp.name.rsplit('-', 1)[-1]}"
-    try:
+    with replace_dir(target) as tmp:
         if data is not None:
             (tmp / "index.faiss").write_bytes(data.tobytes())
         with open(tmp / "docs.jsonl", "w", encoding="utf-8") as f:
             for d in docs:
                 f.write(json.dumps(d, ensure_ascii=False) + "\n")
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
-        for p in tmp.iterdir():
-            with open(p, "rb") as fh:
-                os.fsync(fh.fileno())
-        if target.exists():
-            os.rename(target, old)
-        os.rename(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old.exists() and not target.exists():
-            os.rename(old, target)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
     return target
 
 

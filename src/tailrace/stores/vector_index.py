@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from ..errors import StoreError
+from .atomic import replace_dir
 
 FORMAT_VERSION = 1
 KINDS = ("flat", "hnsw")
@@ -174,27 +173,13 @@ class VectorIndex:
         meta = {"format": FORMAT_VERSION, "model": self._model, "dim": self.dim,
                 "kind": self._kind, "count": len(self), "fingerprint": fingerprint,
                 "ef_search": self._ef_search}
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-        old = target.parent / f".{target.name}.old-{tmp.name.rsplit('-', 1)[-1]}"
-        try:
+        with replace_dir(target) as tmp:
             _faiss().write_index(self._index, str(tmp / "index.faiss"))
             with open(tmp / "docs.jsonl", "w", encoding="utf-8") as f:
                 for doc in self._docs:
                     f.write(json.dumps(doc, ensure_ascii=False) + "\n")
             with open(tmp / "meta.json", "w", encoding="utf-8") as f:
                 json.dump(meta, f, indent=2)
-            for name in ("index.faiss", "docs.jsonl", "meta.json"):
-                with open(tmp / name, "rb") as f:
-                    os.fsync(f.fileno())
-            if target.exists():
-                os.rename(target, old)
-            os.rename(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if old.exists() and not target.exists():
-                os.rename(old, target)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
         self._fingerprint = fingerprint
         return target
 
