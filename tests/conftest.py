@@ -9,12 +9,44 @@ import pytest
 
 import tailrace as tr
 
-EXECUTORS = [("local", True), ("local", False)]
+EXECUTORS = [("local", True), ("local", False), ("ray", True), ("ray", False)]
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One Ray instance for the whole session (``num_cpus=2``), shut down at the end."""
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+# Runtime-agnostic tests whose operators share state with the test process cannot pass
+# on Ray, where each stage replica runs a copy in another process. They are expected to
+# fail there (strict: a pass would mean this list is stale); tests/runtime/test_ray_*.py
+# has process-safe twins of each.
+IN_PROCESS_ONLY = {
+    "test_map_batch_contract_calls_fn_with_lists": "appends to a list of the test process",
+    "test_timeout_sync_operator": "waits on a threading.Event, which cannot be pickled",
+    "test_blocking_replicas_run_in_parallel_threads": "meets at a threading.Barrier",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        reason = IN_PROCESS_ONLY.get(getattr(item, "originalname", ""))
+        if reason and "[ray-" in item.nodeid:
+            item.add_marker(pytest.mark.xfail(strict=True, reason=f"Ray: the operator {reason}"))
 
 
 @pytest.fixture(params=EXECUTORS, ids=[f"{r}-{'fused' if f else 'unfused'}" for r, f in EXECUTORS])
 def run(request):
     runtime, fuse = request.param
+    if runtime == "ray":
+        request.getfixturevalue("ray_session")
 
     def _run(pipeline, **kw):
         return tr.run(pipeline, runtime=runtime, fuse=fuse, **kw)

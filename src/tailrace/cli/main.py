@@ -37,7 +37,11 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--input", "-i", default="-", help="input JSONL file (default: stdin)")
     r.add_argument("--output", "-o", default="-", help="output JSONL file (default: stdout)")
     r.add_argument("--metrics-json", metavar="FILE", help="write the run's stats as JSON")
-    r.add_argument("--runtime", default="local", choices=["local"], help="executor")
+    r.add_argument("--runtime", default="local", choices=["local", "ray"],
+                   help="executor: local (one process) or ray (stage replicas as Ray actors)")
+    r.add_argument("--address", metavar="ADDR",
+                   help="with --runtime ray: the cluster (HOST:PORT, ray://HOST:PORT or auto; "
+                        "default: start a local Ray)")
     r.add_argument("--admission", choices=["simultaneous", "fcfs", "slo"],
                    help="admission policy at the door (uses the pipeline's slo:)")
     r.add_argument("--max-in-flight", type=int, default=8,
@@ -180,6 +184,8 @@ def _plan(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from .jsonl import JsonlReader, JsonlWriter
 
+    if args.address and args.runtime != "ray":
+        raise TailraceError("--address names a Ray cluster: add --runtime ray")
     plan = _load(args)
     writer = JsonlWriter(args.output)
     reader = JsonlReader(args.input, writer.write_error)
@@ -194,7 +200,8 @@ def _run(args: argparse.Namespace) -> int:
     gate = _gate(args, plan) if args.admission else None
     try:
         result: Any = run_plan(plan, input=reader, output=writer.write, errors=on_error,
-                               runtime=args.runtime, admission=gate)
+                               runtime=args.runtime, admission=gate,
+                               **({"address": args.address} if args.address else {}))
     except RunInterrupted as e:
         interrupted = True
         result = e.result
@@ -205,6 +212,9 @@ def _run(args: argparse.Namespace) -> int:
             json.dump(result.stats.to_dict(), f, indent=2)
     if not args.quiet:
         print(format_stats(result.stats), file=sys.stderr)
+        if getattr(result.stats, "actor_restarts", 0):
+            print(f"ray: {result.stats.actor_restarts} actor restart(s); replayed records "
+                  "were de-duplicated", file=sys.stderr)
         if n_errors:
             print(f"{n_errors} record(s) failed; their error records are in the output",
                   file=sys.stderr)

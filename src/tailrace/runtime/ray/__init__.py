@@ -1,0 +1,76 @@
+"""The Ray runtime: the same compiled Plan on a Ray cluster (``tr.run(p, runtime="ray")``).
+
+Layout, one responsibility per module:
+
+- ``connect``: import Ray lazily, reach the cluster or fail in one line.
+- ``messages``: what crosses actors (install specs, lineage keys, outbox entries).
+- ``credits``: per-edge credit windows and at-least-once pushes with replay.
+- ``instance``: one stage replica (bounded queue, operator loop) inside a host.
+- ``host``: the ``StageHost`` actor and its outbox to the driver.
+- ``placement``: placement options and the pool of hosts.
+- ``driver``: sources, sinks, de-duplication, the run's life cycle.
+- ``stats``: per-actor meters merged into the local runtime's stats format.
+
+Nothing here imports Ray at module import time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from time import perf_counter
+from typing import Any
+
+from ...api.records import ErrorRecord
+from ...compiler import Plan
+from .connect import RayUnavailable, connect, import_ray
+from .stats import RayRunStats, RayStageStats
+
+__all__ = ["RayRunStats", "RayStageStats", "RayUnavailable", "active_runs", "run_on_ray"]
+
+
+def active_runs() -> list[dict[str, Any]]:
+    """The Ray runs in progress in this process and the actors of their stages."""
+    from .driver import active_runs as runs
+
+    return runs()
+
+
+class RayInterrupted(Exception):
+    """Ctrl-C stopped a Ray run; ``stats`` holds its partial statistics."""
+
+    def __init__(self, stats: RayRunStats) -> None:
+        super().__init__("run interrupted")
+        self.stats = stats
+
+
+def run_on_ray(plan: Plan, *, inputs: dict[str, Any], outputs: dict[str, Any],
+               on_error: Callable[[ErrorRecord], None], admission: Any = None,
+               address: str | None = None, placement: dict | None = None) -> RayRunStats:
+    """Run ``plan`` on Ray and return its statistics.
+
+    plan:      the compiled plan.
+    inputs:    data for sources declared without it, by operator id.
+    outputs:   targets for sinks declared without one, by operator id.
+    on_error:  receives each ``ErrorRecord``.
+    admission: an admission gate (records wait for it in the driver) or None.
+    address:   the cluster (``HOST:PORT``, ``ray://HOST:PORT``, ``auto``); None: the
+               current connection, ``RAY_ADDRESS``, or a new local Ray.
+    placement: ``{stage id: {num_cpus, num_gpus, memory, resources, strategy}}``.
+    Raises ``RayUnavailable`` (no Ray, unreachable address), ``PlanError`` (e.g. an
+    operator that cannot be serialised) before any actor starts, ``RayInterrupted``.
+    """
+    import_ray()
+    from .driver import RayRun
+    from .placement import parse_placement
+
+    placements = parse_placement(plan, placement)
+    rr = RayRun(plan, inputs=inputs, outputs=outputs, on_error=on_error,
+                admission=admission, placements=placements)  # serialisation checked here
+    connect(address)
+    t0 = perf_counter()
+    try:
+        asyncio.run(rr.execute())
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        raise RayInterrupted(rr.stats(perf_counter() - t0, True)) from None
+    return rr.stats(perf_counter() - t0, False)

@@ -1,0 +1,496 @@
+"""The driver of a Ray run: places the plan on hosts, feeds it, delivers its results.
+
+The driver process keeps what is bound to the caller: sources (iterables, async
+generators, JSONL readers) and sinks (lists, callables, writers). Every other stage runs
+in ``StageHost`` actors. The driver reads the source in micro-batches and pushes them
+under each edge's credit window; a source batch is done when its push is acknowledged
+end to end. One long-polling ``drain`` per host brings back sink records, error records
+and meter snapshots; sink records are de-duplicated by lineage key, so replays after an
+actor restart never reach a sink twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import replace
+from itertools import islice
+from time import perf_counter
+from typing import Any
+
+from ...api.records import ErrorRecord
+from ...compiler import Plan, PlanOp, PlanStage
+from ...errors import PlanError
+from ...observability import Histogram, StageMeter
+from ..local.stage import sink_runtime
+from .credits import Link, cause, gather_acks, ray_errors
+from .messages import (
+    BatchKey,
+    Delivery,
+    Drained,
+    Failures,
+    InstallSpec,
+    MeterReport,
+    Route,
+    Unsendable,
+)
+from .placement import Host, StagePlacement, host_pool
+from .stats import RayRunStats, build_stats, stage_meter
+
+#: Most records in one push between actors. A push costs ~0.5-1 ms of Ray overhead
+#: here, so pushes should be large; but an edge's window (its bound) is shared by every
+#: push in flight downstream of it (acks are end to end), so it must hold several.
+MAX_PUSH = 256
+#: Pushes that fit in an edge's window (measured: 4 in flight left a 3-stage chain
+#: waiting on Ray latency; 8 gave 1.35x the throughput, 16 no more).
+PUSHES_IN_FLIGHT = 8
+
+
+def chunk_size(s: PlanStage) -> int:
+    """Records per push into stage ``s``: several pushes fit its bound, and a batched or
+    replicated stage gets pushes no larger than its batch (spread over its replicas).
+
+    s: the consuming stage.
+    """
+    n = max(1, min(MAX_PUSH, s.queue // (PUSHES_IN_FLIGHT * s.replicas)))
+    first = s.ops[0]
+    hint = (first.contract.batch.max_size if first.contract.batch is not None
+            else first.params.get("max_batch") or first.params.get("max_size"))
+    if isinstance(hint, int) and not isinstance(hint, bool) and 0 < hint < n:
+        n = hint
+    return n
+
+
+def shipped(stage: PlanStage) -> PlanStage:
+    """The stage as sent to a host: sink targets (the caller's lists/writers) removed.
+
+    stage: the compiled stage.
+    """
+    def strip(o: PlanOp) -> PlanOp:
+        if o.op.kind != "sink":
+            return o
+        return replace(o, params={**o.params, "target": None},
+                       spec=replace(o.spec, params={**o.spec.params, "target": None}))
+
+    return replace(stage, ops=tuple(strip(o) for o in stage.ops))
+
+
+def preflight(plan: Plan, host_stages: list[int]) -> dict[int, PlanStage]:
+    """Serialise every operator that will run in an actor; a failure is a ``PlanError``
+    naming the stage, raised before any actor starts. Returns the stages to ship.
+
+    plan:        the compiled plan.
+    host_stages: indexes of the stages that run in actors.
+    """
+    from ray import cloudpickle
+
+    out = {}
+    for i in host_stages:
+        st = shipped(plan.stages[i])
+        for o in st.ops:
+            try:
+                cloudpickle.dumps(o)
+            except Exception as e:  # noqa: BLE001 - any pickling failure
+                reason = str(e).splitlines()[0] if str(e) else ""
+                raise PlanError(
+                    f"cannot be sent to a Ray actor: pickling its operator failed "
+                    f"({type(e).__name__}: {reason}); define functions and operators at "
+                    "module level and create locks, files and clients inside them instead "
+                    "of capturing them (or use the local runtime)", stage=o.id) from None
+        out[i] = st
+    return out
+
+
+#: Runs in progress in this process, by run id (``active_runs()`` reads it).
+ACTIVE: dict[str, RayRun] = {}
+
+
+def active_runs() -> list[dict[str, Any]]:
+    """The Ray runs in progress in this process: name, run id and, per stage, the actors
+    (name, node id) its replicas run on, e.g. to inspect or kill one."""
+    return [r.describe() for r in list(ACTIVE.values())]
+
+
+class _Sink:
+    __slots__ = ("op_id", "rt", "meter", "queued", "first")
+
+    def __init__(self, op_id: str, rt: Any, meter: StageMeter, queued: bool, first: bool):
+        self.op_id, self.rt, self.meter, self.queued, self.first = op_id, rt, meter, queued, first
+
+
+class RayRun:
+    """One run of a plan on Ray; ``execute()`` runs it to completion.
+
+    plan:       the compiled plan (the same one the local runtime runs).
+    inputs:     data for sources declared without it, by operator id.
+    outputs:    targets for sinks declared without one, by operator id.
+    on_error:   receives each ``ErrorRecord``.
+    admission:  an admission gate each source record waits for (or None).
+    placements: stage index -> ``StagePlacement``.
+    """
+
+    def __init__(self, plan: Plan, *, inputs: dict[str, Any], outputs: dict[str, Any],
+                 on_error: Callable[[ErrorRecord], None], admission: Any = None,
+                 placements: dict[int, StagePlacement] | None = None) -> None:
+        self.plan = plan
+        self.inputs = inputs
+        self.on_error = on_error
+        self.admission = admission
+        self.placements = placements or {}
+        self.run_id = uuid.uuid4().hex[:12]
+        self.latency = Histogram()
+        self.scheduling = Histogram()
+        self.records_in = self.records_out = self.errors = 0
+        self.duplicates = 0
+        self.actor_restarts = 0
+        self.source_meters: dict[int, StageMeter] = {}
+        self.sinks: dict[int, _Sink] = {}
+        self.reports: dict[tuple, MeterReport] = {}
+        self.final: set[tuple] = set()
+        self.seen: dict[tuple, set] = {}  # source batch -> lineage keys delivered from it
+        self.index = {s.id: i for i, s in enumerate(plan.stages)}
+        self.consumers: dict[int, dict[str | None, list[int]]] = {
+            i: {} for i in range(len(plan.stages))}
+        sources = {i for i, s in enumerate(plan.stages) if s.ops[0].op.kind == "source"}
+        self.first: set[int] = set()
+        for i, s in enumerate(plan.stages):
+            for ref in s.upstream:
+                src, _, port = ref.partition(".")
+                self.consumers[self.index[src]].setdefault(port or None, []).append(i)
+                if self.index[src] in sources:
+                    self.first.add(i)
+        for i, s in enumerate(plan.stages):
+            if i in sources:
+                self.source_meters[i] = StageMeter(s.id, "source")
+            elif s.ops[-1].op.kind == "sink":
+                o = s.ops[-1]
+                target = o.params.get("target")
+                if target is None:
+                    target = outputs.get(o.id)
+                if target is None:
+                    raise PlanError("sink has no target: pass a list or callable to "
+                                    ".sink(...) or tr.run(p, output=...)", stage=o.id)
+                j = len(s.ops) - 1
+                self.sinks[i] = _Sink(o.id, sink_runtime(target), stage_meter(plan, i, j),
+                                      queued=j == 0, first=i in self.first)
+        self.host_stages = [i for i, s in enumerate(plan.stages)
+                            if i not in sources and any(o.op.kind != "sink" for o in s.ops)]
+        self.stages = preflight(plan, self.host_stages)
+        self.source_links: dict[int, list[Link]] = {}
+        self.hosts: list[Host] = []
+        self.assignment: dict[tuple[int, int], Host] = {}
+        self.incarnations: dict[int, str] = {}  # id(host) -> incarnation seen
+        self.replica_incarnations: dict[tuple[int, int], set[str]] = {}
+
+    # -- placement and installation -------------------------------------------------------
+    def _route(self, consumer: int, assignment: dict, holders: dict) -> Route:
+        s = self.plan.stages[consumer]
+        if consumer not in self.host_stages:  # a sink the driver runs
+            return Route(consumer, True, (), (), s.queue, chunk_size(s), s.id)
+        hosts = tuple(assignment[(consumer, r)].handle for r in range(s.replicas))
+        return Route(consumer, False, hosts, holders[consumer], s.queue, chunk_size(s), s.id)
+
+    async def _install(self) -> None:
+        import ray
+
+        assignment = host_pool().assign(self.plan, self.host_stages, self.placements)
+        self.assignment = assignment
+        env = {k: v for k, v in os.environ.items() if k.startswith("TAILRACE_")}
+        path = tuple(p for p in sys.path if p and os.path.isdir(p))
+        holders: dict[int, tuple[list, ...]] = {}
+        for i in reversed(self.host_stages):  # consumers first: routes name their specs
+            s = self.plan.stages[i]
+            routes: dict[str | None, tuple[Route, ...]] = {}
+            if s.ops[-1].op.kind == "sink":
+                routes[None] = (Route(i, True, (), (), s.queue, chunk_size(s), s.id),)
+            for port, stage_ids in self.consumers[i].items():
+                routes[port] = tuple(self._route(c, assignment, holders) for c in stage_ids)
+            spec = InstallSpec(self.run_id, i, self.stages[i], routes, i in self.first, env,
+                               path)
+            ref = ray.put(spec)
+            holders[i] = tuple([ref] for _ in range(s.replicas))
+        for i in self.source_meters:
+            self.source_links[i] = [
+                Link(self._route(c, assignment, holders), self.run_id, self._deliver,
+                     self._unsendable) for c in self.consumers[i].get(None, [])]
+        seen: dict[int, Host] = {}
+        for h in assignment.values():
+            seen.setdefault(id(h), h)
+        self.hosts = list(seen.values())
+        calls = [(i, r, h.handle.install.remote(list(holders[i][r]), r))
+                 for (i, r), h in assignment.items()]
+        for i, r, ref in calls:
+            try:
+                done = await ref
+            except Exception as e:  # noqa: BLE001 - building the stage failed on the host
+                raise cause(e) from None
+            h = assignment[(i, r)]
+            h.node = done.node
+            self.incarnations[id(h)] = done.incarnation
+            self.replica_incarnations.setdefault((i, r), set()).add(done.replica)
+
+    # -- the run --------------------------------------------------------------------------
+    def describe(self) -> dict[str, Any]:
+        """This run's pipeline, id and ``{stage id: [(actor name, node id), ...]}`` (every
+        operator id of a fused stage names the stage's actors)."""
+        stages: dict[str, list[tuple[str, str | None]]] = {}
+        for (i, _), h in sorted(self.assignment.items()):
+            for o in self.plan.stages[i].ops:
+                if o.op.kind != "sink":
+                    stages.setdefault(o.id, []).append((h.name, h.node))
+        return {"pipeline": self.plan.name, "run_id": self.run_id, "stages": stages}
+
+    async def execute(self) -> None:
+        finished = False
+        ACTIVE[self.run_id] = self
+        try:
+            await self._install()
+            async with asyncio.TaskGroup() as tg:
+                drains = [tg.create_task(self._drain(h)) for h in self.hosts]
+                async with asyncio.TaskGroup() as sources:
+                    for i in self.source_meters:
+                        sources.create_task(self._source(i))
+                # every source batch is acknowledged end to end: all records are out
+                await self._finish()
+                finished = True
+                for t in drains:  # only meter snapshots may be left, and finish had them
+                    t.cancel()
+        except BaseExceptionGroup as eg:
+            raise cause(eg.exceptions[0]) from None
+        finally:
+            ACTIVE.pop(self.run_id, None)
+            if not finished:  # failed or interrupted: release the replicas, don't wait
+                for h in self.hosts:
+                    h.handle.finish.remote(self.run_id)
+
+    async def _finish(self) -> None:
+        """End the run on every host and keep the replicas' final meter snapshots."""
+        for ref in [h.handle.finish.remote(self.run_id) for h in self.hosts]:
+            try:
+                reports = await ref
+            except ray_errors():  # died at the very end: its last snapshots must do
+                continue
+            for rep in reports:
+                self._report(rep, final=True)
+
+    def _report(self, rep: MeterReport, final: bool = False) -> None:
+        key = (rep.stage, rep.replica, rep.incarnation)
+        self.replica_incarnations.setdefault(key[:2], set()).add(rep.incarnation)
+        if final:
+            self.final.add(key)
+        elif key in self.final:  # an older snapshot drained after the final one
+            return
+        self.reports[key] = rep
+
+    async def _drain(self, host: Host) -> None:
+        ack = 0
+        delay = 0.02
+        while True:
+            inc = self.incarnations.get(id(host), "")
+            try:
+                d: Drained = pickle.loads(await host.handle.drain.remote(self.run_id, ack, inc))
+            except ray_errors():  # restarting: its outbox is gone, producers replay
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 0.5)
+                continue
+            delay = 0.02
+            if d.incarnation != self.incarnations.get(id(host)):
+                if id(host) in self.incarnations:
+                    self.actor_restarts += 1
+                self.incarnations[id(host)] = d.incarnation
+            for e in d.entries:
+                if type(e) is Delivery:
+                    self._sink(e.target, e.key, e.records, e.born, e.sent)
+                elif type(e) is Failures:
+                    self._failures(e.stage, e.key, e.errors)
+                elif type(e) is Unsendable:
+                    sid = self.sinks[e.target].op_id
+                    self._failures(e.target, e.key, [ErrorRecord(
+                        sid, r, "TypeError", e.reason) for r in e.reprs])
+                else:
+                    self._report(e)
+            ack = d.last_seq
+            if d.closed:
+                return
+
+    # -- sources --------------------------------------------------------------------------
+    async def _source(self, i: int) -> None:
+        s = self.plan.stages[i]
+        op = s.ops[0]
+        data: Any = op.params.get("data")
+        if data is None:
+            data = self.inputs[op.id]
+        meter = self.source_meters[i]
+        links = self.source_links[i]
+        pending: set[asyncio.Task] = set()
+        seq = 0
+
+        async def send(records: list) -> None:
+            nonlocal seq
+            key = (i, seq)
+            seq += 1
+            acks: list = []
+            born = time.time()
+            for link in links:
+                await link.send(key, records, born, acks)
+            t = asyncio.ensure_future(self._settle(key, acks, None))
+            pending.add(t)
+            t.add_done_callback(pending.discard)
+
+        try:
+            if self.admission is not None:
+                await self._admitted(i, data, links, meter, pending)
+            elif hasattr(data, "__aiter__"):
+                async for x in data:
+                    meter.records_out += 1
+                    await send([x])
+            else:
+                n = max([1] + [link.chunk for link in links])
+                it = iter(data)
+                failure = None
+                while failure is None:
+                    chunk: list = []
+                    try:
+                        chunk.extend(islice(it, n))
+                    except Exception as e:  # noqa: BLE001 - the input itself failed
+                        failure = e
+                    if not chunk:
+                        break
+                    meter.records_out += len(chunk)
+                    await send(chunk)
+                if failure is not None:
+                    raise failure
+        except Exception as e:  # the input itself failed: report it, end the stream
+            meter.errors += 1
+            self.errors += 1
+            self.on_error(ErrorRecord.from_exception(
+                op.id, f"<after record {meter.records_out}>", e))
+        finally:
+            meter.records_in = meter.records_out
+            self.records_in += meter.records_out
+        while pending:
+            await asyncio.gather(*list(pending))
+
+    async def _admitted(self, i: int, data: Any, links: list[Link], meter: StageMeter,
+                        pending: set) -> None:
+        """Open-loop ingress: each record waits for admission in its own task, as locally;
+        its ticket is returned when its batch is acknowledged end to end."""
+        counter = iter(range(1 << 62))
+        gate = self.admission
+
+        async def admit(x: Any) -> None:
+            try:
+                ticket = await gate.admit(self.plan.name, x)
+            except Exception as e:  # noqa: BLE001 - AdmissionRejected (or a gate failure)
+                self.errors += 1
+                self.on_error(ErrorRecord.from_exception("admission", x, e))
+                return
+            key = (i, next(counter))
+            acks: list = []
+            born = time.time()
+            for link in links:
+                await link.send(key, [x], born, acks)
+            await self._settle(key, acks, ticket)
+
+        def start(x: Any) -> None:
+            meter.records_out += 1
+            t = asyncio.ensure_future(admit(x))
+            pending.add(t)
+            t.add_done_callback(pending.discard)
+
+        if hasattr(data, "__aiter__"):
+            async for x in data:
+                start(x)
+        else:
+            for x in data:
+                start(x)
+                await asyncio.sleep(0)
+
+    async def _settle(self, key: BatchKey, acks: list, ticket: Any) -> None:
+        """A source batch is acknowledged end to end: forget its lineage, free its ticket."""
+        try:
+            await gather_acks(acks)
+        finally:
+            self.seen.pop(key, None)
+            if ticket is not None:
+                self.admission.done(ticket)
+
+    # -- sinks and errors (in the driver) -------------------------------------------------
+    def _fresh(self, tag: tuple, key: BatchKey) -> bool:
+        seen = self.seen.setdefault(key[:2], set())
+        k = tag + key
+        if k in seen:
+            return False
+        seen.add(k)
+        return True
+
+    def _sink(self, target: int, key: BatchKey, records: list, born: float,
+              sent: float) -> None:
+        n = len(records)
+        if not self._fresh((target,), key):
+            self.duplicates += n
+            return
+        st = self.sinks[target]
+        m = st.meter
+        now = time.time()
+        if st.queued:
+            m.queue_wait.record(max(0.0, now - sent) * 1e6, n)
+        if st.first:
+            self.scheduling.record(max(0.0, now - born) * 1e6, n)
+        m.records_in += n
+        errs: list = []
+        t0 = perf_counter()
+        st.rt.batch_fn(records, errs)
+        m.service.record((perf_counter() - t0) * 1e6 / n, n)
+        m.batch_size.record(n)
+        ok = n - len(errs)
+        m.records_out += ok
+        if errs:
+            m.errors += len(errs)
+            for x, e in errs:
+                self.errors += 1
+                self.on_error(ErrorRecord.from_exception(st.op_id, x, e))
+        self.records_out += ok
+        self.latency.record(max(0.0, time.time() - born) * 1e6, ok)
+
+    def _deliver(self, target: int, key: BatchKey, records: list,
+                 born: float) -> asyncio.Future:
+        """A source feeding a sink directly: no actor in between."""
+        self._sink(target, key, records, born, time.time())
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done
+
+    def _failures(self, stage: int, key: BatchKey, errors: list) -> None:
+        if not self._fresh((-1 - stage,), key):
+            return
+        for err in errors:
+            self.errors += 1
+            self.on_error(err)
+
+    def _unsendable(self, key: BatchKey, records: list, exc: BaseException) -> None:
+        sid = self.plan.stages[key[0]].ops[0].id
+        self._failures(key[0], key, [ErrorRecord.from_exception(sid, x, TypeError(
+            f"record cannot be sent to a Ray actor: {exc}")) for x in records])
+
+    # -- statistics -----------------------------------------------------------------------
+    def stats(self, wall: float, interrupted: bool) -> RayRunStats:
+        """The run's statistics, in the local runtime's format (plus restarts, nodes)."""
+        depth: dict[int, int] = {}
+        for links in self.source_links.values():
+            for link in links:
+                if link.route.sink:
+                    depth[link.route.target] = max(depth.get(link.route.target, 0),
+                                                   link.window.max_used)
+        return build_stats(
+            self.plan, self.reports, source_meters=self.source_meters,
+            sink_meters={i: s.meter for i, s in self.sinks.items()}, sink_depth=depth,
+            totals=(self.records_in, self.records_out, self.errors), wall=wall,
+            latency=self.latency, scheduling=self.scheduling, interrupted=interrupted,
+            actor_restarts=self.actor_restarts, duplicates=self.duplicates,
+            incarnations=self.replica_incarnations)

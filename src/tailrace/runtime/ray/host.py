@@ -1,0 +1,234 @@
+"""``StageHost``: the Ray actor that runs stage replicas, and its outbox to the driver.
+
+A host is an asyncio actor. It runs any number of stage replicas (``StageInstance``s),
+of one run or of several, each with its own queue and loop; hosts are kept by the driver
+and reused across runs, so a run costs a few calls instead of an actor start (~1 s) per
+stage. Results for the driver's sinks, error records and meter snapshots go to the run's
+``Outbox`` on the host, which the driver drains with long-polling ``drain`` calls; a
+sink delivery is acknowledged to its producer when the driver's next ``drain`` says it
+has handled it. The actor restarts after a crash (``max_restarts=-1``); it then knows no
+stage replicas, answers ``NEED_INSTALL`` to pushes, and producers reinstall and replay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import sys
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from functools import cache
+from typing import Any
+
+from .credits import picklable
+from .instance import StageInstance
+from .messages import (
+    NEED_INSTALL,
+    PUSH_OK,
+    RUN_CLOSED,
+    BatchKey,
+    Delivery,
+    Drained,
+    Failures,
+    Installed,
+    InstallSpec,
+    InstanceKey,
+    Unsendable,
+)
+
+#: Seconds between meter snapshots sent to the driver (what survives an actor crash).
+FLUSH_S = 0.2
+#: Concurrent calls one host accepts (pushes wait inside it for room in their queue).
+MAX_CONCURRENCY = 10_000
+
+
+class Outbox:
+    """One run's entries for the driver on one host, acknowledged by sequence number."""
+
+    def __init__(self) -> None:
+        self.entries: list = []
+        self.seq = 0
+        self.pending: deque = deque()  # (seq, future) awaiting the driver's ack
+        self.wake = asyncio.Event()
+        self.closed = False
+        self.instances: dict[tuple[int, int], StageInstance] = {}
+        self.flusher = asyncio.ensure_future(self._flush())
+
+    def _put(self, entry: Any) -> asyncio.Future:
+        self.seq += 1
+        self.entries.append(entry)
+        fut = asyncio.get_running_loop().create_future()
+        self.pending.append((self.seq, fut))
+        self.wake.set()
+        return fut
+
+    def deliver(self, target: int, key: BatchKey, records: list, born: float) -> asyncio.Future:
+        """Records for the sink of stage ``target``; the future is the driver's ack."""
+        return self._put(Delivery(target, key, records, born, time.time()))
+
+    def fail(self, stage: int, key: BatchKey, errors: list) -> asyncio.Future:
+        """Error records of stage ``stage`` for batch ``key``; the future is the driver's ack."""
+        return self._put(Failures(stage, key, errors))
+
+    def ack(self, upto: int) -> None:
+        p = self.pending
+        while p and p[0][0] <= upto:
+            _, fut = p.popleft()
+            if not fut.done():
+                fut.set_result(None)
+
+    async def take(self) -> list:
+        while not self.entries and not self.closed:
+            self.wake.clear()
+            await self.wake.wait()
+        out, self.entries = self.entries, []
+        return out
+
+    async def _flush(self) -> None:
+        while True:
+            await asyncio.sleep(FLUSH_S)
+            self.report()
+
+    def report(self) -> None:
+        """Queue a meter snapshot of every replica that did something since the last one."""
+        for inst in self.instances.values():
+            if inst.dirty:
+                inst.dirty = False
+                self.seq += 1
+                self.entries.append(inst.report())
+        if self.entries:
+            self.wake.set()
+
+    def close(self) -> list:
+        """Stop every replica of the run here; returns their final meter snapshots."""
+        self.flusher.cancel()
+        reports = [inst.report() for inst in self.instances.values()]
+        for inst in self.instances.values():
+            inst.close()
+        self.instances.clear()
+        for _, fut in self.pending:
+            if not fut.done():
+                fut.cancel()
+        self.closed = True
+        self.wake.set()
+        return reports
+
+
+class StageHost:
+    """A Ray actor hosting stage replicas of any number of runs (see the module doc)."""
+
+    def __init__(self) -> None:
+        import uuid
+
+        import ray
+
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.node = ray.get_runtime_context().get_node_id()
+        self.runs: dict[str, Outbox] = {}
+        self.finished: deque = deque(maxlen=4096)
+        self.timeout_pool = ThreadPoolExecutor(64, thread_name_prefix="tailrace-timeout")
+
+    def _outbox(self, run_id: str) -> Outbox | None:
+        box = self.runs.get(run_id)
+        if box is None and run_id not in self.finished:
+            box = self.runs[run_id] = Outbox()
+        return box
+
+    async def install(self, holder: list, replica: int) -> Installed:
+        """Build replica ``replica`` of the stage in ``holder[0]`` (idempotent)."""
+        spec: InstallSpec = holder[0]
+        if not isinstance(spec, InstallSpec):
+            spec = await holder[0]  # an ObjectRef (reinstall by a producer)
+        box = self._outbox(spec.run_id)
+        if box is not None and (spec.index, replica) not in box.instances:
+            os.environ.update(spec.env)
+            for p in spec.sys_path:
+                if p not in sys.path:
+                    sys.path.append(p)
+            box.instances[(spec.index, replica)] = StageInstance(
+                spec, replica, box, self.timeout_pool, self.node)
+        inst = box.instances.get((spec.index, replica)) if box is not None else None
+        return Installed(self.incarnation, self.node, os.getpid(),
+                         inst.incarnation if inst is not None else "")
+
+    async def push(self, msg: bytes) -> int:
+        """One micro-batch for a stage replica; returns once acknowledged end to end.
+
+        msg: pickled ``(instance key, batch key, records, born, order)``; ``order`` is
+             ``(link, seq, low)`` of the producer's link (see ``StageInstance.push``).
+        """
+        key: InstanceKey
+        batch_key: BatchKey
+        key, batch_key, records, born, order = pickle.loads(msg)
+        box = self.runs.get(key[0])
+        if box is None:
+            return RUN_CLOSED if key[0] in self.finished else NEED_INSTALL
+        inst = box.instances.get((key[1], key[2]))
+        if inst is None:
+            return NEED_INSTALL
+        await inst.push(batch_key, records, born, order)
+        return PUSH_OK
+
+    async def drain(self, run_id: str, ack: int, incarnation: str) -> bytes:
+        """Acknowledge entries up to ``ack`` (if ``incarnation`` is ours: a restarted host
+        has new sequence numbers); wait for new ones or the run's end; a pickled
+        ``Drained``."""
+        box = self._outbox(run_id)
+        if box is None:
+            return pack(Drained(self.incarnation, 0, [], True))
+        if incarnation == self.incarnation:
+            box.ack(ack)
+        entries = await box.take()
+        return pack(Drained(self.incarnation, box.seq, entries, box.closed))
+
+    async def finish(self, run_id: str) -> list:
+        """End the run here: stop its replicas, return their final meter snapshots."""
+        self.finished.append(run_id)
+        box = self.runs.pop(run_id, None)
+        return box.close() if box is not None else []
+
+
+def pack(d: Drained) -> bytes:
+    """Pickle a drain answer; records that cannot be pickled become ``Unsendable`` (sink
+    records) or their ``repr`` (inputs of error records), never a failed drain.
+
+    d: the answer.
+    """
+    try:
+        return pickle.dumps(d, protocol=5)
+    except Exception:  # noqa: BLE001 - e.g. a lambda in a record: try cloudpickle
+        pass
+    from ray import cloudpickle
+
+    try:
+        return cloudpickle.dumps(d, protocol=5)
+    except Exception:  # noqa: BLE001 - find the records that cannot be sent
+        pass
+    entries: list = []
+    for e in d.entries:
+        if type(e) is Delivery:
+            good = [x for x in e.records if picklable(x)]
+            bad = [x for x in e.records if not picklable(x)]
+            if good:
+                entries.append(e._replace(records=good))
+            if bad:
+                entries.append(Unsendable(e.target, e.key + (-1,), [repr(x) for x in bad],
+                                          "record cannot be sent back to the driver"))
+        elif type(e) is Failures:
+            entries.append(e._replace(errors=[
+                err if picklable(err) else replace(err, input=repr(err.input))
+                for err in e.errors]))
+        else:
+            entries.append(e)
+    return cloudpickle.dumps(d._replace(entries=entries), protocol=5)
+
+
+@cache
+def actor_class() -> Any:
+    """``StageHost`` as a Ray actor class (Ray is imported only when this is called)."""
+    import ray
+
+    return ray.remote(StageHost)

@@ -1,0 +1,134 @@
+"""What crosses a Ray boundary: small typed messages, grouped by direction.
+
+Every micro-batch carries a *lineage key*: the source batch it descends from, then one
+``(stage index, port and part, chunk)`` triple per stage it went through. A replayed batch gets
+the same key again (operators see the same input batch and cut the same chunks), so the
+driver keeps the first delivery of each key and drops replays: every record reaches a
+sink exactly once even though delivery between actors is at-least-once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from ...compiler import PlanStage
+
+#: Lineage key of a micro-batch: ``(source index, seq, stage, port, chunk, ...)``.
+BatchKey = tuple[int, ...]
+#: Where one stage replica lives: ``(run id, stage index, replica)``.
+InstanceKey = tuple[str, int, int]
+
+#: ``StageHost.push`` answers: accepted and acknowledged end to end ...
+PUSH_OK = 0
+#: ... the host does not have this stage replica (it restarted): install, then push again ...
+NEED_INSTALL = 1
+#: ... the run is over on this host (a straggler after an abort): drop the batch.
+RUN_CLOSED = 2
+
+#: Port codes in lineage keys (plus 3 x the part of the micro-batch the records came from).
+PORT_CODE = {None: 0, "true": 1, "false": 2}
+
+
+# -- driver -> host: what a stage replica needs to run ------------------------------------
+@dataclass(frozen=True)
+class Route:
+    """One output edge of a stage: its consumer stage, where it runs, its credit window.
+
+    target: plan index of the consuming stage.
+    sink:   the consumer is a sink run by the driver (records leave through the outbox).
+    hosts:  actor handles of the consumer's replicas (empty for sinks).
+    specs:  per replica, ``[ObjectRef]`` of its ``InstallSpec`` (to reinstall after a restart).
+    window: credit window in records (the edge's bound): most records in flight, unacked.
+    chunk:  most records per push on this edge.
+    label:  the consuming stage's id (for error messages).
+    """
+
+    target: int
+    sink: bool
+    hosts: tuple[Any, ...]
+    specs: tuple[list, ...]
+    window: int
+    chunk: int
+    label: str = ""
+
+
+@dataclass(frozen=True)
+class InstallSpec:
+    """Everything a host needs to run the replicas of one stage in one run.
+
+    run_id:   the run.
+    index:    the stage's index in the plan.
+    stage:    the compiled stage (sink targets removed: sinks run in the driver).
+    routes:   port (None, "true", "false") -> output edges.
+    first:    fed by a source: the stage measures scheduling delay.
+    env:      ``TAILRACE_*`` environment of the driver (index and model locations).
+    sys_path: the driver's import path, so dotted ``fn:`` paths resolve the same way.
+    """
+
+    run_id: str
+    index: int
+    stage: PlanStage
+    routes: dict[str | None, tuple[Route, ...]]
+    first: bool
+    env: dict[str, str] = field(default_factory=dict)
+    sys_path: tuple[str, ...] = ()
+
+
+# -- host -> driver: the outbox, drained by the driver -----------------------------------
+class Delivery(NamedTuple):
+    """Records for the sink of stage ``target``, from batch ``key``."""
+
+    target: int
+    key: BatchKey
+    records: list
+    born: float  # wall clock when the oldest record was read by the source
+    sent: float  # wall clock when it entered the outbox
+
+
+class Failures(NamedTuple):
+    """Error records stage ``stage`` produced while processing batch ``key``."""
+
+    stage: int
+    key: BatchKey
+    errors: list  # of ErrorRecord
+
+
+class Unsendable(NamedTuple):
+    """Records for the sink of stage ``target`` that cannot be serialised (their reprs)."""
+
+    target: int
+    key: BatchKey
+    reprs: list
+    reason: str
+
+
+class MeterReport(NamedTuple):
+    """A snapshot of one stage replica's meters (cumulative for its incarnation)."""
+
+    stage: int
+    replica: int
+    incarnation: str  # changes when the replica is rebuilt after its actor restarted
+    node: str  # Ray node id of the host
+    meters: list  # StageMeter per operator of the stage run on the host
+    max_depth: int  # most records in the replica's input queue
+    scheduling: Any  # Histogram: source read -> first operator start (first stages)
+    sink_depth: dict  # sink stage index -> most records in flight to it from this replica
+
+
+class Drained(NamedTuple):
+    """Answer to ``StageHost.drain``: new outbox entries since the last acknowledgement."""
+
+    incarnation: str  # the host's; a new one means it restarted and forgot its outbox
+    last_seq: int  # acknowledge up to this with the next drain call
+    entries: list  # Delivery | Failures | Unsendable | MeterReport
+    closed: bool  # the run is finished on this host
+
+
+class Installed(NamedTuple):
+    """Answer to ``StageHost.install``."""
+
+    incarnation: str  # the host's
+    node: str
+    pid: int
+    replica: str = ""  # the stage replica's incarnation

@@ -1,0 +1,199 @@
+"""Where stage replicas run: placement options, and the pool of ``StageHost`` actors.
+
+Stages without placement options share general-purpose hosts (no reserved resources;
+up to one per cluster CPU, more only when a stage has more replicas). Stages that ask for
+resources (``num_cpus``, ``num_gpus``, ``memory``, custom ``resources``) get hosts that
+reserve them, one replica per host. ``strategy: spread`` pins replica *i* of a stage to
+the *i*-th alive node (round robin; a replica whose node is lost is not moved during the
+run, the next run places it on the alive nodes); ``pack`` (the default) lets Ray fill the
+driver's node first. Hosts are kept per Ray session and
+reused by later runs of this process.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...compiler import Plan
+from ...errors import PlanError
+from .host import MAX_CONCURRENCY, actor_class
+
+PLACEMENT_KEYS = ("num_cpus", "num_gpus", "memory", "resources", "strategy")
+STRATEGIES = ("pack", "spread")
+
+
+@dataclass(frozen=True)
+class StagePlacement:
+    """Resources one replica of a stage reserves, and how replicas spread over nodes."""
+
+    num_cpus: float = 0.0
+    num_gpus: float = 0.0
+    memory: int = 0
+    resources: tuple[tuple[str, float], ...] = ()
+    strategy: str = "pack"
+
+    @property
+    def dedicated(self) -> bool:
+        """Reserves something: each replica gets a host of its own."""
+        return bool(self.num_cpus or self.num_gpus or self.memory or self.resources)
+
+
+def _number(where: str | None, key: str, v: Any, integer: bool = False) -> Any:
+    ok = isinstance(v, int if integer else (int, float)) and not isinstance(v, bool) and v >= 0
+    if not ok:
+        want = "a non-negative integer (bytes)" if integer else "a non-negative number"
+        raise PlanError(f"placement {key} must be {want}, got {v!r}", stage=where)
+    return v
+
+
+def _check(where: str | None, opts: Any) -> dict:
+    """Validate one entry of the placement mapping (``where``: its stage id, or None)."""
+    if not isinstance(opts, dict):
+        raise PlanError(f"placement options must be a mapping like {{num_cpus: 1, "
+                        f"strategy: spread}}, got {opts!r}", stage=where)
+    bad = sorted(set(opts) - set(PLACEMENT_KEYS))
+    if bad:
+        raise PlanError(f"unknown placement option(s) {', '.join(bad)}; known: "
+                        f"{', '.join(PLACEMENT_KEYS)}", stage=where)
+    if opts.get("strategy", "pack") not in STRATEGIES:
+        raise PlanError(f"placement strategy must be one of {', '.join(STRATEGIES)}, "
+                        f"got {opts['strategy']!r}", stage=where)
+    for key in ("num_cpus", "num_gpus"):
+        _number(where, key, opts.get(key, 0))
+    _number(where, "memory", opts.get("memory", 0), integer=True)
+    res = opts.get("resources") or {}
+    if not isinstance(res, dict):
+        raise PlanError(f"placement resources must be a mapping like {{accel: 1}}, got "
+                        f"{res!r}", stage=where)
+    for k, v in res.items():
+        _number(where, f"resources.{k}", v)
+    return opts
+
+
+def parse_placement(plan: Plan, placement: dict | None) -> dict[int, StagePlacement]:
+    """Stage index -> placement from ``{stage or operator id: {option: value}}``.
+
+    plan:      the compiled plan (ids of fused operators name their stage).
+    placement: the user's options; ``"*"`` sets the default for every stage.
+    """
+    if placement is None:
+        return {}
+    if not isinstance(placement, dict):
+        raise PlanError(f"placement must be a mapping of stage id to options, got "
+                        f"{type(placement).__name__}")
+    ids = [o.id for s in plan.stages for o in s.ops]
+    for sid, opts in placement.items():
+        if sid != "*" and sid not in ids:
+            raise PlanError(f"placement names unknown stage '{sid}'; stages: {', '.join(ids)}")
+        _check(None if sid == "*" else sid, opts)
+    out: dict[int, StagePlacement] = {}
+    for i, s in enumerate(plan.stages):
+        if s.ops[0].op.kind == "source" or all(o.op.kind == "sink" for o in s.ops):
+            continue
+        opts = dict(placement.get("*") or {})
+        for o in s.ops:
+            opts.update(placement.get(o.id) or {})
+        if opts:
+            out[i] = StagePlacement(
+                num_cpus=float(opts.get("num_cpus", 0)), num_gpus=float(opts.get("num_gpus", 0)),
+                memory=int(opts.get("memory", 0)),
+                resources=tuple(sorted((str(k), float(v))
+                                       for k, v in (opts.get("resources") or {}).items())),
+                strategy=opts.get("strategy", "pack"))
+    return out
+
+
+@dataclass
+class Host:
+    """One ``StageHost`` actor the pool keeps."""
+
+    handle: Any
+    name: str
+    key: tuple
+    node: str | None = None
+
+
+@dataclass
+class HostPool:
+    """The hosts of this process on the current Ray session, by placement key."""
+
+    session: str
+    hosts: dict[tuple, list[Host]] = field(default_factory=dict)
+    created: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def assign(self, plan: Plan, stages: list[int],
+               placements: dict[int, StagePlacement]) -> dict[tuple[int, int], Host]:
+        """(stage index, replica) -> host for one run; creates the hosts it lacks."""
+        with self.lock:  # runs may start from several threads at once
+            return self._assign(plan, stages, placements)
+
+    def _assign(self, plan: Plan, stages: list[int],
+                placements: dict[int, StagePlacement]) -> dict[tuple[int, int], Host]:
+        import ray
+
+        nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+        cap = max(1, int(ray.cluster_resources().get("CPU", 1)))
+        load: dict[int, int] = {}  # id(host) -> replicas assigned in this run
+        out: dict[tuple[int, int], Host] = {}
+        for i in stages:
+            s = plan.stages[i]
+            pl = placements.get(i, StagePlacement())
+            taken: set[int] = set()
+            for r in range(s.replicas):
+                node = nodes[r % len(nodes)] if pl.strategy == "spread" and nodes else None
+                key = (pl.num_cpus, pl.num_gpus, pl.memory, pl.resources, node)
+                pool = self.hosts.setdefault(key, [])
+                free = [h for h in pool if id(h) not in taken
+                        and not (pl.dedicated and load.get(id(h)))]
+                limit = cap if node is None else 1
+                if not free or (not pl.dedicated and len(pool) < limit
+                                 and min(load.get(id(h), 0) for h in free) > 0):
+                    host = self._create(key, pl, node)
+                    pool.append(host)
+                else:
+                    host = min(free, key=lambda h: load.get(id(h), 0))
+                taken.add(id(host))
+                load[id(host)] = load.get(id(host), 0) + 1
+                out[(i, r)] = host
+        return out
+
+    def _create(self, key: tuple, pl: StagePlacement, node: str | None) -> Host:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        self.created += 1
+        name = f"tailrace-host-{os.getpid()}-{uuid.uuid4().hex[:6]}-{self.created}"
+        options: dict[str, Any] = {
+            "name": name, "num_cpus": pl.num_cpus, "max_restarts": -1,
+            "max_concurrency": MAX_CONCURRENCY}
+        if pl.num_gpus:
+            options["num_gpus"] = pl.num_gpus
+        if pl.memory:
+            options["memory"] = pl.memory
+        if pl.resources:
+            options["resources"] = dict(pl.resources)
+        if node is not None:
+            # hard affinity: soft affinity spilled replicas to busy nodes here (measured)
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
+        return Host(actor_class().options(**options).remote(), name, key)
+
+    def all(self) -> list[Host]:
+        return [h for pool in self.hosts.values() for h in pool]
+
+
+_POOL: HostPool | None = None
+
+
+def host_pool() -> HostPool:
+    """This process's pool for the connected Ray session (a new session: a new pool)."""
+    global _POOL
+    import ray
+
+    session = ray.get_runtime_context().get_node_id() + ray.get_runtime_context().get_job_id()
+    if _POOL is None or _POOL.session != session:
+        _POOL = HostPool(session)
+    return _POOL
