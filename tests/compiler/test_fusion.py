@@ -53,5 +53,6 @@ def test_render_formats():
         "ops": [{"id": "b", "op": "map", "state": "stateless",
                  "params": {"fn": "builtins.abs"},
                  "contract": {"replicas": 2, "batch": None, "timeout_ms": None, "retries": 0,
-                              "queue": None, "blocking": False}}]}
+                              "queue": None, "blocking": False,
+                              "placement": None}}]}
     assert plan.render("text").splitlines()[0] == "plan 'c': 4 stages from 5 operators"

@@ -14,9 +14,9 @@ CASES = {
     "unknown operator": (
         f"  - {{id: a, op: mapp, fn: {F}.upper, input: text}}\n",
         "p.yaml:5: stage 'a': unknown operator 'mapp'; did you mean 'map'? (known: batch, "
-        "branch, embed, filter, flat_map, generate, key_by, map, merge, prompt, refine, "
-        "rerank, retrieve, select, sink, source, stateful; or a dotted path to a "
-        "tailrace.Operator subclass)"),
+        "branch, embed, filter, flat_map, generate, key_by, map, memory_read, memory_write, "
+        "merge, prompt, refine, rerank, retrieve, route, select, semantic_state, sink, "
+        "source, stateful, tool_call; or a dotted path to a tailrace.Operator subclass)"),
     "duplicate id": (
         f"  - {{id: a, op: map, fn: {F}.upper, input: text}}\n"
         f"  - {{id: a, op: map, fn: {F}.upper, input: text}}\n",
@@ -37,6 +37,13 @@ CASES = {
         f"  - {{id: b, op: map, fn: {F}.upper, input: text, output: answer}}\n",
         "p.yaml:5: stage 'a': reads field 'answer' before it exists: it is written by stage "
         "'b', which does not run before this one; put this stage after 'b'"),
+    "bad placement": (
+        f"  - {{id: a, op: map, fn: {F}.upper, input: text, placement: {{gpus: 1}}}}\n",
+        "p.yaml:5: stage 'a': unknown placement option(s) gpus; known: num_cpus, num_gpus, "
+        "memory, resources, strategy"),
+    "bad placement strategy": (
+        f"  - {{id: a, op: map, fn: {F}.upper, input: text, placement: {{strategy: far}}}}\n",
+        "p.yaml:5: stage 'a': placement strategy must be one of pack, spread, got 'far'"),
     "wrong contract type": (
         f"  - {{id: a, op: map, fn: {F}.upper, input: text, replicas: two}}\n",
         "p.yaml:5: stage 'a': 'replicas' must be a positive integer, got 'two'"),
@@ -47,7 +54,7 @@ CASES = {
         f"  - {{id: a, op: map, fn: {F}.upper, inptu: text}}\n",
         "p.yaml:5: stage 'a': unknown parameter 'inptu' for operator 'map'; did you mean "
         "'input'? (its parameters: fn, input, output; contract keys: replicas, batch, "
-        "timeout_ms, retries, queue, blocking)"),
+        "timeout_ms, retries, queue, blocking, placement)"),
     "missing parameter": (
         "  - {id: a, op: map, input: text}\n",
         "p.yaml:5: stage 'a': operator 'map' needs 'fn' (callable or dotted path "
@@ -90,7 +97,7 @@ CASES = {
         f"  - {{id: a, op: {F}.Suffix, sufix: '?'}}\n",
         "p.yaml:5: stage 'a': unknown parameter 'sufix' for operator "
         "'tests.fixtures.ops.Suffix'; did you mean 'suffix'? (its parameters: suffix; "
-        "contract keys: replicas, batch, timeout_ms, retries, queue, blocking)"),
+        "contract keys: replicas, batch, timeout_ms, retries, queue, blocking, placement)"),
     "invalid YAML": (
         "  - {id: a, op: map\n",
         "p.yaml:6: invalid YAML: expected ',' or '}', but got '<stream end>'"),

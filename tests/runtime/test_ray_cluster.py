@@ -62,6 +62,18 @@ def test_spread_places_replicas_on_different_nodes(cluster):
     assert set(result.outputs) == nodes
 
 
+def test_placement_declared_on_the_stage_contract(cluster, tmp_path):
+    """The YAML/contract form: `placement:` on a stage, no run-time option."""
+    import ray
+
+    p = tr.Pipeline("spread-contract")
+    (p.source(range(600)).map(node_of, id="where", replicas=3,
+                              placement={"strategy": "spread"}).sink())
+    result = tr.run(p, runtime="ray")
+    assert len(result.outputs) == 600 and not result.errors
+    assert set(result.outputs) == {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+
+
 def test_pack_and_resources_on_a_cluster_give_the_same_output(cluster):
     p = tr.Pipeline("pack")
     p.source(range(2000)).map(square, id="sq", replicas=2).map(lambda x: x % 97).sink()

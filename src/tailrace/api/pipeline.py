@@ -22,7 +22,8 @@ from typing import Any
 from ..errors import PlanError
 
 #: The contract keys every stage accepts (YAML and Python alike).
-CONTRACT_KEYS = ("replicas", "batch", "timeout_ms", "retries", "queue", "blocking")
+CONTRACT_KEYS = ("replicas", "batch", "timeout_ms", "retries", "queue", "blocking",
+                 "placement")
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,9 @@ class Contract:
     retries:    extra attempts after an exception or timeout.
     queue:      bound, in records, of the stage's input channel (None: plan default).
     blocking:   the operator blocks (I/O, native code): run it in a worker thread.
+    placement:  where each replica runs on a cluster (``runtime="ray"``): ``{num_cpus,
+                num_gpus, memory, resources, strategy: pack|spread}``; checked everywhere,
+                used by the Ray runtime only.
     """
 
     replicas: int = 1
@@ -52,6 +56,7 @@ class Contract:
     retries: int = 0
     queue: int | None = None
     blocking: bool = False
+    placement: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,7 @@ def _contract(kw: dict[str, Any]) -> Contract:
         retries=kw.pop("retries", 0),
         queue=kw.pop("queue", None),
         blocking=kw.pop("blocking", False),
+        placement=kw.pop("placement", None),
     )
     if kw:
         raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(kw))}; "

@@ -186,4 +186,5 @@ def _yaml_contract(kw: dict[str, Any], where: str, sid: str) -> Contract:
         retries=kw.get("retries", 0),
         queue=kw.get("queue"),
         blocking=kw.get("blocking", False),
+        placement=kw.get("placement"),
     )

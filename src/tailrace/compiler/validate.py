@@ -52,7 +52,7 @@ def check_params(spec: StageSpec, op: OpDef) -> dict[str, Any]:
             allowed = ", ".join(by_name) or "none"
             raise _err(spec, f"unknown parameter '{k}' for operator '{op.name}'"
                        f"{_hint(k, list(by_name))} (its parameters: {allowed}; contract keys: "
-                       "replicas, batch, timeout_ms, retries, queue, blocking)")
+                       "replicas, batch, timeout_ms, retries, queue, blocking, placement)")
     for p in op.params:
         v = spec.params.get(p.name)
         if v is None:
@@ -74,6 +74,38 @@ def check_params(spec: StageSpec, op: OpDef) -> dict[str, Any]:
             except ValueError as e:
                 raise _err(spec, f"'{p.name}': {e}") from None
     return out
+
+
+PLACEMENT_KEYS = ("num_cpus", "num_gpus", "memory", "resources", "strategy")
+PLACEMENT_STRATEGIES = ("pack", "spread")
+
+
+def placement_problem(opts: Any) -> str | None:
+    """What is wrong with a stage's placement options, or None if they are valid.
+
+    opts: e.g. ``{"num_cpus": 1, "strategy": "spread"}``.
+    """
+    if not isinstance(opts, dict):
+        return (f"placement options must be a mapping like {{num_cpus: 1, strategy: spread}}, "
+                f"got {opts!r}")
+    bad = sorted(set(opts) - set(PLACEMENT_KEYS))
+    if bad:
+        return (f"unknown placement option(s) {', '.join(map(str, bad))}; known: "
+                f"{', '.join(PLACEMENT_KEYS)}")
+    if opts.get("strategy", "pack") not in PLACEMENT_STRATEGIES:
+        return (f"placement strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}, "
+                f"got {opts['strategy']!r}")
+    res = opts.get("resources") or {}
+    if not isinstance(res, dict):
+        return f"placement resources must be a mapping like {{accel: 1}}, got {res!r}"
+    checks = [(k, opts.get(k, 0), False) for k in ("num_cpus", "num_gpus")]
+    checks += [("memory", opts.get("memory", 0), True)]
+    checks += [(f"resources.{k}", v, False) for k, v in res.items()]
+    for key, v, integer in checks:
+        if not (_is_int(v) if integer else _is_num(v)) or v < 0:
+            want = "a non-negative integer (bytes)" if integer else "a non-negative number"
+            return f"placement {key} must be {want}, got {v!r}"
+    return None
 
 
 def check_contract(spec: StageSpec, op: OpDef) -> None:
@@ -98,6 +130,10 @@ def check_contract(spec: StageSpec, op: OpDef) -> None:
         if not _is_num(c.batch.max_wait_ms) or c.batch.max_wait_ms < 0:
             raise _err(spec, f"'batch.max_wait_ms' must be a non-negative number, "
                        f"got {c.batch.max_wait_ms!r}")
+    if c.placement is not None:
+        problem = placement_problem(c.placement)
+        if problem:
+            raise _err(spec, problem)
     if c.replicas > 1 and op.state != "stateless":
         raise _err(spec, f"a {op.state}-state operator cannot have replicas (got "
                    f"{c.replicas}); its state lives in one replica — remove 'replicas'")

@@ -19,11 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...compiler import Plan
+from ...compiler.validate import placement_problem
 from ...errors import PlanError
 from .host import MAX_CONCURRENCY, actor_class
-
-PLACEMENT_KEYS = ("num_cpus", "num_gpus", "memory", "resources", "strategy")
-STRATEGIES = ("pack", "spread")
 
 
 @dataclass(frozen=True)
@@ -42,46 +40,22 @@ class StagePlacement:
         return bool(self.num_cpus or self.num_gpus or self.memory or self.resources)
 
 
-def _number(where: str | None, key: str, v: Any, integer: bool = False) -> Any:
-    ok = isinstance(v, int if integer else (int, float)) and not isinstance(v, bool) and v >= 0
-    if not ok:
-        want = "a non-negative integer (bytes)" if integer else "a non-negative number"
-        raise PlanError(f"placement {key} must be {want}, got {v!r}", stage=where)
-    return v
-
-
 def _check(where: str | None, opts: Any) -> dict:
     """Validate one entry of the placement mapping (``where``: its stage id, or None)."""
-    if not isinstance(opts, dict):
-        raise PlanError(f"placement options must be a mapping like {{num_cpus: 1, "
-                        f"strategy: spread}}, got {opts!r}", stage=where)
-    bad = sorted(set(opts) - set(PLACEMENT_KEYS))
-    if bad:
-        raise PlanError(f"unknown placement option(s) {', '.join(bad)}; known: "
-                        f"{', '.join(PLACEMENT_KEYS)}", stage=where)
-    if opts.get("strategy", "pack") not in STRATEGIES:
-        raise PlanError(f"placement strategy must be one of {', '.join(STRATEGIES)}, "
-                        f"got {opts['strategy']!r}", stage=where)
-    for key in ("num_cpus", "num_gpus"):
-        _number(where, key, opts.get(key, 0))
-    _number(where, "memory", opts.get("memory", 0), integer=True)
-    res = opts.get("resources") or {}
-    if not isinstance(res, dict):
-        raise PlanError(f"placement resources must be a mapping like {{accel: 1}}, got "
-                        f"{res!r}", stage=where)
-    for k, v in res.items():
-        _number(where, f"resources.{k}", v)
+    problem = placement_problem(opts)
+    if problem:
+        raise PlanError(problem, stage=where)
     return opts
 
 
 def parse_placement(plan: Plan, placement: dict | None) -> dict[int, StagePlacement]:
-    """Stage index -> placement from ``{stage or operator id: {option: value}}``.
+    """Stage index -> placement: each stage's ``placement`` contract, overridden by
+    ``{stage or operator id: {option: value}}`` given to the run.
 
     plan:      the compiled plan (ids of fused operators name their stage).
-    placement: the user's options; ``"*"`` sets the default for every stage.
+    placement: the run's options; ``"*"`` sets the default for every stage.
     """
-    if placement is None:
-        return {}
+    placement = {} if placement is None else placement
     if not isinstance(placement, dict):
         raise PlanError(f"placement must be a mapping of stage id to options, got "
                         f"{type(placement).__name__}")
@@ -96,6 +70,7 @@ def parse_placement(plan: Plan, placement: dict | None) -> dict[int, StagePlacem
             continue
         opts = dict(placement.get("*") or {})
         for o in s.ops:
+            opts.update(o.contract.placement or {})
             opts.update(placement.get(o.id) or {})
         if opts:
             out[i] = StagePlacement(
