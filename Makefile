@@ -37,13 +37,19 @@ $(CHROMIUM): | $(BIN)/python
 test: $(STAMP) $(CHROMIUM)  ## set up and run the tests
 	$(BIN)/python -m pytest
 
-bench: $(STAMP)  ## run the benchmarks and print their figures (~15 minutes)
+bench: $(STAMP)  ## run the benchmarks and print their figures (~35 minutes)
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/backpressure.py
 	$(BIN)/python bench/scheduling.py
 	$(BIN)/python bench/dispatch.py
 	$(BIN)/python bench/contention.py
+	$(BIN)/python bench/contention.py --engine llama --duration 20
 	$(BIN)/python bench/engine_efficiency.py
+	$(BIN)/python bench/serve_load.py
+	$(BIN)/python bench/ray_overhead.py
+	$(BIN)/python bench/scale_out.py
+	$(BIN)/python bench/memory.py
+	$(BIN)/python bench/cascade.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples

@@ -30,7 +30,7 @@ from typing import Any
 
 from ..engines.base import Generation, GenerationRequest, TokenCallback
 from ..engines.openai import approx_tokens
-from ..engines.registry import BACKENDS, PoolHooks, set_pool_hooks
+from ..engines.registry import BACKENDS, PoolHooks, set_pool_hooks, token_counter
 from ..errors import ContextOverflow, EngineError
 from ._pool_state import Batch, Call, Item, PoolStatistics, ReplicaState, ReplicaStatistics
 from .batching import Batcher
@@ -257,15 +257,7 @@ class EnginePool:
         text: the text to count.
         """
         if self._counter is None:
-            counter: Any = approx_tokens
-            if self.spec.get("backend") == "llama_cpp":
-                from ..engines.llama_vocab import LlamaVocab
-                from ..engines.registry import model_info, model_path
-
-                path = self.spec.get("path") or str(
-                    model_path(model_info(str(self.spec.get("model", "")), "llama_cpp")))
-                counter = LlamaVocab(path).count_tokens
-            self._counter = counter
+            self._counter = token_counter(self.spec)
         return int(self._counter(text))
 
     def close(self) -> None:

@@ -169,6 +169,37 @@ class PoolHooks:
 
 
 _POOL_HOOKS: PoolHooks | None = None
+#: the runtime's engine opener in this process, if it opens engines elsewhere (Ray hosts
+#: reach engines shared by the cluster): ``opener(name, spec) -> engine``
+_REMOTE_OPENER: Callable[[str, dict], Any] | None = None
+
+
+def set_remote_opener(opener: Callable[[str, dict], Any] | None) -> None:
+    """Make ``open_engine`` in this process return ``opener(name, spec)`` (None: undo).
+
+    opener: e.g. the Ray runtime's, giving a handle on the cluster's shared engine actor.
+    """
+    global _REMOTE_OPENER
+    _REMOTE_OPENER = opener
+
+
+def token_counter(spec: dict[str, Any]) -> Callable[[str], int]:
+    """Count tokens for ``spec``'s model in this process without loading the engine.
+
+    llama.cpp models: exact, with the model's vocabulary only (no weights); other
+    backends: the 4-characters-a-token estimate.
+
+    spec: the engine spec.
+    """
+    from .openai import approx_tokens
+
+    if spec.get("backend") != "llama_cpp":
+        return approx_tokens
+    from .llama_vocab import LlamaVocab
+
+    path = spec.get("path") or str(model_path(model_info(str(spec.get("model", "")),
+                                                         "llama_cpp")))
+    return LlamaVocab(path).count_tokens
 
 
 def set_pool_hooks(hooks: PoolHooks) -> None:
@@ -260,9 +291,12 @@ def open_engine(spec: dict[str, Any], name: str | None = None) -> Any:
     name: the engine's name in the pipeline (pools are shared by name; default: the
           spec's ``_name``, which stages' linking sets).
     """
+    if _REMOTE_OPENER is not None:
+        return _REMOTE_OPENER(name or spec.get("_name") or "engine", spec)
     if is_pool(spec):
         base, options = split_pool(spec)
         return _pool_hooks().open(name or spec.get("_name") or "engine", base, options)
+    spec = {k: v for k, v in spec.items() if not k.startswith("_")}
     key = json.dumps(spec, sort_keys=True, default=str)
     with _LOCK:
         eng = _CACHE.get(key)

@@ -12,7 +12,7 @@ import os
 import re
 from typing import Any
 
-from ..engines import check_spec, home, is_pool, open_engine
+from ..engines import check_spec, home, open_engine
 from ..errors import TailraceError
 from .core import FieldError, _get, positive_int
 from .registry import LinkContext, OpDef, OpRuntime, Param, register
@@ -34,7 +34,7 @@ def link_engine(params: dict, ctx: LinkContext, kind: str, *, key: str = "engine
                          f"under 'engines:' like {name}: {{backend: ..., model: ...}}")
     spec = ctx.engines[name]
     check_spec(name, spec, kind)
-    params["_" + key] = {**spec, "_name": name} if is_pool(spec) else spec
+    params["_" + key] = {**spec, "_name": name}  # pools and cluster engines go by name
     return params
 
 

@@ -125,6 +125,10 @@ class StageHost:
 
         import ray
 
+        from ...engines.registry import set_remote_opener
+        from .engines import open_cluster_engine
+
+        set_remote_opener(open_cluster_engine)  # stages share the cluster's engine actors
         self.incarnation = uuid.uuid4().hex[:12]
         self.node = ray.get_runtime_context().get_node_id()
         self.runs: dict[str, Outbox] = {}
