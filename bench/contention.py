@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tailrace as tr  # noqa: E402
 from tailrace.control import PipelineSLO, make_policy  # noqa: E402
-from tailrace.control.gate import AdmissionGate  # noqa: E402
+from tailrace.control.gate import AdmissionGate, approx_prompt_tokens  # noqa: E402
 from tailrace.control.slo import CostModel  # noqa: E402
 from tailrace.engines import open_engine  # noqa: E402
 from tailrace.stores.corpus import read_wiki  # noqa: E402
@@ -140,6 +140,48 @@ def run_policy(policy_name: str, workloads: list[Workload], traces: dict, engine
     return out
 
 
+def calibrate(pool, w: Workload, concurrency: int, rounds: int = 2) -> float:
+    """Median seconds one request of ``w`` takes with ``concurrency`` of them running."""
+    from tailrace.engines import GenerationRequest
+
+    times: list[float] = []
+    lock = threading.Lock()
+
+    def caller(k: int) -> None:
+        for j in range(rounds):
+            text = w.texts[(k * rounds + j) % len(w.texts)]
+            req = GenerationRequest(messages=({"role": "user", "content": text},),
+                                    max_tokens=w.max_tokens)
+            t0 = time.perf_counter()
+            pool.generate([req])
+            with lock:
+                times.append(time.perf_counter() - t0)
+
+    threads = [threading.Thread(target=caller, args=(k,)) for k in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return statistics.median(times)
+
+
+def fit_cost_model(workloads: list[Workload], measured: dict[str, float]) -> CostModel:
+    """Prefill and decode rates that reproduce the measured service times of two kinds
+    (prompt tokens counted as the admission gate predicts them: 4 characters a token)."""
+    (a, b) = workloads
+    overhead = 0.02
+    pa = statistics.mean(approx_prompt_tokens({"text": t}) for t in a.texts)
+    pb = statistics.mean(approx_prompt_tokens({"text": t}) for t in b.texts)
+    # measured - overhead = prompt * x + max_tokens * y, for x = 1/prefill, y = 1/decode
+    ra, rb = measured[a.name] - overhead, measured[b.name] - overhead
+    det = pa * b.max_tokens - pb * a.max_tokens
+    x = (ra * b.max_tokens - rb * a.max_tokens) / det
+    y = (pa * rb - pb * ra) / det
+    if x <= 0 or y <= 0:  # not separable: all of it as decode time
+        x, y = 1e-4, ra / a.max_tokens
+    return CostModel(prefill_tps=1 / x, decode_tps=1 / y, overhead_s=overhead)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", choices=["latency", "llama"], default="latency")
@@ -177,14 +219,23 @@ def main() -> None:
         questions = tuple(f"In one sentence: what is {d['title']}?" for d in docs)
         summaries = tuple("Summarise this text in three sentences.\n\n" + d["text"][:1200]
                           for d in docs)
-        per_tok = 1 / 24.0  # per sequence at 4 sequences a replica, 1 thread (measured here)
-        cost = CostModel(prefill_tps=600, decode_tps=1 / per_tok, overhead_s=0.05)
-        interactive = Workload("interactive", 0, 12, 16, 4000, "interactive", 4, questions)
-        batch = Workload("batch", 0, 240, 64, 120000, "batch", 1, summaries)
-        open_engine(engine, "llm")  # start the pool once, outside the timing
+        interactive = Workload("interactive", 0, 12, 16, 0, "interactive", 4, questions)
+        batch = Workload("batch", 0, 150, 48, 120000, "batch", 1, summaries)
+        pool = open_engine(engine, "llm")  # start the pool once, outside the timing
+        # Calibrate on this machine: service seconds of each kind at full concurrency,
+        # then a cost model that predicts both, and an interactive SLO of 3x its service.
+        measured = {w.name: calibrate(pool, w, capacity) for w in (interactive, batch)}
+        cost = fit_cost_model([interactive, batch], measured)
+        slo_ms = max(2000.0, round(3 * measured["interactive"] * 2) / 2 * 1000)
+        interactive = Workload(**{**interactive.__dict__, "slo_ms": slo_ms})
+        print(f"calibration: {capacity} concurrent requests take {measured['interactive']:.2f}s"
+              f" (interactive) and {measured['batch']:.2f}s (batch) each; cost model "
+              f"prefill {cost.prefill_tps:.0f} tok/s, decode {cost.decode_tps:.1f} tok/s")
 
     # Offered load: interactive takes 20% of capacity; batch brings the total to --load.
     def service(w: Workload) -> float:
+        if args.engine == "llama":
+            return measured[w.name]
         return w.prompt_words * 1.25 / cost.prefill_tps + w.max_tokens * per_tok
 
     i_rate = 0.2 * capacity / service(interactive)

@@ -36,10 +36,14 @@ class EngineActor:
         self.engine = open_engine(spec, name)
 
     def describe(self) -> dict[str, Any]:
-        e = self.engine
-        return {"model": getattr(e, "model", ""), "context_length":
-                getattr(e, "context_length", None), "dim": getattr(e, "dim", None),
-                "chat": getattr(e, "chat", True)}
+        def attr(key: str, default: Any) -> Any:
+            try:  # e.g. an OpenAI generation engine has no embedding dim to tell
+                return getattr(self.engine, key, default)
+            except Exception:  # noqa: BLE001
+                return default
+
+        return {"model": attr("model", ""), "context_length": attr("context_length", None),
+                "dim": attr("dim", None), "chat": attr("chat", True)}
 
     def generate(self, requests: list[GenerationRequest]) -> list[Generation]:
         return self.engine.generate(requests)
