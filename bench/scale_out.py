@@ -89,7 +89,10 @@ def main() -> None:
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="WARNING")
     with spawn(cfg) as server:
         engine = {"backend": "openai", "base_url": server.url, "model": "latency-model",
-                  "concurrency": 8, "timeout_s": 120, "retries": 0}
+                  "concurrency": 8 * top, "timeout_s": 120, "retries": 0}
+        # One engine actor serves every worker (engines are shared cluster actors), so it
+        # may keep 8 requests in flight per worker: the engine server, not the client,
+        # is what each added worker brings capacity to.
         per_call = 60 / 4000 + args.max_tokens / args.decode_tps
         print(f"tailrace scale-out benchmark: {args.requests} requests per run, generation "
               f"{args.max_tokens} tokens at {args.decode_tps:g} tok/s (~{per_call:.2f}s per "
