@@ -43,7 +43,7 @@ bench: $(STAMP)  ## run the benchmarks and print their figures (~35 minutes)
 	$(BIN)/python bench/scheduling.py
 	$(BIN)/python bench/dispatch.py
 	$(BIN)/python bench/contention.py
-	$(BIN)/python bench/contention.py --engine llama --duration 20
+	$(BIN)/python bench/contention.py --engine llama --duration 40
 	$(BIN)/python bench/engine_efficiency.py
 	$(BIN)/python bench/serve_load.py
 	$(BIN)/python bench/ray_overhead.py
