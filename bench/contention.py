@@ -212,7 +212,7 @@ def main() -> None:
         # shared by both pipelines through the pipeline spec's `replicas:`. Real prompts:
         # questions for the interactive pipeline, Wikipedia summaries to condense for batch.
         engine = {"backend": "llama_cpp", "model": "smollm2-135m-instruct", "n_threads": 1,
-                  "n_ctx": 1024, "n_seq_max": 4, "n_batch": 64, "replicas": 2, "max_batch_size": 4,
+                  "n_ctx": 1024, "n_seq_max": 4, "replicas": 2, "max_batch_size": 4,
                   "max_wait_ms": 2}
         capacity, replicas = 8, 8
         docs = [d for d in read_wiki() if len(d["text"]) > 1200][:64]
