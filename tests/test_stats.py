@@ -29,3 +29,19 @@ def test_empty_and_zero():
     assert h.statistics().count == 0
     h.record(0.0)
     assert h.statistics().p99 == 0.0
+
+
+def test_a_replicated_stage_reports_its_queue_depth():
+    import time
+
+    import tailrace as tr
+
+    def slow(x):
+        time.sleep(0.001)
+        return x
+
+    p = tr.Pipeline("depth")
+    p.source(range(300)).map(slow, id="slow", replicas=2, queue=64).sink(out := [])
+    stats = tr.run(p).stats["slow"]
+    assert len(out) == 300 and stats.replicas == 2
+    assert 0 < stats.max_queue_depth <= 64  # the fast source filled the bounded channel

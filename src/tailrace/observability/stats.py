@@ -188,6 +188,29 @@ class StageMeter:
         self.batch_size = Histogram()
         self.max_queue_depth = 0
 
+    @classmethod
+    def combined(cls, meters: list[StageMeter], template: StageMeter | None = None
+                 ) -> StageMeter:
+        """The sum of several replicas' (or incarnations') meters of one operator.
+
+        meters:   the meters to add up (counts and histograms summed, depth: the max).
+        template: gives the labels (stage, op, replicas, bound, fusion); default the first.
+        """
+        t = template or meters[0]
+        total = cls(t.stage, t.op, replicas=t.replicas, queue_bound=t.queue_bound,
+                    fused_into=t.fused_into)
+        for x in meters:
+            total.records_in += x.records_in
+            total.records_out += x.records_out
+            total.errors += x.errors
+            total.retries += x.retries
+            total.timeouts += x.timeouts
+            total.queue_wait.merge(x.queue_wait)
+            total.service.merge(x.service)
+            total.batch_size.merge(x.batch_size)
+            total.max_queue_depth = max(total.max_queue_depth, x.max_queue_depth)
+        return total
+
     def statistics(self) -> StageStats:
         return StageStats(
             stage=self.stage,

@@ -42,21 +42,9 @@ def sum_counters(counted: list[dict[str, float]]) -> dict[str, float]:
 
 
 def _merge(meters: list[StageMeter]) -> StageStats:
-    m = meters[0]
     if len(meters) == 1:
-        return m.statistics()
-    total = StageMeter(m.stage, m.op, replicas=m.replicas, queue_bound=m.queue_bound,
-                       fused_into=m.fused_into)
-    for x in meters:
-        total.records_in += x.records_in
-        total.records_out += x.records_out
-        total.errors += x.errors
-        total.retries += x.retries
-        total.timeouts += x.timeouts
-        total.queue_wait.merge(x.queue_wait)
-        total.service.merge(x.service)
-        total.batch_size.merge(x.batch_size)
-    return total.statistics()
+        return meters[0].statistics()
+    return StageMeter.combined(meters).statistics()
 
 
 def _stats(run: Any, wall: float, interrupted: bool) -> RunStats:

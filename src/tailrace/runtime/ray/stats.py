@@ -44,19 +44,7 @@ def merge_meters(meters: list[StageMeter], template: StageMeter) -> StageMeter:
     meters:   the meters to add up.
     template: gives the labels (stage, op, replicas, bound, fusion) of the result.
     """
-    total = StageMeter(template.stage, template.op, replicas=template.replicas,
-                       queue_bound=template.queue_bound, fused_into=template.fused_into)
-    for x in meters:
-        total.records_in += x.records_in
-        total.records_out += x.records_out
-        total.errors += x.errors
-        total.retries += x.retries
-        total.timeouts += x.timeouts
-        total.queue_wait.merge(x.queue_wait)
-        total.service.merge(x.service)
-        total.batch_size.merge(x.batch_size)
-        total.max_queue_depth = max(total.max_queue_depth, x.max_queue_depth)
-    return total
+    return StageMeter.combined(meters, template)
 
 
 def stage_meter(plan: Plan, i: int, j: int) -> StageMeter:
