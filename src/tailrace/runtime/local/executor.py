@@ -23,9 +23,8 @@ from ...errors import PlanError
 from ...observability import Histogram, StageMeter
 from ...observability.tracing import STATE as TRACING
 from ...observability.tracing import stage_spans
-from ...operators import OpRuntime
 from .channel import Channel
-from .stage import Replica, call_with_policy, sink_runtime
+from .stage import Replica, call_collect, call_with_policy, sink_runtime
 
 #: Largest micro-batch a source emits or a stage takes at once.
 MAX_MICROBATCH = 1024
@@ -270,8 +269,10 @@ class LocalRun:
             meter.queue_wait.record((now - enq) * 1e6, n)
             if first_stage:
                 self.scheduling.record((now - born) * 1e6, n)
+            ports: dict[str | None, list]
             if collect:
-                ports = await self._call_collect(s, rep, batch, run_blocking, errors)
+                ports = {None: await call_collect(s.ops[0], rep.rts[0], rep.meters[0], batch,
+                                                  run_blocking, errors)}
             elif careful:
                 ports = await self._careful(s, rep, batch, run_blocking, errors)
             elif run_blocking is not None:
@@ -320,42 +321,6 @@ class LocalRun:
         m.batch_size.record(1, len(batch))
         return {"true": out, "false": falses} if branch else {None: out}
 
-    async def _call_collect(self, s: PlanStage, rep: Replica, batch: list, run_blocking: Any,
-                            errors: list) -> dict[str | None, list]:
-        """A batch-contract operator or a ``batch`` stage: one call for the whole list,
-        under the stage's timeout and retries. Records the operator rejects one by one
-        (e.g. a missing field) become error records; a failed call fails the batch."""
-        op, rt, m = s.ops[0], rep.rts[0], rep.meters[0]
-        n = len(batch)
-        m.records_in += n
-        m.batch_size.record(n)
-        t0 = perf_counter()
-        rejected: list = []
-        call = rt
-        if rt.batch_fn is not None and not rt.whole_batch and rt.kind == "map":
-            batch_fn = rt.batch_fn
-
-            def strict(records: list) -> list:
-                rejected.clear()
-                return batch_fn(records, rejected)
-
-            call = OpRuntime("map", record_fn=strict)
-        try:
-            result = await call_with_policy(op, call, m, batch, run_blocking)
-        except Exception as e:  # noqa: BLE001 - every record of the batch failed
-            m.errors += n
-            attempts = getattr(e, "attempts", 1)
-            errors.extend(ErrorRecord.from_exception(op.id, x, e, attempts) for x in batch)
-            result = []
-        else:
-            if rt.kind == "collect":
-                result = [result]
-            if rejected:
-                m.errors += len(rejected)
-                errors.extend(ErrorRecord.from_exception(op.id, x, e) for x, e in rejected)
-        m.service.record((perf_counter() - t0) * 1e6 / n, n)
-        m.records_out += len(result)
-        return {None: result}
 
 
 async def collect_batch(ch: Channel, max_n: int, max_wait: float,

@@ -102,6 +102,49 @@ class Replica:
             errors.extend(ErrorRecord.from_exception(sid, x, e) for x, e in errs)
 
 
+async def call_collect(op: PlanOp, rt: OpRuntime, m: StageMeter, batch: list,
+                       run_blocking: Any, errors: list) -> list:
+    """A batch-contract operator or a ``batch`` stage: one call for the whole list, under
+    the stage's timeout and retries; returns its outputs. Records the operator rejects one
+    by one (e.g. a missing field) become error records; a failed call fails the batch.
+
+    op, rt, m:    the operator, its runtime and its meter.
+    batch:        the records.
+    run_blocking: how blocking calls run (an executor's ``run_in_executor``), or None.
+    errors:       where ``ErrorRecord``s go.
+    """
+    n = len(batch)
+    m.records_in += n
+    m.batch_size.record(n)
+    t0 = perf_counter()
+    rejected: list = []
+    call = rt
+    if rt.batch_fn is not None and not rt.whole_batch and rt.kind == "map":
+        batch_fn = rt.batch_fn
+
+        def strict(records: list) -> list:
+            rejected.clear()
+            return batch_fn(records, rejected)
+
+        call = OpRuntime("map", record_fn=strict)
+    try:
+        result = await call_with_policy(op, call, m, batch, run_blocking)
+    except Exception as e:  # noqa: BLE001 - every record of the batch failed
+        m.errors += n
+        attempts = getattr(e, "attempts", 1)
+        errors.extend(ErrorRecord.from_exception(op.id, x, e, attempts) for x in batch)
+        result = []
+    else:
+        if rt.kind == "collect":
+            result = [result]
+        if rejected:
+            m.errors += len(rejected)
+            errors.extend(ErrorRecord.from_exception(op.id, x, e) for x, e in rejected)
+    m.service.record((perf_counter() - t0) * 1e6 / n, n)
+    m.records_out += len(result)
+    return result
+
+
 async def call_with_policy(op: PlanOp, rt: OpRuntime, meter: StageMeter, arg: Any,
                            run_blocking: Callable | None) -> Any:
     """Call ``rt.record_fn(arg)`` honouring the stage's timeout and retries.

@@ -24,7 +24,7 @@ from typing import Any
 from ...api.records import ErrorRecord
 from ...observability import Histogram, StageMeter
 from ...operators import OpRuntime
-from ..local.stage import Replica, call_with_policy
+from ..local.stage import Replica, call_collect, call_with_policy
 from .credits import Link, gather_acks
 from .messages import PORT_CODE, BatchKey, InstallSpec, MeterReport
 
@@ -191,7 +191,8 @@ class StageInstance:
 
     async def _process(self, batch: list, errors: list) -> dict[str | None, list]:
         if self.collect:
-            return {None: await self._call_collect(batch, errors)}
+            return {None: await call_collect(self.op, self.rt, self.meters[0], batch,
+                                             self.run_blocking, errors)}
         if self.careful:
             return await self._careful(batch, errors)
         return await self._chain(batch, errors)
@@ -224,41 +225,6 @@ class StageInstance:
         m.service.record((perf_counter() - t0) * 1e6 / len(batch), len(batch))
         m.batch_size.record(1, len(batch))
         return {"true": out, "false": falses} if branch else {None: out}
-
-    async def _call_collect(self, batch: list, errors: list) -> list:
-        """One call for the whole group under the stage's timeout and retries; records the
-        operator rejects one by one become error records, a failed call fails the group."""
-        op, rt, m = self.op, self.rt, self.meters[0]
-        n = len(batch)
-        m.records_in += n
-        m.batch_size.record(n)
-        t0 = perf_counter()
-        rejected: list = []
-        call = rt
-        if rt.batch_fn is not None and not rt.whole_batch and rt.kind == "map":
-            batch_fn = rt.batch_fn
-
-            def strict(records: list) -> list:
-                rejected.clear()
-                return batch_fn(records, rejected)
-
-            call = OpRuntime("map", record_fn=strict)
-        try:
-            result = await call_with_policy(op, call, m, batch, self.run_blocking)
-        except Exception as e:  # noqa: BLE001 - every record of the group failed
-            m.errors += n
-            attempts = getattr(e, "attempts", 1)
-            errors.extend(ErrorRecord.from_exception(op.id, x, e, attempts) for x in batch)
-            result = []
-        else:
-            if rt.kind == "collect":
-                result = [result]
-            if rejected:
-                m.errors += len(rejected)
-                errors.extend(ErrorRecord.from_exception(op.id, x, e) for x, e in rejected)
-        m.service.record((perf_counter() - t0) * 1e6 / n, n)
-        m.records_out += len(result)
-        return result
 
     def _unsendable(self, key: BatchKey, records: list, exc: BaseException) -> asyncio.Future:
         """Records that cannot be serialised for the next stage become error records here."""
