@@ -24,7 +24,7 @@ from ...observability import Histogram, StageMeter
 from ...observability.tracing import STATE as TRACING
 from ...observability.tracing import stage_spans
 from .channel import Channel
-from .stage import Replica, call_collect, call_with_policy, sink_runtime
+from .stage import Replica, call_careful, call_collect, sink_runtime
 
 #: Largest micro-batch a source emits or a stage takes at once.
 MAX_MICROBATCH = 1024
@@ -274,7 +274,8 @@ class LocalRun:
                 ports = {None: await call_collect(s.ops[0], rep.rts[0], rep.meters[0], batch,
                                                   run_blocking, errors)}
             elif careful:
-                ports = await self._careful(s, rep, batch, run_blocking, errors)
+                ports = await call_careful(s.ops[0], rep.rts[0], rep.meters[0], batch,
+                                           run_blocking, errors)
             elif run_blocking is not None:
                 ports = await run_blocking(rep.run_chain, batch, errors)
             else:
@@ -294,32 +295,6 @@ class LocalRun:
                     self._leave(batch)
             else:
                 await self._emit(s.id, ports, born)
-
-    async def _careful(self, s: PlanStage, rep: Replica, batch: list, run_blocking: Any,
-                       errors: list) -> dict[str | None, list]:
-        """Record by record, with timeout and retries (one operator, never fused)."""
-        op, rt, m = s.ops[0], rep.rts[0], rep.meters[0]
-        out: list = []
-        falses: list = []
-        branch = rt.kind == "branch"
-        t0 = perf_counter()
-        m.records_in += len(batch)
-        for x in batch:
-            try:
-                r = await call_with_policy(op, rt, m, x, run_blocking)
-            except Exception as e:  # noqa: BLE001 - operator code may raise anything
-                m.errors += 1
-                errors.append(ErrorRecord.from_exception(op.id, x, e,
-                                                         getattr(e, "attempts", 1)))
-                continue
-            if branch:
-                (out if r else falses).append(x)
-            else:
-                out.extend(r)
-        m.records_out += len(out) + len(falses)
-        m.service.record((perf_counter() - t0) * 1e6 / len(batch), len(batch))
-        m.batch_size.record(1, len(batch))
-        return {"true": out, "false": falses} if branch else {None: out}
 
 
 

@@ -102,6 +102,32 @@ class Replica:
             errors.extend(ErrorRecord.from_exception(sid, x, e) for x, e in errs)
 
 
+async def call_careful(op: PlanOp, rt: OpRuntime, m: StageMeter, batch: list,
+                       run_blocking: Any, errors: list) -> dict[str | None, list]:
+    """Record by record, with the stage's timeout and retries (one operator, never fused);
+    returns port -> records. Arguments as for ``call_collect``."""
+    out: list = []
+    falses: list = []
+    branch = rt.kind == "branch"
+    t0 = perf_counter()
+    m.records_in += len(batch)
+    for x in batch:
+        try:
+            r = await call_with_policy(op, rt, m, x, run_blocking)
+        except Exception as e:  # noqa: BLE001 - operator code may raise anything
+            m.errors += 1
+            errors.append(ErrorRecord.from_exception(op.id, x, e, getattr(e, "attempts", 1)))
+            continue
+        if branch:
+            (out if r else falses).append(x)
+        else:
+            out.extend(r)
+    m.records_out += len(out) + len(falses)
+    m.service.record((perf_counter() - t0) * 1e6 / len(batch), len(batch))
+    m.batch_size.record(1, len(batch))
+    return {"true": out, "false": falses} if branch else {None: out}
+
+
 async def call_collect(op: PlanOp, rt: OpRuntime, m: StageMeter, batch: list,
                        run_blocking: Any, errors: list) -> list:
     """A batch-contract operator or a ``batch`` stage: one call for the whole list, under

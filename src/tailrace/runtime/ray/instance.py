@@ -24,7 +24,7 @@ from typing import Any
 from ...api.records import ErrorRecord
 from ...observability import Histogram, StageMeter
 from ...operators import OpRuntime
-from ..local.stage import Replica, call_collect, call_with_policy
+from ..local.stage import Replica, call_careful, call_collect
 from .credits import Link, gather_acks
 from .messages import PORT_CODE, BatchKey, InstallSpec, MeterReport
 
@@ -194,37 +194,14 @@ class StageInstance:
             return {None: await call_collect(self.op, self.rt, self.meters[0], batch,
                                              self.run_blocking, errors)}
         if self.careful:
-            return await self._careful(batch, errors)
+            return await call_careful(self.op, self.rt, self.meters[0], batch,
+                                      self.run_blocking, errors)
         return await self._chain(batch, errors)
 
     async def _chain(self, batch: list, errors: list) -> dict[str | None, list]:
         if self.run_blocking is not None:
             return await self.run_blocking(self.rep.run_chain, batch, errors)
         return self.rep.run_chain(batch, errors)
-
-    async def _careful(self, batch: list, errors: list) -> dict[str | None, list]:
-        """Record by record, with timeout and retries (as the local runtime does)."""
-        op, rt, m = self.op, self.rt, self.meters[0]
-        out: list = []
-        falses: list = []
-        branch = rt.kind == "branch"
-        t0 = perf_counter()
-        m.records_in += len(batch)
-        for x in batch:
-            try:
-                r = await call_with_policy(op, rt, m, x, self.run_blocking)
-            except Exception as e:  # noqa: BLE001 - operator code may raise anything
-                m.errors += 1
-                errors.append(ErrorRecord.from_exception(op.id, x, e, getattr(e, "attempts", 1)))
-                continue
-            if branch:
-                (out if r else falses).append(x)
-            else:
-                out.extend(r)
-        m.records_out += len(out) + len(falses)
-        m.service.record((perf_counter() - t0) * 1e6 / len(batch), len(batch))
-        m.batch_size.record(1, len(batch))
-        return {"true": out, "false": falses} if branch else {None: out}
 
     def _unsendable(self, key: BatchKey, records: list, exc: BaseException) -> asyncio.Future:
         """Records that cannot be serialised for the next stage become error records here."""
