@@ -11,6 +11,7 @@ from tailrace.control import AdmissionGate, make_policy
 from tailrace.errors import PlanError
 from tailrace.serving import (
     PipelineService,
+    RecordDropped,
     RequestFailed,
     ServiceError,
     ServiceOverloaded,
@@ -120,12 +121,34 @@ def test_max_pending_rejects_instead_of_queueing_without_bound(gate_closed):
         svc.stop()
 
 
-def test_a_dropped_record_times_out_with_the_reason():
+@pytest.mark.parametrize("contract", [{}, {"retries": 1}], ids=["fused", "careful"])
+def test_a_record_a_filter_drops_is_answered_at_once(contract):
     p = tr.Pipeline("drop")
-    p.source(fields=["text"]).filter(lambda r: False).sink()
+    (p.source(fields=["text"]).filter(lambda r: r["text"] != "skip", id="keep", **contract)
+     .sink())
+    svc = PipelineService(p, timeout_s=30).start()
+    try:
+        async def main():
+            kept = asyncio.ensure_future(svc.submit({"text": "a"}))
+            with pytest.raises(RecordDropped, match="pipeline 'drop': filter stage 'keep' "
+                                                    "dropped this record") as ei:
+                await svc.submit({"text": "skip"})
+            assert ei.value.status == 422 and ei.value.code == "record_dropped"
+            return await kept
+
+        assert asyncio.run(main()) == {"text": "a"}
+        assert svc.pending == 0
+    finally:
+        svc.stop()
+
+
+def test_a_record_that_loses_its_request_id_times_out_with_the_reason():
+    p = tr.Pipeline("lost")
+    p.source(fields=["text"]).map(lambda r: {"text": r["text"]}).sink()
     svc = PipelineService(p, timeout_s=0.2).start()
     try:
-        with pytest.raises(ServiceTimeout, match="no output within 0.2 s .a filter dropped"):
+        with pytest.raises(ServiceTimeout, match="no output within 0.2 s .a stage may have "
+                                                 "replaced the record"):
             asyncio.run(svc.submit({"text": "a"}))
         assert svc.pending == 0
     finally:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from .errors import (
+    RecordDropped,
     RequestFailed,
     ServiceError,
     ServiceOverloaded,
@@ -19,7 +20,7 @@ from .errors import (
 )
 from .service import PipelineService, ServingHub
 
-__all__ = ["PipelineService", "RequestFailed", "ServiceError", "ServiceOverloaded",
+__all__ = ["PipelineService", "RecordDropped", "RequestFailed", "ServiceError", "ServiceOverloaded",
            "ServiceTimeout", "ServiceUnavailable", "ServingHub", "create_app"]
 
 

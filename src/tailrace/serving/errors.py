@@ -61,6 +61,13 @@ class ServiceOverloaded(ServiceError):
         super().__init__(message, status=429, code="too_many_pending", retry_after=1.0)
 
 
+class RecordDropped(ServiceError):
+    """A ``filter`` stage dropped the request's record: the pipeline has no answer."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, status=422, code="record_dropped")
+
+
 class ServiceTimeout(ServiceError):
     """No output and no error record arrived for the request within ``timeout_s``."""
 

@@ -9,8 +9,9 @@ record carries transient fields the runtime passes along untouched:
 - ``_cancel``: a ``threading.Event``; set, the generate stage stops that sequence.
 
 An output or error record reaches the waiting caller on the caller's own event loop.
-Records the pipeline drops (a filter) or that lose ``_rid`` (a map returning a new
-object) never answer: their callers get ``ServiceTimeout`` after ``timeout_s``.
+A record a ``filter`` drops is answered at once with ``RecordDropped`` (HTTP 422).
+Records that lose ``_rid`` (a map returning a new object without it) never answer:
+their callers get ``ServiceTimeout`` after ``timeout_s``.
 A ``ServingHub`` holds the services of one process, their shared admission gate and
 the optional API key.
 """
@@ -32,6 +33,7 @@ from ..compiler import Plan, compile_pipeline
 from ..errors import PlanError
 from ..observability import RunStats
 from .errors import (
+    RecordDropped,
     RequestFailed,
     ServiceError,
     ServiceOverloaded,
@@ -227,7 +229,8 @@ class PipelineService:
         inputs, outputs, _ = _bind(self.plan, self._feed(), self._on_output)
         door = _Door(self.gate, self) if self.gate is not None else None
         self._run = LocalRun(self.plan, inputs=inputs, outputs=outputs,
-                             on_error=self._on_error, admission=door)  # loads engines
+                             on_error=self._on_error, admission=door,
+                             on_drop=self._on_drop)  # loads engines
         self._t0 = perf_counter()
         self._ready.set()
         await self._run.execute()
@@ -278,8 +281,8 @@ class PipelineService:
                 return await fut
         except TimeoutError:
             raise ServiceTimeout(
-                f"pipeline '{self.name}': no output within {self.timeout_s:g} s (a filter "
-                "dropped the record, or a stage replaced it without keeping '_rid')") from None
+                f"pipeline '{self.name}': no output within {self.timeout_s:g} s (a stage "
+                "may have replaced the record without keeping '_rid')") from None
         finally:
             if not fut.done() or fut.cancelled():
                 cancel.set()
@@ -311,6 +314,14 @@ class PipelineService:
         waiter = self._waiter_of(err.input)
         if waiter is not None:
             _answer(waiter, None, RequestFailed(err, waiter.retry_after))
+
+    def _on_drop(self, stage: str, records: list) -> None:
+        for record in records:
+            waiter = self._waiter_of(record)
+            if waiter is not None:
+                _answer(waiter, None, RecordDropped(
+                    f"pipeline '{self.name}': filter stage '{stage}' dropped this record; "
+                    "the pipeline has no answer for it"))
 
     def _fail_waiting(self, exc: ServiceError) -> None:
         with self._lock:

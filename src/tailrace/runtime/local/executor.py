@@ -34,9 +34,19 @@ class LocalRun:
     """State of one run of a plan; ``execute()`` runs it to completion."""
 
     def __init__(self, plan: Plan, *, inputs: dict[str, Any], outputs: dict[str, Any],
-                 on_error: Callable[[ErrorRecord], None], admission: Any = None) -> None:
+                 on_error: Callable[[ErrorRecord], None], admission: Any = None,
+                 on_drop: Callable[[str, list], None] | None = None) -> None:
+        """Prepare a run (``execute`` runs it).
+
+        inputs, outputs: records for sources and targets for sinks declared without them.
+        on_error:  receives each ``ErrorRecord``.
+        admission: the admission gate each record waits for, or None.
+        on_drop:   ``on_drop(stage id, records)`` when a ``filter`` drops records (a
+                   server answers those requests instead of waiting forever).
+        """
         self.plan = plan
         self.on_error = on_error
+        self.on_drop = on_drop
         self.admission = admission
         self.tickets: dict[int, Any] = {}  # id(ticket) -> ticket, admitted and not yet out
         self.latency = Histogram()
@@ -60,7 +70,7 @@ class LocalRun:
                 self.source_meters[s.id] = StageMeter(s.id, "source")
                 continue
             self.channels[s.id] = Channel(s.queue, producers=len(s.upstream))
-            self.replicas[s.id] = [Replica(s, self._build(s, outputs))
+            self.replicas[s.id] = [Replica(s, self._build(s, outputs), on_drop)
                                    for _ in range(s.replicas)]
         self.down: dict[str, dict[str | None, list[Channel]]] = {s.id: {} for s in plan.stages}
         sources = {s.id for s in plan.stages if s.ops[0].op.kind == "source"}
@@ -275,7 +285,7 @@ class LocalRun:
                                                   run_blocking, errors)}
             elif careful:
                 ports = await call_careful(s.ops[0], rep.rts[0], rep.meters[0], batch,
-                                           run_blocking, errors)
+                                           run_blocking, errors, self.on_drop)
             elif run_blocking is not None:
                 ports = await run_blocking(rep.run_chain, batch, errors)
             else:

@@ -44,12 +44,17 @@ def sink_runtime(target: Any) -> OpRuntime:
 class Replica:
     """The operator runtimes and meters of one replica of a stage."""
 
-    __slots__ = ("stage", "ops", "rts", "meters", "sinks")
+    __slots__ = ("stage", "ops", "rts", "meters", "sinks", "drop_hook", "filters")
 
-    def __init__(self, stage: PlanStage, rts: list[OpRuntime]) -> None:
+    def __init__(self, stage: PlanStage, rts: list[OpRuntime],
+                 drop_hook: Callable[[str, list], None] | None = None) -> None:
         self.stage = stage
         self.ops = stage.ops
         self.rts = rts
+        # told which records a filter dropped (a server answers their requests); the
+        # check costs nothing per record and nothing at all without a hook
+        self.drop_hook = drop_hook
+        self.filters = frozenset(i for i, o in enumerate(stage.ops) if o.op.name == "filter")
         self.meters = [StageMeter(o.id, o.op.name, replicas=stage.replicas,
                                   queue_bound=stage.queue if i == 0 else 0,
                                   fused_into=stage.id if len(stage.ops) > 1 else None)
@@ -72,11 +77,15 @@ class Replica:
             fn = rt.batch_fn
             if kind == "map":
                 if fn is not None:
+                    before = batch
                     try:
                         batch = fn(batch, errs)
                     except Exception as e:  # noqa: BLE001 - a whole-batch call failed
                         errs = [(x, e) for x in batch]
                         batch = []
+                    if self.drop_hook is not None and i in self.filters and \
+                            len(batch) + len(errs) < n:
+                        self.drop_hook(self.ops[i].id, dropped(before, batch, errs))
             elif kind == "branch":
                 t, f = fn(batch, errs)  # type: ignore[misc]
                 self._done(m, t0, n, len(t) + len(f), errs, errors, i)
@@ -102,10 +111,19 @@ class Replica:
             errors.extend(ErrorRecord.from_exception(sid, x, e) for x, e in errs)
 
 
+def dropped(before: list, after: list, errs: list) -> list:
+    """The records of ``before`` neither kept (``after``) nor failed (``errs``)."""
+    gone = {id(r) for r in after} | {id(x) for x, _ in errs}
+    return [r for r in before if id(r) not in gone]
+
+
 async def call_careful(op: PlanOp, rt: OpRuntime, m: StageMeter, batch: list,
-                       run_blocking: Any, errors: list) -> dict[str | None, list]:
+                       run_blocking: Any, errors: list,
+                       on_drop: Callable[[str, list], None] | None = None
+                       ) -> dict[str | None, list]:
     """Record by record, with the stage's timeout and retries (one operator, never fused);
-    returns port -> records. Arguments as for ``call_collect``."""
+    returns port -> records. Arguments as for ``call_collect``; ``on_drop(stage id,
+    records)`` hears of records a filter dropped."""
     out: list = []
     falses: list = []
     branch = rt.kind == "branch"
@@ -122,6 +140,8 @@ async def call_careful(op: PlanOp, rt: OpRuntime, m: StageMeter, batch: list,
             (out if r else falses).append(x)
         else:
             out.extend(r)
+            if not r and on_drop is not None and op.op.name == "filter":
+                on_drop(op.id, [x])
     m.records_out += len(out) + len(falses)
     m.service.record((perf_counter() - t0) * 1e6 / len(batch), len(batch))
     m.batch_size.record(1, len(batch))
