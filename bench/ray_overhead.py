@@ -9,7 +9,7 @@ The same is done with the local runtime in the same process. A plain Ray baselin
 async actors passing batches, no tailrace) gives the floor on this machine. Scheduling
 delay is measured with lone records (one in flight at a time) and under load.
 
-    python bench/ray_overhead.py              # N = 200,000, micro-batches of 100
+    python bench/ray_overhead.py              # N = 200,000, micro-batches of 100 and 1,000
     python bench/ray_overhead.py --n 50000    # quicker
 """
 
@@ -150,31 +150,37 @@ def lone_records(m: int) -> tuple[list[float], object]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=200_000, help="records per run")
-    ap.add_argument("--batch", type=int, default=100, help="records per push between actors")
+    ap.add_argument("--batch", type=int, nargs="+", default=[100, 1000],
+                    help="records per push between actors (each size measured in turn)")
     ap.add_argument("--repeat", type=int, default=2, help="runs per configuration (best kept)")
     ap.add_argument("--lone", type=int, default=300, help="lone records to time")
     args = ap.parse_args()
     import ray
 
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="WARNING")
-    n, queue = args.n, 8 * args.batch  # a push is an eighth of the edge's bound
-    print(f"tailrace Ray overhead benchmark: N={n:,}, micro-batches of {args.batch} "
-          f"(edge bound {queue}), best of {args.repeat}, {os.cpu_count()} CPUs, Ray "
-          f"{ray.__version__}, Python {platform.python_version()} on {platform.machine()}")
-    timed(1000, 3, "ray", queue)  # start the actors outside the timing
-    hop_ray, all_ray, res = per_hop(n, "ray", queue, args.repeat)
-    hop_local, all_local, _ = per_hop(n, "local", queue, args.repeat)
-    floor = plain_ray(n, args.batch)
-    print(f"{'configuration':<34} {'us/record/hop':>14}  target")
-    print(f"{'ray: per extra hop (3 vs 1 stage)':<34} {hop_ray:>14.2f}  {TARGETS['hop']}")
-    print(f"{'ray: 3-stage chain, all included':<34} {all_ray:>14.2f}")
-    print(f"{'local: per extra hop':<34} {hop_local:>14.3f}")
-    print(f"{'local: 3-stage chain, all included':<34} {all_local:>14.3f}")
-    print(f"{'plain Ray, 3 async actors':<34} {floor:>14.2f}  (no tailrace: the floor here)")
+    n = args.n
+    print(f"tailrace Ray overhead benchmark: N={n:,}, best of {args.repeat}, "
+          f"{os.cpu_count()} CPUs, Ray {ray.__version__}, Python {platform.python_version()} "
+          f"on {platform.machine()}")
+    print(f"{'batch':>6}  {'configuration':<34} {'us/record/hop':>14}  target")
+    res = None
+    for batch in args.batch:
+        queue = 8 * batch  # a push is an eighth of the edge's bound
+        timed(1000, 3, "ray", queue)  # start the actors outside the timing
+        hop_ray, all_ray, res = per_hop(n, "ray", queue, args.repeat)
+        hop_local, all_local, _ = per_hop(n, "local", queue, args.repeat)
+        floor = plain_ray(n, batch)
+        for name, v, note in [
+                ("ray: per extra hop (3 vs 1 stage)", f"{hop_ray:.2f}", TARGETS["hop"]),
+                ("ray: 3-stage chain, all included", f"{all_ray:.2f}", ""),
+                ("local: per extra hop", f"{hop_local:.3f}", ""),
+                ("local: 3-stage chain, all included", f"{all_local:.3f}", ""),
+                ("plain Ray, 3 async actors", f"{floor:.2f}", "(no tailrace: the floor here)")]:
+            print(f"{batch:>6}  {name:<34} {v:>14}  {note}")
     sched = res.stats.scheduling_us  # type: ignore[attr-defined]
-    print(f"scheduling delay under load (3-stage run): p50 {sched.p50 / 1000:.2f} ms, "
-          f"p99 {sched.p99 / 1000:.2f} ms (source read -> first operator start, "
-          "queueing behind a full edge window included)")
+    print(f"scheduling delay under load (3-stage run, last batch size): p50 "
+          f"{sched.p50 / 1000:.2f} ms, p99 {sched.p99 / 1000:.2f} ms (source read -> first "
+          "operator start, queueing behind a full edge window included)")
     rtt = plain_round_trip(args.lone)
     lat, lone = lone_records(args.lone)
     lat.sort()
