@@ -94,13 +94,13 @@ class AdmissionGate:
             waiter = self._waiters.pop(t.request.id, None)
             if waiter is not None:
                 loop, fut = waiter
-                loop.call_soon_threadsafe(_set, fut, t, None)
+                loop.call_soon_threadsafe(settle, fut, t, None)
 
     def _rejected(self, rej: Rejection) -> None:  # called by the policy under our lock
         waiter = self._waiters.pop(rej.request.id, None)
         if waiter is not None:
             loop, fut = waiter
-            loop.call_soon_threadsafe(_set, fut, None, rej.error())
+            loop.call_soon_threadsafe(settle, fut, None, rej.error())
 
     def _ensure_poller(self) -> None:
         if self._poller is None or not self._poller.is_alive():
@@ -125,7 +125,7 @@ class AdmissionGate:
         self._wake.set()
         with self._lock:
             for rid, (loop, fut) in list(self._waiters.items()):
-                loop.call_soon_threadsafe(_set, fut, None, AdmissionRejected(
+                loop.call_soon_threadsafe(settle, fut, None, AdmissionRejected(
                     "admission gate closed", reason="closed", retry_after=1.0,
                     request_id=rid))
             self._waiters.clear()
@@ -135,7 +135,9 @@ class AdmissionGate:
             return self.policy.statistics()
 
 
-def _set(fut: asyncio.Future, value: Any, exc: BaseException | None) -> None:
+def settle(fut: asyncio.Future, value: Any, exc: BaseException | None) -> None:
+    """Resolve ``fut`` with ``value`` or ``exc`` unless it is already done (a caller that
+    gave up); call it on the future's loop (``loop.call_soon_threadsafe(settle, ...)``)."""
     if fut.done():
         return
     if exc is not None:

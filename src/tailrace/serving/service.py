@@ -30,6 +30,7 @@ from typing import Any
 from ..api.pipeline import Pipeline
 from ..api.records import ErrorRecord
 from ..compiler import Plan, compile_pipeline
+from ..control.gate import settle
 from ..errors import PlanError
 from ..observability import RunStats
 from .errors import (
@@ -52,19 +53,10 @@ class _Waiter:
         self.retry_after: float | None = None
 
 
-def _deliver(fut: asyncio.Future, value: Any, exc: BaseException | None) -> None:
-    if fut.done():
-        return
-    if exc is not None:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(value)
-
-
 def _answer(waiter: _Waiter, value: Any, exc: BaseException | None) -> None:
     """Resolve a waiter's future on its own loop (from any thread)."""
     with contextlib.suppress(RuntimeError):  # the caller's loop is gone
-        waiter.loop.call_soon_threadsafe(_deliver, waiter.future, value, exc)
+        waiter.loop.call_soon_threadsafe(settle, waiter.future, value, exc)
 
 
 def _streamer(loop: asyncio.AbstractEventLoop, on_token: Callable[[str], Any],
