@@ -1,14 +1,55 @@
-"""tailrace eval on a small corpus slice with the real models."""
+"""tailrace eval: answer matching, and a small corpus slice with the real models."""
 
 import json
 
 import pytest
 
+from tailrace.cli.evaluate import _accuracy
 from tailrace.cli.main import main
+from tailrace.stores.corpus import EvalQuestion, answer_correct, normalize_answer
 
-pytestmark = pytest.mark.engine
+
+@pytest.mark.parametrize("generated,gold,ok", [
+    ("9.71", ("1",), False),  # a number is one token: "1" is not inside "9.71"
+    ("The surface gravity is approximately 9.71 m/s2.", ("1",), False),
+    ("10", ("1",), False),
+    ("3.1", ("1",), False),
+    ("answer is 1.", ("1",), True),
+    ("1", ("1",), True),
+    ("(1)", ("1",), True),
+    ("9.71", ("9.71",), True),
+    ("About 1,000 people", ("1000",), True),
+    ("The film was directed by Stanley Kubrick in 1968.", ("Stanley Kubrick",), True),
+    ("Stanley Kubrick's best film", ("Stanley Kubrick",), True),
+    ("Kubrick, Stanley", ("Stanley Kubrick",), False),  # a multi-word answer, in order
+    ("Stanley Kubricks", ("Stanley Kubrick",), False),
+    ("a New York-based band", ("New York",), True),
+    ("Paris and Rome", ("Paris", "Rome"), True),  # every gold answer must be there
+    ("Paris and Romeo", ("Paris", "Rome"), False),
+    ("THE BEATLES!!", ("the Beatles",), True),  # case, articles, punctuation
+    ("“Hamlet”, by Shakespeare", ("hamlet",), True),
+    ("It is in the U.S.", ("US",), True),
+    ("Democratic Party", ("Democrat",), False),
+    ("", ("x",), False),
+    ("anything", (), False),
+    ("anything", ("!!",), False),  # a gold answer with no token never matches
+])
+def test_answers_match_on_whole_normalised_tokens(generated, gold, ok):
+    assert answer_correct(generated, gold) is ok
 
 
+def test_normalisation_keeps_numbers_whole_and_splits_words():
+    assert normalize_answer("The answer is 9.71.") == "answer is 971"
+    assert normalize_answer("An 8,611 m peak") == "8611 m peak"
+    assert normalize_answer("Jay-Z's album") == "jay z s album"
+
+
+def test_accuracy_counts_whole_token_matches():
+    qs = [EvalQuestion("a", "g?", ("1",), "E"), EvalQuestion("b", "h?", ("1",), "E")]
+    assert _accuracy({"g?": "It is 9.71.", "h?": "The answer is 1."}, qs) == 0.5
+
+
+@pytest.mark.engine
 def test_eval_reports_retrieval_and_answer_accuracy(tailrace_home, tmp_path, capsys):
     report = tmp_path / "r.json"
     assert main(["eval", "--limit", "3", "--json", str(report)]) == 0
@@ -20,6 +61,7 @@ def test_eval_reports_retrieval_and_answer_accuracy(tailrace_home, tmp_path, cap
     assert len(r["details"]) == 3 and {"rag", "baseline", "gold"} <= set(r["details"][0])
 
 
+@pytest.mark.engine
 def test_eval_without_an_index_is_a_clear_error(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TAILRACE_HOME", str(tmp_path))
     assert main(["eval", "--retrieval-only"]) == 2

@@ -3,9 +3,10 @@
 The questions are the leaf sub-questions of the FanOutQA dev set whose evidence page
 is in the indexed corpus (558 with the bundled corpus). Reported:
 - retrieval recall@k and MRR@k of the evidence page, with the index's own embedder;
-- answer accuracy of the RAG pipeline (every normalised gold answer contained in the
-  normalised generated answer), and the same for a no-retrieval baseline that asks
-  the same model the bare question.
+- answer accuracy of the RAG pipeline (every normalised gold answer found in the
+  normalised generated answer as whole tokens: "1" is in "the answer is 1." but not in
+  "9.71"; see ``stores.corpus.answer_correct``), and the same for a no-retrieval
+  baseline that asks the same model the bare question.
 """
 
 from __future__ import annotations

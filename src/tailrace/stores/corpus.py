@@ -103,16 +103,24 @@ def read_fanoutqa(titles: set[str], limit: int | None = None) -> list[EvalQuesti
 
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
-_PUNCT = str.maketrans("", "", string.punctuation)
+#: A '.' or ',' between two digits and a '.' between two single letters join them
+#: ("9.71" -> "971", "1,000" -> "1000", "U.S." -> "us"); every other punctuation mark,
+#: apostrophes included ("Kubrick's" -> "kubrick s"), separates words.
+_JOINER = re.compile(r"(?<=[0-9])[.,](?=[0-9])|(?<=\b[^\W\d_])\.(?=[^\W\d_]\b)")
+_PUNCT = str.maketrans(string.punctuation + "\u2018\u2019\u201c\u201d\u2013\u2014",
+                       " " * (len(string.punctuation) + 6))
 
 
 def normalize_answer(text: str) -> str:
-    """SQuAD-style normalisation: lower case, no punctuation, articles or extra spaces."""
-    return " ".join(_ARTICLES.sub(" ", str(text).lower().translate(_PUNCT)).split())
+    """SQuAD-style normalisation into space-separated tokens: lower case, no punctuation
+    (a number keeps its digits together: "9.71" -> "971"), no articles or extra spaces."""
+    joined = _JOINER.sub("", str(text).lower())
+    return " ".join(_ARTICLES.sub(" ", joined.translate(_PUNCT)).split())
 
 
 def answer_correct(generated: str, answers: tuple[str, ...]) -> bool:
-    """True when every normalised gold answer is contained in the normalised output."""
-    gen = normalize_answer(generated)
+    """True when every normalised gold answer occurs in the normalised output as whole
+    tokens: "1" is in "the answer is 1." but not in "9.71" or "10"."""
+    gen = f" {normalize_answer(generated)} "
     golds = [normalize_answer(a) for a in answers]
-    return bool(golds) and all(g and g in gen for g in golds)
+    return bool(golds) and all(g and f" {g} " in gen for g in golds)
