@@ -13,6 +13,10 @@ The server gives each worker the capacity of its own engine: 8 sequence slots pe
 worker (64 in all) and no slowdown from sharing, as N separate GPU servers would. So
 this measures the runtime (placement, pushes, credits, replicas), not an engine.
 
+What scales here is I/O-bound waiting: each worker mostly waits on HTTP responses from
+a latency-model engine that sleeps instead of computing; it does not show compute (model
+work or CPU-bound stages) scaling out, which two cores cannot.
+
     python bench/scale_out.py                 # 512 requests per run, N = 1, 2, 4, 8
     python bench/scale_out.py --requests 256  # quicker
 """
@@ -98,6 +102,9 @@ def main() -> None:
               f"{args.max_tokens} tokens at {args.decode_tps:g} tok/s (~{per_call:.2f}s per "
               f"batch of 8), {os.cpu_count()} CPUs, Ray {ray.__version__}, Python "
               f"{platform.python_version()} on {platform.machine()}")
+        print("measures I/O-bound waiting scaling out: the workers wait on a latency-model "
+              "engine (an HTTP server that sleeps for the modelled time, no model work); "
+              "compute does not scale here")
         run_once(engine, top, 8 * top, args.max_tokens)  # start every worker actor first
         rows = [run_once(engine, n, args.requests, args.max_tokens) for n in args.workers]
         server_stats = server.stats()
@@ -112,10 +119,11 @@ def main() -> None:
               f"{'ok' if ok else 'MISSED'}{'' if r['complete'] else ' (requests lost)'}")
     print(f"engine server: peak {server_stats['peak_active']} sequences at once, "
           f"{server_stats['served']} requests served")
-    print("what this machine cannot show: every worker, the driver and the engine server "
-          "share these CPUs on one node (no network between workers, no GPUs); the engine "
-          "is a latency model, not a real one; CPU-bound stages cannot scale here, and the "
-          "paper's 16-node figures are out of reach")
+    print("what this shows: I/O-bound waiting on a latency-model engine scales with the "
+          "workers; not compute. What this machine cannot show: every worker, the driver and "
+          "the engine server share these CPUs on one node (no network between workers, no "
+          "GPUs); the engine is a latency model, not a real one; CPU-bound stages cannot "
+          "scale here, and the paper's 16-node figures are out of reach")
     ray.shutdown()
 
 

@@ -4,9 +4,17 @@ Starts two latency-model engine servers (bench/latency_server.py, child processe
 `tailrace serve` (a child process) with two pipelines and the `slo` admission policy, then
 drives it from this process over HTTP:
 
-1. HTTP overhead: one request at a time to a pipeline whose engine answers in ~1 ms; the
-   server's own request time (its /dashboard/data HTTP p50, arrival to last byte) minus
-   the pipeline's p50 (its service stats: arrival at the source to the sink).
+1. HTTP overhead, exact timings: a child process builds what `tailrace serve` builds
+   (a ``PipelineService`` in a ``ServingHub``, ``create_app``, uvicorn) for a pipeline
+   whose engine answers in ~1 ms, and times every request with ``perf_counter``, one
+   request at a time, the two paths interleaved on the same records:
+   - direct: ``await service.submit(record)`` in the server process (a bench-only route
+     asks for it; only the ``submit`` call is timed);
+   - through HTTP, server side: ``POST /v1/pipelines/fast/runs`` from the ASGI app
+     receiving the request to the last body byte handed to uvicorn (an ASGI wrapper);
+   - through HTTP, client side: what this script's HTTP client sees (request written to
+     response read, loopback and uvicorn's own parsing included).
+   Several repeats; p50 and p99 of each, median [min - max] over the repeats.
 2. A closed-loop sweep at increasing concurrency over /v1/chat/completions: throughput,
    p50/p99 as the client sees them.
 3. 3x overload: open-loop Poisson arrivals at three times the best throughput of the
@@ -33,6 +41,7 @@ import json
 import os
 import random
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -289,31 +298,150 @@ async def overload(base: str, pid: int, rate: float, seconds: float, seed: int) 
             "rss_max_mb": max(rss_vals, default=float("nan"))}
 
 
-def http_overhead(base: str, n: int) -> dict:
-    """One request at a time to the fast pipeline; server p50 minus pipeline p50."""
-    lat = []
-    with httpx.Client(base_url=base, timeout=10) as client:
+FAST_ROUTE = "/v1/pipelines/fast/runs"
+
+
+def overhead_server(pipeline_file: str) -> None:
+    """Child mode: `tailrace serve`'s hub and app for one pipeline (no admission gate: it
+    sits inside ``submit``, on both paths), with exact per-request timings; prints its URL,
+    serves until terminated."""
+    import socket
+
+    import uvicorn
+    from fastapi import Request
+
+    import tailrace as tr
+    from tailrace.serving import PipelineService, ServingHub
+    from tailrace.serving.app import create_app
+
+    svc = PipelineService(tr.Pipeline.from_yaml(pipeline_file))
+    hub = ServingHub([svc]).start()
+    if not svc.wait_ready(120):
+        raise SystemExit(f"serve_load: the fast pipeline did not start: {svc.failure}")
+    app = create_app(hub)
+    direct: list[float] = []
+    through_http: list[float] = []
+
+    @app.post("/bench/direct")
+    async def _direct(request: Request) -> dict:
+        record = await request.json()
+        t0 = time.perf_counter()
+        await svc.submit(record)
+        direct.append(time.perf_counter() - t0)
+        return {}
+
+    @app.get("/bench/timings")
+    async def _timings() -> dict:
+        out = {"direct": direct[:], "http": through_http[:]}
+        direct.clear()
+        through_http.clear()
+        return out
+
+    async def timed_app(scope, receive, send):
+        if scope["type"] != "http" or scope["path"] != FAST_ROUTE:
+            return await app(scope, receive, send)
+        t0 = time.perf_counter()
+
+        async def send_timed(message):
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                through_http.append(time.perf_counter() - t0)
+
+        await app(scope, receive, send_timed)
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # NODELAY
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    print(f"http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
+    server = uvicorn.Server(uvicorn.Config(timed_app, log_level="warning", access_log=False,
+                                           lifespan="off"))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        hub.stop()
+
+
+async def overhead_rounds(base: str, n: int, repeats: int) -> list[dict]:
+    """``repeats`` rounds of ``n`` records, each sent directly and through HTTP (order
+    alternating per record); per round p50/p99 of each path, in us."""
+    http = Http(base)
+    rounds = []
+    for _ in range(3):  # warm both paths
+        await http.request("POST", "/bench/direct", {"prompt": "warm"})
+        await http.request("POST", FAST_ROUTE, {"prompt": "warm"})
+    urllib.request.urlopen(base + "/bench/timings", timeout=10).close()  # forget the warm-up
+    for r in range(repeats):
+        client: list[float] = []
         for i in range(n):
-            t0 = time.perf_counter()
-            r = client.post("/v1/pipelines/fast/runs", json={"prompt": f"hi {i}"})
-            lat.append(time.perf_counter() - t0)
-            if r.status_code != 200:
-                raise SystemExit(f"serve_load: fast pipeline answered {r.status_code}: {r.text}")
-        data = client.get("/dashboard/data").json()
-    route = next(h for h in data["http"] if h["route"] == "/v1/pipelines/{name}/runs")
-    pipe = next(p for p in data["pipelines"] if p["name"] == "fast")
-    return {"n": n, "client_p50_us": pct(lat, 0.5) * 1e6, "server_p50_us": route["p50_us"],
-            "server_p99_us": route["p99_us"], "pipeline_p50_us": pipe["latency_p50_us"],
-            "pipeline_p99_us": pipe["latency_p99_us"],
-            "overhead_p50_us": route["p50_us"] - pipe["latency_p50_us"]}
+            record = {"prompt": f"hi {r}-{i}"}
+            paths = ("/bench/direct", FAST_ROUTE) if i % 2 == 0 else (FAST_ROUTE, "/bench/direct")
+            for path in paths:
+                t0 = time.perf_counter()
+                status = await http.request("POST", path, record)
+                dt = time.perf_counter() - t0
+                if status != 200:
+                    raise SystemExit(f"serve_load: {path} answered {status}")
+                if path == FAST_ROUTE:
+                    client.append(dt)
+        with urllib.request.urlopen(base + "/bench/timings", timeout=10) as resp:
+            got = json.loads(resp.read())
+        if len(got["direct"]) != n or len(got["http"]) != n:
+            raise SystemExit(f"serve_load: timed {len(got['direct'])} direct and "
+                             f"{len(got['http'])} HTTP requests of {n}")
+        row = {}
+        for name, xs in (("direct", got["direct"]), ("server", got["http"]),
+                         ("client", client)):
+            row[f"{name}_p50_us"] = pct(xs, 0.5) * 1e6
+            row[f"{name}_p99_us"] = pct(xs, 0.99) * 1e6
+        row["overhead_p50_us"] = row["server_p50_us"] - row["direct_p50_us"]
+        row["client_overhead_p50_us"] = row["client_p50_us"] - row["direct_p50_us"]
+        rounds.append(row)
+    http.close()
+    return rounds
+
+
+def http_overhead(fast_yaml: Path, n: int, repeats: int, log: Path) -> dict:
+    """Start the overhead server child, time ``repeats`` x ``n`` records both ways."""
+    err = open(log, "wb")  # noqa: SIM115 - the child writes to it while it lives
+    proc = subprocess.Popen([sys.executable, __file__, "--overhead-server", str(fast_yaml)],
+                            stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL)
+    try:
+        assert proc.stdout is not None
+        base = proc.stdout.readline().decode().strip()
+        if not base.startswith("http://"):
+            raise SystemExit(f"serve_load: the overhead server did not start; see {log}")
+        rounds = asyncio.run(overhead_rounds(base, n, repeats))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return {"n": n, "repeats": repeats, "rounds": rounds}
+
+
+def spread(rounds: list[dict], key: str) -> str:
+    """``median [min - max]`` in ms of one figure over the rounds."""
+    xs = [r[key] / 1e3 for r in rounds]
+    return f"{statistics.median(xs):.3f} [{min(xs):.3f} - {max(xs):.3f}]"
 
 
 def report(o: dict, sweep: list[dict], ov: dict, capacity: float) -> None:
-    print("\n1. HTTP layer overhead (one request at a time, ~1 ms engine)")
-    print(f"   server p50 {o['server_p50_us'] / 1e3:.2f} ms (arrival to last byte, "
-          f"{o['n']} requests) - pipeline p50 {o['pipeline_p50_us'] / 1e3:.2f} ms = "
-          f"{o['overhead_p50_us'] / 1e3:.2f} ms   (target <= 1 ms)")
-    print(f"   client p50 {o['client_p50_us'] / 1e3:.2f} ms (adds the client and the loopback)")
+    rs = o["rounds"]
+    print(f"\n1. HTTP layer overhead: {o['repeats']} rounds x {o['n']} records, one request at "
+          "a time, each record sent directly and through HTTP (interleaved), ~1 ms engine;")
+    print("   exact per-request perf_counter timings; ms, median [min - max] over the rounds")
+    print(f"   {'path':<52} {'p50 ms':>22} {'p99 ms':>22}")
+    for key, name in (("direct", "direct: await PipelineService.submit(record)"),
+                      ("server", "HTTP, server side (ASGI app in -> last byte out)"),
+                      ("client", "HTTP, client side (what the HTTP client sees)")):
+        print(f"   {name:<52} {spread(rs, key + '_p50_us'):>22} "
+              f"{spread(rs, key + '_p99_us'):>22}")
+    print(f"   HTTP layer overhead, p50 server side - p50 direct: "
+          f"{spread(rs, 'overhead_p50_us')} ms (target <= 1 ms)")
+    print(f"   as the client sees it, p50 client side - p50 direct: "
+          f"{spread(rs, 'client_overhead_p50_us')} ms (adds this script's asyncio client, "
+          "loopback TCP and uvicorn's parsing)")
     print("\n2. closed-loop sweep, POST /v1/chat/completions (8 tokens, ~160 ms alone; "
           f"engine runs {CHAT.max_seqs} sequences, admission {MAX_IN_FLIGHT} in flight)")
     print(f"   {'clients':>7}  {'req/s':>7}  {'p50 ms':>8}  {'p99 ms':>8}  statuses")
@@ -345,11 +473,17 @@ def main() -> int:
     ap.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     ap.add_argument("--probe", nargs=3, metavar=("URL", "PID", "SECONDS"),
                     help=argparse.SUPPRESS)  # internal: the /healthz prober child
+    ap.add_argument("--overhead-server", metavar="YAML",
+                    help=argparse.SUPPRESS)  # internal: the timed server child
     args = ap.parse_args()
     if args.probe:
         probe(args.probe[0], int(args.probe[1]), float(args.probe[2]))
         return 0
-    step_s, overload_s, n_overhead = (3.0, 10.0, 200) if args.quick else (6.0, 20.0, 500)
+    if args.overhead_server:
+        overhead_server(args.overhead_server)
+        return 0
+    step_s, overload_s, n_overhead, rounds = ((3.0, 10.0, 100, 3) if args.quick
+                                              else (6.0, 20.0, 200, 5))
     levels = [1, 2, 4, 8, 16]
     tmp = Path(tempfile.mkdtemp(prefix="serve_load-"))
     chat_srv, fast_srv = spawn(CHAT), spawn(FAST)
@@ -360,10 +494,10 @@ def main() -> int:
                                             max_tokens=8, replicas=2 * MAX_IN_FLIGHT))
         files[1].write_text(PIPELINE.format(name="fast", p99_ms=1000, url=fast_srv.url,
                                             max_tokens=1, replicas=2))
+        overhead = http_overhead(files[1], n_overhead, rounds, tmp / "overhead.log")
         proc, base = start_serve(files, tmp / "serve.log")
         print(f"serve_load: tailrace serve at {base} (pid {proc.pid}); engines: latency model "
               f"at {chat_srv.url} and {fast_srv.url}", flush=True)
-        overhead = http_overhead(base, n_overhead)
         sweep = [asyncio.run(closed_loop(base, "/v1/chat/completions", chat_body, c, step_s))
                  for c in levels]
         capacity = max(r["throughput"] for r in sweep)
