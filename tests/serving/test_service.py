@@ -121,6 +121,61 @@ def test_max_pending_rejects_instead_of_queueing_without_bound(gate_closed):
         svc.stop()
 
 
+def test_max_pending_bounds_the_feed_even_when_callers_give_up(gate_closed):
+    """Records of callers that gave up stay in the feed until the source takes them: they
+    keep their slot, so a stuck pipeline cannot make the feed grow past ``max_pending``."""
+    p = tr.Pipeline("stuck")
+    p.source(fields=["text"]).map(fakes.held, id="held", blocking=True, queue=1).sink()
+    svc = PipelineService(p, max_pending=4).start()
+    try:
+        async def main():
+            depths, refused = [], 0
+            for _ in range(3):
+                tasks = [asyncio.ensure_future(svc.submit({"text": str(i)})) for i in range(4)]
+                for _ in range(5):
+                    await asyncio.sleep(0.01)
+                    depths.append(svc._queue.qsize())
+                for t in tasks:
+                    t.cancel()
+                for r in await asyncio.gather(*tasks, return_exceptions=True):
+                    refused += isinstance(r, ServiceOverloaded)
+            return depths, refused
+
+        depths, refused = asyncio.run(main())
+        assert max(depths) <= 4 and svc.queued <= 4
+        assert refused >= 4  # the later rounds find the feed full
+    finally:
+        gate_closed.set()
+        svc.stop()
+    assert svc.queued == 0 and svc.pending == 0
+
+
+def test_a_caller_is_answered_after_its_record_is_counted(monkeypatch):
+    """The runtime counts a record and frees its ticket after handing it to the sink;
+    answering waits for that, so stats and the gate read right after an answer are
+    complete (a race seen as ``records_out`` one short)."""
+    from tailrace.serving import service as service_mod
+
+    gate = AdmissionGate(make_policy("fcfs", max_in_flight=2))
+    svc = PipelineService(shout_pipeline(), admission=gate).start()
+    seen = []
+    answer = service_mod._answer
+
+    def spy(waiter, value, exc):
+        seen.append((svc.local_run.records_out, gate.statistics().in_flight))
+        answer(waiter, value, exc)
+
+    monkeypatch.setattr(service_mod, "_answer", spy)
+    try:
+        for i in range(3):
+            asyncio.run(svc.submit({"text": f"r{i}"}))
+        assert seen == [(1, 0), (2, 0), (3, 0)]
+        assert svc.stats().records_out == 3
+    finally:
+        svc.stop()
+        gate.close()
+
+
 @pytest.mark.parametrize("contract", [{}, {"retries": 1}], ids=["fused", "careful"])
 def test_a_record_a_filter_drops_is_answered_at_once(contract):
     p = tr.Pipeline("drop")

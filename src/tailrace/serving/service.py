@@ -8,7 +8,9 @@ record carries transient fields the runtime passes along untouched:
 - ``_stream``: called with each text piece the generate stage produces;
 - ``_cancel``: a ``threading.Event``; set, the generate stage stops that sequence.
 
-An output or error record reaches the waiting caller on the caller's own event loop.
+An output or error record reaches the waiting caller on the caller's own event loop,
+after the runtime has finished the step that produced it: by the time ``submit``
+returns, the record is counted in ``stats()`` and its admission ticket is back.
 A record a ``filter`` drops is answered at once with ``RecordDropped`` (HTTP 422).
 Records that lose ``_rid`` (a map returning a new object without it) never answer:
 their callers get ``ServiceTimeout`` after ``timeout_s``.
@@ -43,6 +45,7 @@ from .errors import (
 )
 
 _STOP = object()
+
 
 class _Waiter:
     __slots__ = ("loop", "future", "retry_after")
@@ -134,7 +137,12 @@ class PipelineService:
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        # The feed: records submitted and not yet taken by the source. Bounded by
+        # max_pending (``_queued`` counts them under ``_lock``; ``submit`` refuses past it,
+        # so ``put_nowait`` never finds it full), +1 for the stop marker. Records whose
+        # caller gave up still hold their slot until the source takes (and skips) them.
         self._queue: asyncio.Queue | None = None
+        self._queued = 0
         self._run: Any = None  # the LocalRun, once built
         self._t0 = 0.0
 
@@ -156,7 +164,7 @@ class PipelineService:
                 raise ServiceError(f"pipeline '{self.name}': start() called twice "
                                    f"(state {self._state}); create a new service")
             self._loop = asyncio.new_event_loop()
-            self._queue = asyncio.Queue()
+            self._queue = asyncio.Queue(maxsize=self.max_pending + 1)
             self._state = "running"
         self._thread = threading.Thread(target=self._main, name=f"tailrace-serve-{self.name}",
                                         daemon=True)
@@ -228,12 +236,16 @@ class PipelineService:
         await self._run.execute()
 
     async def _feed(self) -> Any:
-        queue = self._queue
+        queue, lock = self._queue, self._lock
         assert queue is not None
         while True:
             record = await queue.get()
             if record is _STOP:
                 return
+            with lock:
+                self._queued -= 1
+            if record["_cancel"].is_set():
+                continue  # its caller gave up before it entered the pipeline
             yield record
 
     # -- requests -----------------------------------------------------------------------
@@ -262,10 +274,11 @@ class PipelineService:
         with self._lock:
             if self._state != "running":
                 raise ServiceUnavailable(self._why_unavailable())
-            if len(self._waiting) >= self.max_pending:
+            if len(self._waiting) >= self.max_pending or self._queued >= self.max_pending:
                 raise ServiceOverloaded(f"pipeline '{self.name}': {self.max_pending} requests "
                                         "already waiting; retry later")
             self._waiting[rid] = _Waiter(loop, fut)
+            self._queued += 1
             assert self._loop is not None and self._queue is not None
             self._loop.call_soon_threadsafe(self._queue.put_nowait, rec)
         try:
@@ -297,21 +310,35 @@ class PipelineService:
             self.unrouted += 1
         return waiter
 
+    def _reply(self, waiter: _Waiter, value: Any, exc: BaseException | None) -> None:
+        """Answer ``waiter`` once the runtime's current step is over.
+
+        The runtime hands a record to the sink (or the error/drop hook) before it counts
+        it and frees its admission ticket, in the same step on the service loop; the
+        answer is queued behind that step, so a caller that reads the statistics or the
+        gate right after its answer sees its record counted and its ticket back.
+        """
+        if threading.current_thread() is self._thread:
+            assert self._loop is not None
+            self._loop.call_soon(_answer, waiter, value, exc)
+        else:  # a blocking sink's worker thread
+            _answer(waiter, value, exc)
+
     def _on_output(self, record: Any) -> None:
         waiter = self._waiter_of(record)
         if waiter is not None:
-            _answer(waiter, _clean(record), None)
+            self._reply(waiter, _clean(record), None)
 
     def _on_error(self, err: ErrorRecord) -> None:
         waiter = self._waiter_of(err.input)
         if waiter is not None:
-            _answer(waiter, None, RequestFailed(err, waiter.retry_after))
+            self._reply(waiter, None, RequestFailed(err, waiter.retry_after))
 
     def _on_drop(self, stage: str, records: list) -> None:
         for record in records:
             waiter = self._waiter_of(record)
             if waiter is not None:
-                _answer(waiter, None, RecordDropped(
+                self._reply(waiter, None, RecordDropped(
                     f"pipeline '{self.name}': filter stage '{stage}' dropped this record; "
                     "the pipeline has no answer for it"))
 
@@ -332,6 +359,12 @@ class PipelineService:
     def pending(self) -> int:
         """Requests submitted and not yet answered."""
         return len(self._waiting)
+
+    @property
+    def queued(self) -> int:
+        """Records submitted and not yet taken by the pipeline's source (at most
+        ``max_pending``; a record whose caller gave up counts until it is taken)."""
+        return self._queued
 
     def stats(self) -> RunStats:
         """A live snapshot of the run's statistics (approximate while records flow:
