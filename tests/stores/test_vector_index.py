@@ -172,22 +172,47 @@ def test_a_failed_write_leaves_the_old_index_intact(tmp_path, monkeypatch):
     assert leftovers(tmp_path) == []
 
 
-def test_a_failed_swap_restores_the_old_index(tmp_path, monkeypatch):
+@pytest.mark.parametrize("step", ["rename", "replace"])
+def test_a_failed_commit_or_switch_keeps_the_old_index(tmp_path, monkeypatch, step):
     where = tmp_path / "idx"
     built(n=4).save(where)
-    real_rename = os.rename
+    real = getattr(os, step)
 
-    def rename(src, dst):  # moving the old index aside works; moving the new one in fails
-        if ".tmp-" in str(src):
-            raise OSError("rename failed")
-        real_rename(src, dst)
+    def failing(src, dst):  # renaming the written folder / switching the link fails
+        if ".tmp-" in str(src) or ".link-" in str(src):
+            raise OSError(f"{step} failed")
+        real(src, dst)
 
-    monkeypatch.setattr(os, "rename", rename)
-    with pytest.raises(OSError, match="rename failed"):
+    monkeypatch.setattr(os, step, failing)
+    with pytest.raises(OSError, match=f"{step} failed"):
         built(n=9).save(where)
     monkeypatch.undo()
     assert len(VectorIndex.open(where)) == 4
     assert leftovers(tmp_path) == []
+    assert sorted(os.listdir(tmp_path)) == ["idx", "idx.v000001"]
+
+
+def test_an_index_of_the_old_layout_keeps_working(tmp_path):
+    where = tmp_path / "idx"
+    built(n=4).save(where, fingerprint="old")
+    version = os.readlink(where)  # make it the plain folder older tailraces wrote
+    where.unlink()
+    os.rename(tmp_path / version, where)
+    assert VectorIndex.open(where).fingerprint == "old"
+    built(n=9).save(where, fingerprint="new")
+    assert (len(VectorIndex.open(where)), VectorIndex.open(where).fingerprint) == (9, "new")
+    assert leftovers(tmp_path) == [] and len(os.listdir(tmp_path)) == 2
+
+
+def test_a_link_to_a_missing_index_version_is_an_error_naming_it(tmp_path):
+    where = tmp_path / "idx"
+    built(n=4).save(where)
+    version = tmp_path / os.readlink(where)
+    os.rename(version, tmp_path / "moved")
+    with pytest.raises(StoreError, match=rf"^{where} points to {version}, which is missing"):
+        VectorIndex.open(where)
+    built(n=3).save(where)  # saving a new index repairs it
+    assert len(VectorIndex.open(where)) == 3
 
 
 def test_a_failed_add_changes_nothing_on_disk(tmp_path):

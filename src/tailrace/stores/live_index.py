@@ -3,9 +3,10 @@
 Freshness: a change is visible to every ``search`` that starts after ``upsert``/``delete``
 returned (one lock orders them). Durability: each change is first appended to a
 write-ahead log (``wal.jsonl``, flushed to the OS per call, fsynced with
-``durable=True``); ``snapshot()`` writes the whole index atomically (``snapshot/``) and
-retires the log it covers. Opening an index replays its snapshot and then its log, so a
-process killed between snapshots loses nothing ``upsert`` had returned for. Documents
+``durable=True``); ``snapshot()`` writes the whole index as a new version
+(``snapshot.vNNNNNN/``), switches the link ``snapshot`` to it and only then deletes the
+log it covers. Opening an index replays its snapshot and then its log, so a process
+killed at any instant, mid-snapshot included, loses nothing ``upsert`` had returned for. Documents
 past their TTL are dropped lazily, before a search or a change sees them.
 
 Indexes are shared in the process by name (``open_live_index``): a ``semantic_state``
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import base64
+import contextlib
 import heapq
 import json
 import os
@@ -376,7 +378,8 @@ class LiveIndex:
         """Write the whole index to ``DIR/snapshot`` atomically and retire the log it covers.
 
         The state is copied under the lock (searches wait only for the copy); the files
-        are written after it, so changes keep flowing into a fresh log meanwhile.
+        are written after it, so changes keep flowing into a fresh log meanwhile. The
+        retired log is deleted only once the new snapshot is fsynced and linked.
         """
         with self._snap_lock:
             with self._lock:
@@ -396,15 +399,19 @@ class LiveIndex:
                                      encoding="utf-8")
                 self._counts["wal"] = 0
                 self._last_snapshot = self._clock()
-            target = write_snapshot(self.directory, data, docs, meta)
-            for old in self.directory.glob("wal-*.jsonl"):
-                if int(old.stem[4:]) <= int(meta["seq"]):
-                    old.unlink()
+            target = write_snapshot(self.directory, data, docs, meta)  # durable, linked
+            self._drop_logs(int(meta["seq"]))
             self._counts["snapshots"] += 1
             return target
 
+    def _drop_logs(self, seq: int) -> None:
+        """Delete the retired logs that the linked snapshot (covering ``seq``) holds."""
+        for old in self.directory.glob("wal-*.jsonl"):
+            if int(old.stem[4:]) <= seq:
+                old.unlink(missing_ok=True)
+
     def _restore(self) -> None:
-        loaded = read_snapshot(self.directory / "snapshot", self.name)
+        loaded = read_snapshot(self.directory, self.name)
         if loaded is not None:
             meta, docs, self._index = loaded
             self._model, self._seq = meta["model"], meta["seq"]
@@ -416,6 +423,10 @@ class LiveIndex:
                 if d["exp"] is not None:
                     heapq.heappush(self._expiry, (d["exp"], d["key"]))
             self._expire(self._clock())
+            # a crash after the snapshot's switch left the logs it covers (read-only disk:
+            # keep them, replaying them skips their changes anyway)
+            with contextlib.suppress(OSError):
+                self._drop_logs(self._seq)
         for log in sorted(self.directory.glob("wal-*.jsonl")) + [self.directory / "wal.jsonl"]:
             lines = read_log(log, self._seq, self.name)
             if lines:
@@ -433,8 +444,8 @@ class LiveIndex:
             return
         for cb in self._on_close:
             cb()
-        if self._wal.tell() > 0:  # changes since the last snapshot (or an old log)
-            self.snapshot()
+        if self._wal.tell() > 0 or self._counts["wal"] > 0:  # changes since the snapshot
+            self.snapshot()  # (an old log's or a retired log's, replayed at opening)
         with self._lock:
             self._closed = True
             self._wal.close()

@@ -1,11 +1,13 @@
 """The files of a live index: an atomic snapshot directory and a write-ahead log.
 
-``DIR/snapshot/`` holds ``index.faiss`` (the serialized faiss index), ``docs.jsonl`` (one
+``DIR/snapshot`` (a link to the current version ``DIR/snapshot.vNNNNNN/``, see
+``atomic``) holds ``index.faiss`` (the serialized faiss index), ``docs.jsonl`` (one
 ``{key, id, t, exp, doc}`` per vector) and ``meta.json`` (format, model, count, the last
-logged change ``seq`` it covers, the feeder ``cursor``). It is written to a temporary
-directory, fsynced and renamed into place, so a crash never leaves half a snapshot.
-``DIR/wal.jsonl`` holds one JSON change per line (``seq``, ``op``: upsert | delete |
-cursor); a snapshot retires it as ``wal-SEQ.jsonl`` and deletes it once written.
+logged change ``seq`` it covers, the feeder ``cursor``). A new version is written and
+fsynced in full before the link switches to it, so a crash at any instant leaves the old
+or the new snapshot, never none. ``DIR/wal.jsonl`` holds one JSON change per line
+(``seq``, ``op``: upsert | delete | cursor); a snapshot retires it as ``wal-SEQ.jsonl``
+and deletes that only once the snapshot covering it is durable and linked.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import StoreError
-from .atomic import replace_dir
+from .atomic import current, replace_dir
 
 FORMAT_VERSION = 1
 
@@ -49,13 +51,14 @@ def write_snapshot(directory: Path, data: Any, docs: list[dict], meta: dict) -> 
     return target
 
 
-def read_snapshot(snap: Path, name: str) -> tuple[dict, list[dict], Any] | None:
-    """(meta, docs, faiss index or None) of the snapshot at ``snap``; None if there is none.
+def read_snapshot(directory: Path, name: str) -> tuple[dict, list[dict], Any] | None:
+    """(meta, docs, faiss index or None) of ``directory``'s snapshot; None if there is none.
 
-    snap: the snapshot directory.
-    name: the index name, for messages.
+    directory: the index directory (recovered first: see ``atomic.current``).
+    name:      the index name, for messages.
     """
-    if not (snap / "meta.json").is_file():
+    snap = current(directory / "snapshot")
+    if snap is None:
         return None
     import numpy as np
 

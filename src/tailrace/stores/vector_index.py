@@ -3,9 +3,10 @@
 Vectors are expected L2-normalised, so inner product is cosine similarity. A saved index
 is a directory of three files: ``index.faiss`` (the faiss index), ``docs.jsonl`` (one
 document per vector, in insertion order) and ``meta.json`` (format version, embedding
-model, dim, kind, count, fingerprint, efSearch). ``save`` writes a fresh temporary
-directory next to the target and renames it into place, so an interrupted save never
-leaves a half-written index. faiss and numpy are imported on first use.
+model, dim, kind, count, fingerprint, efSearch). ``save`` writes a new version folder
+beside the target (``NAME.vNNNNNN/``), fsyncs it and then switches the link ``NAME`` to it
+(see ``atomic``), so a crash at any instant leaves the old or the new index, never half
+of one or none. faiss and numpy are imported on first use.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import StoreError
-from .atomic import replace_dir
+from .atomic import current, replace_dir
 
 FORMAT_VERSION = 1
 KINDS = ("flat", "hnsw")
@@ -192,10 +193,14 @@ class VectorIndex:
         expect_model: the embedding model queries will use; a different one is refused.
         """
         where = Path(directory)
-        if not (where / "meta.json").is_file():
+        found = current(where)
+        if found is None or (found == where and not (found / "meta.json").is_file()):
             raise StoreError(f"no index at {where}; build it with `tailrace ingest`")
+        if not (found / "meta.json").is_file():
+            raise StoreError(f"index at {where} is corrupt: no meta.json in {found}; rebuild "
+                             "it with `tailrace ingest`")
         try:
-            meta = json.loads((where / "meta.json").read_text(encoding="utf-8"))
+            meta = json.loads((found / "meta.json").read_text(encoding="utf-8"))
             version, model, kind = meta["format"], meta["model"], meta["kind"]
             dim, count = int(meta["dim"]), int(meta["count"])
         except (ValueError, KeyError, TypeError) as e:
@@ -214,11 +219,11 @@ class VectorIndex:
                              "same embedder")
         faiss = _faiss()
         try:
-            index = faiss.read_index(str(where / "index.faiss"))
+            index = faiss.read_index(str(found / "index.faiss"))
         except Exception as e:
             raise StoreError(f"index at {where} is corrupt: cannot read index.faiss ({e}); "
                              "rebuild it with `tailrace ingest`") from None
-        docs = _read_docs(where / "docs.jsonl")
+        docs = _read_docs(found / "docs.jsonl", where)
         if not index.ntotal == len(docs) == count or index.d != dim:
             raise StoreError(f"index at {where} is inconsistent: meta.json says {count} x "
                              f"{dim}, index.faiss holds {index.ntotal} x {index.d}, docs.jsonl "
@@ -230,8 +235,12 @@ class VectorIndex:
                    fingerprint=str(meta.get("fingerprint", "")))
 
 
-def _read_docs(path: Path) -> list[dict]:
-    """The documents of ``docs.jsonl``; StoreError naming the first bad line."""
+def _read_docs(path: Path, where: Path) -> list[dict]:
+    """The documents of ``docs.jsonl``; StoreError naming the first bad line.
+
+    path:  the docs.jsonl file.
+    where: the index path, for messages.
+    """
     docs: list[dict] = []
     try:
         with open(path, encoding="utf-8") as f:
@@ -241,11 +250,11 @@ def _read_docs(path: Path) -> list[dict]:
                 except ValueError:
                     doc = None
                 if not isinstance(doc, dict):
-                    raise StoreError(f"index at {path.parent} is corrupt: docs.jsonl line "
+                    raise StoreError(f"index at {where} is corrupt: docs.jsonl line "
                                      f"{lineno} is not a JSON object; rebuild it with "
                                      "`tailrace ingest`")
                 docs.append(doc)
     except (OSError, UnicodeDecodeError) as e:
-        raise StoreError(f"index at {path.parent} is corrupt: cannot read docs.jsonl ({e}); "
+        raise StoreError(f"index at {where} is corrupt: cannot read docs.jsonl ({e}); "
                          "rebuild it with `tailrace ingest`") from None
     return docs
