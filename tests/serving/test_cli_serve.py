@@ -1,5 +1,6 @@
 """``tailrace serve``: bad input is a one-line error (exit 2); a real server process
-answers, checks its API key and admission, and drains on Ctrl-C."""
+answers, checks its API key (``/metrics`` open with ``--metrics-public``) and admission,
+and drains on Ctrl-C."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def test_serve_process_answers_then_drains_on_ctrl_c(pipe):
     env = {**os.environ, "TAILRACE_TEST_KEY": "k1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "tailrace.cli.main", "serve", str(pipe), "--port", "0",
-         "--api-key-env", "TAILRACE_TEST_KEY", "--admission", "fcfs"],
+         "--api-key-env", "TAILRACE_TEST_KEY", "--metrics-public", "--admission", "fcfs"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
@@ -79,6 +80,9 @@ def test_serve_process_answers_then_drains_on_ctrl_c(pipe):
         assert r.status_code == 200 and r.json() == {"text": "hey", "loud": "HEY"}
         assert httpx.get(base + "/models").status_code == 401
         assert httpx.get(base + "/models", headers=h).json()["data"][0]["id"] == "loud"
+        assert httpx.get(root + "/metrics").status_code == 200  # --metrics-public
+        assert httpx.get(root + "/dashboard/data").status_code == 401
+        assert httpx.get(root + "/dashboard/data", headers=h).status_code == 200
     finally:
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)

@@ -31,7 +31,12 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free)")
     s.add_argument("--api-key-env", metavar="VAR",
-                   help="require 'Authorization: Bearer KEY' on /v1/*, KEY read from $VAR")
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /metrics and "
+                        "/dashboard (a browser opens /dashboard?key=KEY once), KEY read "
+                        "from $VAR; /healthz and /readyz stay open")
+    s.add_argument("--metrics-public", action="store_true",
+                   help="with --api-key-env: serve /metrics without the key (Prometheus "
+                        "scrapers); everything else still needs it")
     s.add_argument("--admission", choices=["simultaneous", "fcfs", "slo"],
                    help="admission policy shared by all pipelines (uses their slo:)")
     s.add_argument("--max-in-flight", type=int, default=8,
@@ -123,7 +128,8 @@ def serve(args: argparse.Namespace) -> int:
              for path in args.pipelines]
     gate = build_gate(args.admission, plans, args.max_in_flight) if args.admission else None
     hub = ServingHub([PipelineService(p, admission=gate) for p in plans], gate=gate,
-                     api_key=api_key, max_body_bytes=args.max_body_bytes)
+                     api_key=api_key, max_body_bytes=args.max_body_bytes,
+                     metrics_public=args.metrics_public)
     sock = _listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host

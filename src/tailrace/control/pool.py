@@ -141,6 +141,18 @@ class EnginePool:
         self._replicas = [ReplicaState(i, (self.endpoints or [None] * count)[i], in_flight)
                           for i in range(count)]
         self._clock = clock
+        # What the loop thread takes in. No maxsize, because every producer is bounded
+        # and a full queue would block a replica's reader (or ``stop``) behind the loop:
+        # - ``_submit``: one entry per call, and the calling thread then blocks in
+        #   ``call.wait()`` (no timeout) until the loop has finished it: at most one entry
+        #   per thread blocked in ``generate``/``embed``;
+        # - ``deliver``: per replica incarnation one ``Ready``/``StartFailed``, one
+        #   ``Exited`` and one ``BatchResult`` per batch sent (``can_take`` caps those at
+        #   its ``max_in_flight``); token pieces bypass the queue (``ReplicaState.piece``);
+        # - ``stop``: one ``_STOP``.
+        # So it holds at most callers + incarnations * (max_in_flight + 3) + 1 entries,
+        # incarnations being the replicas plus replaced ones still stopping
+        # (tests/serving/test_queue_bounds.py stalls the loop and counts them).
         self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Condition()
         self._held: deque[Batch] = deque()  # batches waiting for a replica (retries first)

@@ -14,12 +14,11 @@ The app does not start or stop the hub; its owner does (``tailrace serve``, test
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -45,6 +44,7 @@ from .openai_wire import (
     sse,
     usage_of,
 )
+from .security import KeyCheck, Redactor, hub_redactor
 from .service import PipelineService, ServingHub
 
 _END = object()  # end of a request's token stream
@@ -55,8 +55,8 @@ class _ClientGone(Exception):
     """The client disconnected before its answer was ready."""
 
 
-def _error_response(e: WireError | ServiceError) -> Response:
-    body = error_body(str(e), e.status, e.code)
+def _error_response(e: WireError | ServiceError, redact: Callable[[str], str]) -> Response:
+    body = error_body(redact(str(e)), e.status, e.code)
     if isinstance(e, RequestFailed):
         rec = e.record.to_dict()
         body["error"].update(stage=rec["error"]["stage"], attempts=rec["error"]["attempts"])
@@ -119,16 +119,55 @@ def _quiet(task: asyncio.Future) -> None:
         task.exception()  # retrieved: no "exception was never retrieved" warning
 
 
-class _Relay:
-    """One submitted request whose text pieces arrive on a queue, then ``_END``."""
+def piece_budget(plan: Any) -> int:
+    """Most text pieces one request may stream: twice the token budget of the plan's
+    generate stages (``max_tokens`` per attempt, ``1 + retries`` attempts), since an
+    engine sends a piece per token (the slack covers servers that split a token's text).
 
-    def __init__(self, service: PipelineService, record: dict) -> None:
-        self.pieces: asyncio.Queue = asyncio.Queue()
+    plan: the compiled plan.
+    """
+    tokens = sum(int(o.params.get("max_tokens") or 0) * (1 + o.contract.retries)
+                 for s in plan.stages for o in s.ops if o.op.name == "generate")
+    return 2 * tokens + 16
+
+
+class _Relay:
+    """One submitted request whose text pieces arrive on a queue, then ``_END``.
+
+    The queue holds at most ``budget`` pieces (plus ``_END``): pieces wait there only
+    while the client reads slower than the engine writes, and a conforming pipeline
+    sends fewer than ``piece_budget`` pieces in all. A piece past the bound stops the
+    generation (the record's ``_cancel``) and the stream ends with an error event.
+    """
+
+    def __init__(self, service: PipelineService, record: dict, budget: int) -> None:
+        self.pieces: asyncio.Queue = asyncio.Queue(maxsize=budget + 1)  # +1: _END
+        self.budget = budget
+        self.overflowed = False
         self.cancel = threading.Event()
         self.task = asyncio.ensure_future(
-            service.submit(record, on_token=self.pieces.put_nowait, cancel=self.cancel))
+            service.submit(record, on_token=self._piece, cancel=self.cancel))
         self.task.add_done_callback(_quiet)
         self.task.add_done_callback(lambda _: self.pieces.put_nowait(_END))
+
+    def _piece(self, piece: str) -> None:
+        if self.overflowed:
+            return
+        if self.pieces.qsize() >= self.budget:
+            self.overflowed = True
+            self.cancel.set()  # the engine stops this sequence at its next token
+            return
+        self.pieces.put_nowait(piece)
+
+    def result(self) -> Any:
+        """The output record; raises the request's ``ServiceError``, or one saying the
+        stream was cut at its bound."""
+        out = self.task.result()
+        if self.overflowed:
+            raise ServiceError(f"the pipeline streamed more than {self.budget} text pieces "
+                               "(twice its generate stages' max_tokens); the stream was cut",
+                               code="stream_overflow")
+        return out
 
     async def first(self, request: Request) -> Any:
         """The first piece (or ``_END``); a failure before any piece raises, so it gets
@@ -175,15 +214,16 @@ def create_app(hub: ServingHub) -> FastAPI:
     bindings = {name: bind(s.plan) for name, s in hub.services.items()}
     limit = hub.max_body_bytes
     started = int(time.time())
-    key = hub.api_key.encode() if hub.api_key else None
+    keys = KeyCheck(hub.api_key, metrics_public=hub.metrics_public)
+    redact = hub_redactor(hub)
 
     @app.exception_handler(WireError)
     async def _wire_error(request: Request, e: WireError) -> Response:
-        return _error_response(e)
+        return _error_response(e, redact)
 
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, e: ServiceError) -> Response:
-        return _error_response(e)
+        return _error_response(e, redact)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError) -> Response:
@@ -199,15 +239,9 @@ def create_app(hub: ServingHub) -> FastAPI:
                                 else "http_error"), e.status_code)
 
     def check_key(request: Request) -> None:
-        if key is None:
-            return
-        auth = request.headers.get("authorization", "")
-        scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not token:
-            raise WireError("missing API key: send the header 'Authorization: Bearer KEY'",
-                            status=401, code="missing_api_key")
-        if not hmac.compare_digest(token.strip().encode(), key):
-            raise WireError("invalid API key", status=401, code="invalid_api_key")
+        refused = keys.bearer(request.headers)
+        if refused is not None:
+            raise refused
 
     def service_of(name: str) -> PipelineService:
         service = hub.services.get(name)
@@ -226,8 +260,8 @@ def create_app(hub: ServingHub) -> FastAPI:
         pipes = {}
         for name, s in hub.services.items():
             f = s.failure
-            pipes[name] = {"ready": s.ready,
-                           "error": f"{type(f).__name__}: {f}" if f is not None else None}
+            pipes[name] = {"ready": s.ready, "error": redact(f"{type(f).__name__}: {f}")
+                           if f is not None else None}
         ready = all(p["ready"] for p in pipes.values())
         return _json({"ready": ready, "pipelines": pipes}, 200 if ready else 503)
 
@@ -250,7 +284,8 @@ def create_app(hub: ServingHub) -> FastAPI:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if req.stream:
-            return await _stream_openai(request, service, b, req, record, rid, created)
+            return await _stream_openai(request, service, b, req, record, rid, created,
+                                        redact)
         cancel = threading.Event()
         try:
             out = await _unless_gone(request, asyncio.ensure_future(
@@ -280,7 +315,7 @@ def create_app(hub: ServingHub) -> FastAPI:
             raise WireError(f"record fields starting with '_' are reserved (transient); "
                             f"got {', '.join(bad)}", code="reserved_field")
         if stream:
-            return await _stream_runs(request, service, record)
+            return await _stream_runs(request, service, record, redact)
         cancel = threading.Event()
         try:
             out = await _unless_gone(request, asyncio.ensure_future(
@@ -291,7 +326,7 @@ def create_app(hub: ServingHub) -> FastAPI:
 
     from .observe import install_observability
 
-    install_observability(app, hub)
+    install_observability(app, hub, keys)
     return app
 
 
@@ -304,9 +339,9 @@ def _answer(b: Binding, out: dict) -> str:
 
 
 async def _stream_openai(request: Request, service: PipelineService, b: Binding,
-                         req: WireRequest, record: dict, rid: str,
-                         created: int) -> Response:
-    relay = _Relay(service, record)
+                         req: WireRequest, record: dict, rid: str, created: int,
+                         redact: Redactor) -> Response:
+    relay = _Relay(service, record, piece_budget(service.plan))
     try:
         first = await relay.first(request)
     except _ClientGone:
@@ -320,10 +355,10 @@ async def _stream_openai(request: Request, service: PipelineService, b: Binding,
             async for text in relay.texts(first):
                 yield chunk(req, rid, created, text)
             try:
-                out = relay.task.result()
+                out = relay.result()
                 answer = _answer(b, out)
             except ServiceError as e:
-                yield sse(error_body(str(e), e.status, e.code))
+                yield sse(error_body(redact(str(e)), e.status, e.code))
             else:
                 usage = usage_of(b, out, req.text, answer)
                 yield chunk(req, rid, created, None if req.chat else "",
@@ -339,8 +374,9 @@ async def _stream_openai(request: Request, service: PipelineService, b: Binding,
     return StreamingResponse(events(), media_type="text/event-stream", headers=_SSE_HEADERS)
 
 
-async def _stream_runs(request: Request, service: PipelineService, record: dict) -> Response:
-    relay = _Relay(service, record)
+async def _stream_runs(request: Request, service: PipelineService, record: dict,
+                       redact: Redactor) -> Response:
+    relay = _Relay(service, record, piece_budget(service.plan))
     try:
         first = await relay.first(request)
     except _ClientGone:
@@ -352,9 +388,9 @@ async def _stream_runs(request: Request, service: PipelineService, record: dict)
             async for text in relay.texts(first):
                 yield sse({"token": text})
             try:
-                yield sse({"output": relay.task.result()})
+                yield sse({"output": relay.result()})
             except ServiceError as e:
-                body = error_body(str(e), e.status, e.code)
+                body = error_body(redact(str(e)), e.status, e.code)
                 if isinstance(e, RequestFailed):
                     body["error"]["stage"] = e.record.stage
                 yield sse(body)

@@ -6,6 +6,8 @@
   services' live statistics, the admission gate and the engine pools at scrape time;
 - ``GET /dashboard``: a live page (``static/``: plain HTML, CSS and JS, no build step) that
   polls ``GET /dashboard/data``, the JSON built here by ``dashboard_data(hub)``;
+- with an API key, ``/metrics`` (unless ``metrics_public``) and the dashboard need it
+  (``security.py``: the bearer header, or ``/dashboard?key=KEY`` once and a cookie);
 - a middleware for ``/v1/*`` that times each request (``tailrace_http_*`` metrics) and,
   while tracing is on, opens its server span; submitted records are then tagged with
   it (``attach_trace``) so the runtime's stage spans join the request's trace.
@@ -21,6 +23,7 @@ from functools import partial
 from importlib import resources
 from time import perf_counter
 from typing import Any
+from urllib.parse import urlencode
 
 from ..observability import Histogram
 from ..observability.prometheus import (
@@ -34,6 +37,7 @@ from ..observability.prometheus import (
 from ..observability.tracing import STATE as TRACING
 from ..observability.tracing import attach_trace, configure_tracing, request_span
 from ..observability.tracing import enabled as tracing_enabled
+from .security import COOKIE, KeyCheck
 
 #: The dashboard's files, served from memory (no directory is exposed).
 STATIC = {"dashboard.html": "text/html; charset=utf-8",
@@ -308,14 +312,25 @@ def metrics_text(registry: Any) -> bytes:
     return generate_latest(registry)
 
 
-def install_observability(app: Any, hub: Any) -> None:
+def _refusal(e: Any) -> Any:
+    from starlette.responses import Response
+
+    from .openai_wire import dumps, error_body
+
+    return Response(dumps(error_body(str(e), e.status, e.code)), status_code=e.status,
+                    media_type="application/json")
+
+
+def install_observability(app: Any, hub: Any, keys: KeyCheck | None = None) -> None:
     """Mount ``/metrics``, ``/dashboard`` (+ ``/dashboard/data``) and request tracing.
 
-    app: the FastAPI (or Starlette) application of ``create_app``.
-    hub: its ``ServingHub``.
+    app:  the FastAPI (or Starlette) application of ``create_app``.
+    hub:  its ``ServingHub``.
+    keys: who may read them (default: the hub's ``api_key`` and ``metrics_public``);
+          see ``security.py``.
     """
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector
-    from starlette.responses import JSONResponse, PlainTextResponse, Response
+    from starlette.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response
 
     if not tracing_enabled():
         configure_tracing()  # on only if OTEL_EXPORTER_OTLP_ENDPOINT is set
@@ -327,14 +342,35 @@ def install_observability(app: Any, hub: Any) -> None:
     files = {name: (static_dir.joinpath(name).read_bytes(), ctype)
              for name, ctype in STATIC.items()}
 
+    if keys is None:
+        keys = KeyCheck(getattr(hub, "api_key", None),
+                        metrics_public=bool(getattr(hub, "metrics_public", False)))
+
     def metrics(request: Any) -> Response:
+        refused = keys.metrics(request.headers)
+        if refused is not None:
+            return _refusal(refused)
         return Response(metrics_text(registry), media_type=CONTENT_TYPE_LATEST)
 
     def dashboard(request: Any) -> Response:
+        refused, remember = keys.dashboard(request.headers, request.cookies,
+                                           request.query_params.get("key"))
+        if refused is not None:
+            return _refusal(refused)
+        if remember:  # the key leaves the address bar; the cookie carries its HMAC
+            rest = urlencode([(k, v) for k, v in request.query_params.multi_items()
+                              if k != "key"])
+            page = RedirectResponse("/dashboard" + ("?" + rest if rest else ""), 303)
+            page.set_cookie(COOKIE, keys.cookie or "", path="/dashboard", httponly=True,
+                            samesite="strict", secure=request.url.scheme == "https")
+            return page
         body, ctype = files["dashboard.html"]
         return Response(body, media_type=ctype, headers={"Cache-Control": "no-cache"})
 
     def data(request: Any) -> Response:
+        refused, _ = keys.dashboard(request.headers, request.cookies, None)
+        if refused is not None:
+            return _refusal(refused)
         return JSONResponse(dashboard_data(hub, meter), headers={"Cache-Control": "no-store"})
 
     def static(request: Any) -> Response:

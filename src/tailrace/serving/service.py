@@ -408,13 +408,16 @@ class ServingHub:
 
     services:       the services (or a mapping name -> service); names must be unique.
     gate:           the shared ``AdmissionGate`` (None: admit everything).
-    api_key:        bearer token required on ``/v1/*`` (None: no authentication).
+    api_key:        bearer token required on ``/v1/*``, ``/metrics`` and ``/dashboard``
+                    (None: no authentication); ``/healthz`` and ``/readyz`` stay open.
     max_body_bytes: largest request body accepted (HTTP 413 above it).
+    metrics_public: serve ``/metrics`` without the key (for Prometheus scrapers that
+                    cannot send one); nothing else opens.
     """
 
     def __init__(self, services: Iterable[PipelineService] | dict[str, PipelineService], *,
                  gate: Any = None, api_key: str | None = None,
-                 max_body_bytes: int = 1 << 20) -> None:
+                 max_body_bytes: int = 1 << 20, metrics_public: bool = False) -> None:
         items = list(services.values()) if isinstance(services, dict) else list(services)
         self.services: dict[str, PipelineService] = {}
         for s in items:
@@ -430,6 +433,7 @@ class ServingHub:
         self.gate = gate
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.metrics_public = bool(metrics_public)
 
     @property
     def ready(self) -> bool:

@@ -303,6 +303,7 @@ async function poll() {
   clearTimeout(timer);
   try {
     const r = await fetch("/dashboard/data", {cache: "no-store"});
+    if (r.status === 401) throw new Error("this server needs its API key: open /dashboard?key=KEY");
     if (!r.ok) throw new Error("HTTP " + r.status);
     render(await r.json());
   } catch (e) {

@@ -1,0 +1,168 @@
+"""What the HTTP server guards: who may read what, and what error text may say.
+
+``KeyCheck`` is the hub's API key as the routes check it. With a key, every route but
+``/healthz``, ``/readyz`` and the dashboard's static files (the same for every server)
+needs ``Authorization: Bearer KEY``; ``/metrics`` is open only when the hub says
+``metrics_public`` (for Prometheus scrapers that cannot send a header). A browser opens
+the dashboard once as ``/dashboard?key=KEY``: the answer is a redirect to ``/dashboard``
+that sets an HttpOnly, SameSite=Strict cookie for ``/dashboard`` holding an HMAC of the
+key (never the key itself), which the page and its data polls then send.
+
+``Redactor`` takes secrets and upstream addresses out of text sent to clients: the API
+key, values of secret-looking environment variables (``*KEY*``, ``*TOKEN*``,
+``*SECRET*``, ``*PASSWORD*``, ``*CREDENTIAL*``) and of variables an engine spec names
+(``api_key_env``), secret fields of engine specs (``api_key``, ``token``, ...), every URL
+(``scheme://...``) and the ``host:port`` of every engine endpoint. The full text stays in
+the pipeline's error record (``tailrace run``, the Python API); the client gets the
+redacted one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+from .openai_wire import WireError
+
+#: The dashboard's cookie (path ``/dashboard``): an HMAC of the API key.
+COOKIE = "tailrace_dashboard"
+
+_SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL", re.IGNORECASE)  # env names
+_SECRET_FIELD = re.compile(r"(^|_)(api_?key|key|token|secret|password|passwd|credentials?)$",
+                           re.IGNORECASE)  # engine spec fields
+# scheme://... up to a space, quote or bracket; trailing punctuation (": ", ". ") stays text
+_URL = re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"<>()\[\]{},;]*[^\s'\"<>()\[\]{},;.:!?]")
+_MIN_SECRET = 6  # shorter values are too common in text to replace ("1", "true")
+
+
+class KeyCheck:
+    """The hub's API key as the routes check it (see the module docstring).
+
+    key:            the API key (None: every route is open).
+    metrics_public: ``/metrics`` needs no key even when one is set.
+    """
+
+    def __init__(self, key: str | None, *, metrics_public: bool = False) -> None:
+        self._key = key.encode() if key else None
+        self.metrics_public = metrics_public
+        self.cookie = (hmac.new(self._key, b"tailrace-dashboard", hashlib.sha256).hexdigest()
+                       if self._key else None)
+
+    @property
+    def enabled(self) -> bool:
+        """True when a key is required."""
+        return self._key is not None
+
+    def _matches(self, token: str) -> bool:
+        assert self._key is not None
+        return hmac.compare_digest(token.strip().encode(), self._key)
+
+    def bearer(self, headers: Mapping[str, str], *, dashboard: bool = False) -> WireError | None:
+        """Why a request with these headers may not pass (401), or None.
+
+        headers:   the request's headers.
+        dashboard: the request is for the dashboard (its refusal says how to open it).
+        """
+        if self._key is None:
+            return None
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            how = ("open /dashboard?key=KEY once (a cookie keeps it) or send the header "
+                   "'Authorization: Bearer KEY'" if dashboard
+                   else "send the header 'Authorization: Bearer KEY'")
+            return WireError(f"missing API key: {how}", status=401, code="missing_api_key")
+        if not self._matches(token):
+            return WireError("invalid API key", status=401, code="invalid_api_key")
+        return None
+
+    def metrics(self, headers: Mapping[str, str]) -> WireError | None:
+        """Why a ``/metrics`` scrape may not pass, or None."""
+        return None if self.metrics_public else self.bearer(headers)
+
+    def dashboard(self, headers: Mapping[str, str], cookies: Mapping[str, str],
+                  query_key: str | None) -> tuple[WireError | None, bool]:
+        """(why a dashboard request may not pass or None, whether to set the cookie).
+
+        headers:   the request's headers.
+        cookies:   its cookies.
+        query_key: its ``?key=`` value, if any.
+        """
+        if self._key is None:
+            return None, False
+        if query_key is not None:
+            if self._matches(query_key):
+                return None, True
+            return WireError("invalid API key", status=401, code="invalid_api_key"), False
+        got = cookies.get(COOKIE)
+        assert self.cookie is not None
+        if got is not None and hmac.compare_digest(got.encode(), self.cookie.encode()):
+            return None, False
+        return self.bearer(headers, dashboard=True), False
+
+
+class Redactor:
+    """Replaces secrets with ``<redacted>`` and URLs / endpoint addresses with ``<url>``.
+
+    secrets: exact values to hide (shorter than 6 characters: ignored).
+    hosts:   ``host:port`` (or host) strings of upstream endpoints.
+    """
+
+    def __init__(self, secrets: Iterable[str] = (), hosts: Iterable[str] = ()) -> None:
+        # longest first, so a value that contains another is replaced whole
+        self._secrets = sorted({s for s in secrets if len(s) >= _MIN_SECRET}, key=len,
+                               reverse=True)
+        self._hosts = sorted({h for h in hosts if h}, key=len, reverse=True)
+
+    def __call__(self, text: str) -> str:
+        for s in self._secrets:
+            if s in text:
+                text = text.replace(s, "<redacted>")
+        text = _URL.sub("<url>", text)
+        for h in self._hosts:
+            if h in text:
+                text = text.replace(h, "<url>")
+        return text
+
+
+def _walk(spec: Any, secrets: set[str], hosts: set[str], env: Mapping[str, str]) -> None:
+    if isinstance(spec, Mapping):
+        for k, v in spec.items():
+            name = str(k)
+            if isinstance(v, str) and name.endswith("_env") and env.get(v):
+                secrets.add(env[v])
+            elif isinstance(v, str) and _SECRET_FIELD.search(name):
+                secrets.add(v)
+            else:
+                _walk(v, secrets, hosts, env)
+    elif isinstance(spec, (list, tuple)):
+        for v in spec:
+            _walk(v, secrets, hosts, env)
+    elif isinstance(spec, str) and "://" in spec:
+        parts = urlsplit(spec)
+        hosts.add(spec)
+        if parts.netloc:
+            hosts.add(parts.netloc.rpartition("@")[2])
+
+
+def hub_redactor(hub: Any, env: Mapping[str, str] | None = None) -> Redactor:
+    """The ``Redactor`` for a hub: its API key, secret environment values, and the
+    secrets and endpoints of its pipelines' engine specs.
+
+    hub: the ``ServingHub``.
+    env: the environment (default ``os.environ``).
+    """
+    env = os.environ if env is None else env
+    secrets = {v for k, v in env.items() if _SECRET_NAME.search(k) and v}
+    key = getattr(hub, "api_key", None)
+    if key:
+        secrets.add(key)
+    hosts: set[str] = set()
+    for service in getattr(hub, "services", {}).values():
+        pipeline = getattr(getattr(service, "plan", None), "pipeline", None)
+        _walk(getattr(pipeline, "engines", None), secrets, hosts, env)
+    return Redactor(secrets, hosts)
