@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from fastapi import Request  # module level: FastAPI resolves the route's annotations here
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -308,7 +309,6 @@ def overhead_server(pipeline_file: str) -> None:
     import socket
 
     import uvicorn
-    from fastapi import Request
 
     import tailrace as tr
     from tailrace.serving import PipelineService, ServingHub
