@@ -7,7 +7,8 @@ to end* (processed, and everything it produced acknowledged downstream, up to th
 driver's sinks). A slow stage therefore stops its producers, theirs, and finally the
 source: nothing piles up in the object store. Until that acknowledgement the producer
 keeps the batch, so when the consumer's actor dies it pushes it again to the restarted
-actor (reinstalling the stage there first); the driver drops the duplicates by lineage.
+actor (reinstalling the stage there first); the driver drops the duplicates by lineage
+(the records' lineage ids travel with them, chunked alike).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from functools import partial
 from typing import Any
 
 from ...errors import TailraceError
-from .messages import NEED_INSTALL, BatchKey, Route
+from .messages import NEED_INSTALL, BatchKey, Lineage, Route
 
 #: How long a producer keeps retrying a consumer whose actor died before giving up.
 RESTART_TIMEOUT_S = 120.0
@@ -109,15 +110,16 @@ class Link:
 
     route:       the edge (consumer, its replicas' hosts and specs, window, chunk size).
     run_id:      the run, to address the consumer's replicas.
-    deliver:     for a sink edge, ``deliver(target, key, records, born)`` hands records
-                 to the driver (an outbox entry on a host); returns the ack (a future).
-    unsendable:  ``unsendable(key, records, exc)``: records that cannot be serialised;
-                 returns a future to wait for, or None.
+    deliver:     for a sink edge, ``deliver(target, key, records, lineage, born)`` hands
+                 records to the driver (an outbox entry on a host); returns the ack.
+    unsendable:  ``unsendable(key, records, lineage, exc)``: records that cannot be
+                 serialised; returns a future to wait for, or None.
     """
 
     def __init__(self, route: Route, run_id: str,
-                 deliver: Callable[[int, BatchKey, list, float], asyncio.Future] | None,
-                 unsendable: Callable[[BatchKey, list, BaseException],
+                 deliver: Callable[[int, BatchKey, list, Lineage, float],
+                                   asyncio.Future] | None,
+                 unsendable: Callable[[BatchKey, list, Lineage, BaseException],
                                       asyncio.Future | None]) -> None:
         self.route = route
         self.window = CreditWindow(route.window)
@@ -132,20 +134,23 @@ class Link:
         self._unsendable = unsendable
         self._retry = ray_errors() if not route.sink else ()
 
-    async def send(self, key: BatchKey, records: list, born: float, acks: list) -> None:
-        """Push ``records`` in chunks, waiting for credits; each push is submitted at once
-        (in order) and its acknowledgement appended to ``acks``."""
+    async def send(self, key: BatchKey, records: list, lin: Lineage, born: float,
+                   acks: list) -> None:
+        """Push ``records`` (lineage ids ``lin``) on route ``key`` in chunks, waiting for
+        credits; each push is submitted at once (in order) and its acknowledgement
+        appended to ``acks``."""
         chunk = self.chunk
         window = self.window
-        for j, i in enumerate(range(0, len(records), chunk)):
-            part = records[i:i + chunk]
+        whole = len(records) <= chunk
+        for i in range(0, len(records), chunk):
+            part = records if whole else records[i:i + chunk]
+            ids = lin if whole else lin[i:i + chunk]
             n = len(part)
             if not window.take_nowait(n):
                 await window.take(n)
-            k = key + (j,)
             if self.route.sink:
                 assert self._deliver is not None
-                fut = self._deliver(self.route.target, k, part, born)
+                fut = self._deliver(self.route.target, key, part, ids, born)
                 fut.add_done_callback(partial(_give, window, n))
                 acks.append(fut)
                 continue
@@ -154,27 +159,33 @@ class Link:
             unacked = self.unacked[r]
             order = (self.link_id, seq, next(iter(unacked)) if unacked else seq)
             try:
-                msg = encode((self.keys[r], k, part, born, order))
+                msg = encode((self.keys[r], key, part, ids, born, order))
             except Exception as e:  # noqa: BLE001 - some record cannot be serialised
-                part = self._drop_unsendable(k, part, e, acks)
+                part, ids = self._drop_unsendable(key, part, ids, e, acks)
                 if not part:
                     window.give(n)
                     continue
-                msg = encode((self.keys[r], k, part, born, order))
+                msg = encode((self.keys[r], key, part, ids, born, order))
             self.seqs[r] = seq + 1
             unacked[seq] = None
             self.outstanding[r] += n
             ref = self.route.hosts[r].push.remote(msg)
-            acks.append(asyncio.ensure_future(self._acked(r, seq, n, k, part, born, ref)))
+            acks.append(asyncio.ensure_future(
+                self._acked(r, seq, n, key, part, ids, born, ref)))
 
-    def _drop_unsendable(self, key: BatchKey, part: list, exc: BaseException,
-                         acks: list) -> list:
-        """Report the records of ``part`` that cannot be pickled; returns the others."""
-        bad = [x for x in part if not picklable(x)] or part
-        fut = self._unsendable(key, bad, exc)
+    def _drop_unsendable(self, key: BatchKey, part: list, lin: Lineage,
+                         exc: BaseException, acks: list) -> tuple[list, list]:
+        """Report the records of ``part`` that cannot be pickled; returns the others and
+        their lineage ids."""
+        ok = [picklable(x) for x in part]
+        if all(ok):  # the batch as a whole fails (e.g. too deep): report all of it
+            ok = [False] * len(part)
+        fut = self._unsendable(key, [x for x, g in zip(part, ok, strict=True) if not g],
+                               [x for x, g in zip(lin, ok, strict=True) if not g], exc)
         if fut is not None:
             acks.append(fut)
-        return [x for x in part if all(x is not b for b in bad)]
+        return ([x for x, g in zip(part, ok, strict=True) if g],
+                [x for x, g in zip(lin, ok, strict=True) if g])
 
     def _pick(self) -> int:
         """The consumer replica with the fewest of our records in flight (round robin ties)."""
@@ -188,8 +199,8 @@ class Link:
         self._next = best + 1
         return best
 
-    async def _acked(self, r: int, seq: int, n: int, key: BatchKey, part: list, born: float,
-                     ref: Any) -> None:
+    async def _acked(self, r: int, seq: int, n: int, key: BatchKey, part: list,
+                     lin: Lineage, born: float, ref: Any) -> None:
         """Wait for the push's end-to-end ack; reinstall and push again after a restart."""
         host = self.route.hosts[r]
         first_failure: float | None = None
@@ -212,7 +223,7 @@ class Link:
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 0.5)
                 order = (self.link_id, seq, next(iter(self.unacked[r])))
-                ref = host.push.remote(encode((self.keys[r], key, part, born, order)))
+                ref = host.push.remote(encode((self.keys[r], key, part, lin, born, order)))
         finally:
             self.outstanding[r] -= n
             del self.unacked[r][seq]

@@ -4,9 +4,16 @@ The driver process keeps what is bound to the caller: sources (iterables, async
 generators, JSONL readers) and sinks (lists, callables, writers). Every other stage runs
 in ``StageHost`` actors. The driver reads the source in micro-batches and pushes them
 under each edge's credit window; a source batch is done when its push is acknowledged
-end to end. One long-polling ``drain`` per host brings back sink records, error records
-and meter snapshots; sink records are de-duplicated by lineage key, so replays after an
-actor restart never reach a sink twice.
+end to end. One long-polling ``drain`` per host brings back sink records, error records,
+fan-out commits and meter snapshots; the ledger de-duplicates records by lineage
+(``ledger.py``), so replays after an actor restart never reach a sink or the error
+handler twice, even when the replayed stages emit different records.
+
+Under admission each record waits for the gate in a task of its own (open-loop: a
+queued record does not delay the next arrival), but at most ``ADMISSION_WAITS`` of them
+at once: the source stops reading while that many wait, so memory stays flat whatever
+the input size. A record's ticket is released exactly once, when its source batch is
+acknowledged end to end (output, error record or drop alike) or the run ends.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import replace
-from itertools import islice
+from itertools import count, islice
 from time import perf_counter
 from typing import Any
 
@@ -29,15 +36,17 @@ from ...errors import PlanError
 from ...observability import Histogram, StageMeter
 from ..local.stage import sink_runtime
 from .credits import Link, cause, gather_acks, ray_errors
+from .ledger import Ledger
 from .messages import (
     BatchKey,
+    Commit,
     Delivery,
     Drained,
     Failures,
     InstallSpec,
+    Lineage,
     MeterReport,
     Route,
-    Unsendable,
 )
 from .placement import Host, StagePlacement, host_pool
 from .stats import RayRunStats, build_stats, stage_meter
@@ -49,6 +58,9 @@ MAX_PUSH = 256
 #: Pushes that fit in an edge's window (measured: 4 in flight left a 3-stage chain
 #: waiting on Ray latency; 8 gave 1.35x the throughput, 16 no more).
 PUSHES_IN_FLIGHT = 8
+#: Most source records waiting for admission (or for credits right after it) at once,
+#: per source; fewer when the first edge's window is smaller.
+ADMISSION_WAITS = 64
 
 
 def chunk_size(s: PlanStage) -> int:
@@ -146,13 +158,12 @@ class RayRun:
         self.latency = Histogram()
         self.scheduling = Histogram()
         self.records_in = self.records_out = self.errors = 0
-        self.duplicates = 0
         self.actor_restarts = 0
         self.source_meters: dict[int, StageMeter] = {}
         self.sinks: dict[int, _Sink] = {}
         self.reports: dict[tuple, MeterReport] = {}
         self.final: set[tuple] = set()
-        self.seen: dict[tuple, set] = {}  # source batch -> lineage keys delivered from it
+        self.ledger = Ledger()  # what each source batch delivered (de-duplication)
         self.index = {s.id: i for i, s in enumerate(plan.stages)}
         self.consumers: dict[int, dict[str | None, list[int]]] = {
             i: {} for i in range(len(plan.stages))}
@@ -304,16 +315,12 @@ class RayRun:
                     self.actor_restarts += 1
                 self.incarnations[id(host)] = d.incarnation
             for e in d.entries:
-                if type(e) is Delivery:
-                    self._sink(e.target, e.key, e.records, e.born, e.sent)
-                elif type(e) is Failures:
-                    self._failures(e.stage, e.key, e.errors)
-                elif type(e) is Unsendable:
-                    sid = self.sinks[e.target].op_id
-                    self._failures(e.target, e.key, [ErrorRecord(
-                        sid, r, "TypeError", e.reason) for r in e.reprs])
-                else:
+                if type(e) is MeterReport:
                     self._report(e)
+                elif type(e) is Commit:
+                    self._hand_over(self.ledger.commit(e))
+                else:
+                    self._hand_over(self.ledger.offer(e))
             ack = d.last_seq
             if d.closed:
                 return
@@ -335,9 +342,7 @@ class RayRun:
             key = (i, seq)
             seq += 1
             acks: list = []
-            born = time.time()
-            for link in links:
-                await link.send(key, records, born, acks)
+            await self._send(links, key, records, time.time(), acks)
             t = asyncio.ensure_future(self._settle(key, acks, None))
             pending.add(t)
             t.add_done_callback(pending.discard)
@@ -376,25 +381,46 @@ class RayRun:
         while pending:
             await asyncio.gather(*list(pending))
 
+    async def _send(self, links: list[Link], key: BatchKey, records: list, born: float,
+                    acks: list) -> None:
+        """Push one source batch (lineage ids: its positions) to the first stages."""
+        lin = range(len(records))
+        if len(links) == 1:
+            await links[0].send(key, records, lin, born, acks)
+            return
+        for link in links:  # each consumer gets a copy: a hop of its own
+            await link.send(key + (link.route.target,), records, lin, born, acks)
+
     async def _admitted(self, i: int, data: Any, links: list[Link], meter: StageMeter,
                         pending: set) -> None:
-        """Open-loop ingress: each record waits for admission in its own task, as locally;
-        its ticket is returned when its batch is acknowledged end to end."""
-        counter = iter(range(1 << 62))
+        """Open-loop ingress, bounded: each record waits for admission in its own task,
+        at most ``ADMISSION_WAITS`` (or the first edge's window) at once, and the source
+        reads the next record only when one of them is admitted and sent. A record's
+        ticket is released once, when its one-record source batch is acknowledged end to
+        end (output, error or drop) or the run ends."""
+        counter = count()
         gate = self.admission
+        k = max(1, min([ADMISSION_WAITS] + [link.window.size for link in links]))
+        slots = asyncio.Semaphore(k)
 
         async def admit(x: Any) -> None:
             try:
-                ticket = await gate.admit(self.plan.name, x)
-            except Exception as e:  # noqa: BLE001 - AdmissionRejected (or a gate failure)
-                self.errors += 1
-                self.on_error(ErrorRecord.from_exception("admission", x, e))
-                return
-            key = (i, next(counter))
-            acks: list = []
-            born = time.time()
-            for link in links:
-                await link.send(key, [x], born, acks)
+                try:
+                    ticket = await gate.admit(self.plan.name, x)
+                except Exception as e:  # noqa: BLE001 - AdmissionRejected (or a gate failure)
+                    self.errors += 1
+                    self.on_error(ErrorRecord.from_exception("admission", x, e))
+                    return
+                key = (i, next(counter))
+                acks: list = []
+                try:
+                    await self._send(links, key, [x], time.time(), acks)
+                except BaseException:
+                    self.ledger.settle(key)
+                    gate.done(ticket)
+                    raise
+            finally:
+                slots.release()
             await self._settle(key, acks, ticket)
 
         def start(x: Any) -> None:
@@ -403,38 +429,44 @@ class RayRun:
             pending.add(t)
             t.add_done_callback(pending.discard)
 
-        if hasattr(data, "__aiter__"):
-            async for x in data:
-                start(x)
-        else:
-            for x in data:
-                start(x)
-                await asyncio.sleep(0)
+        aio = hasattr(data, "__aiter__")
+        it = data.__aiter__() if aio else iter(data)
+        while True:
+            await slots.acquire()  # read on only while fewer than k records wait
+            try:
+                x = await it.__anext__() if aio else next(it)
+            except (StopIteration, StopAsyncIteration):
+                slots.release()
+                return
+            except BaseException:
+                slots.release()
+                raise
+            start(x)
 
     async def _settle(self, key: BatchKey, acks: list, ticket: Any) -> None:
-        """A source batch is acknowledged end to end: forget its lineage, free its ticket."""
+        """A source batch is acknowledged end to end (or the run ends): forget its
+        lineage, free its ticket."""
         try:
             await gather_acks(acks)
         finally:
-            self.seen.pop(key, None)
+            self.ledger.settle(key)
             if ticket is not None:
                 self.admission.done(ticket)
 
     # -- sinks and errors (in the driver) -------------------------------------------------
-    def _fresh(self, tag: tuple, key: BatchKey) -> bool:
-        seen = self.seen.setdefault(key[:2], set())
-        k = tag + key
-        if k in seen:
-            return False
-        seen.add(k)
-        return True
+    def _hand_over(self, entries: list) -> None:
+        """Entries the ledger let through: to the sinks and the error handler."""
+        for e in entries:
+            if type(e) is Delivery:
+                self._sink(e.target, e.records, e.born, e.sent)
+            elif type(e) is Failures:
+                self._errors(e.errors)
+            else:  # Unsendable: sink records that could not come back
+                sid = self.sinks[e.target].op_id
+                self._errors([ErrorRecord(sid, r, "TypeError", e.reason) for r in e.reprs])
 
-    def _sink(self, target: int, key: BatchKey, records: list, born: float,
-              sent: float) -> None:
+    def _sink(self, target: int, records: list, born: float, sent: float) -> None:
         n = len(records)
-        if not self._fresh((target,), key):
-            self.duplicates += n
-            return
         st = self.sinks[target]
         m = st.meter
         now = time.time()
@@ -458,25 +490,26 @@ class RayRun:
         self.records_out += ok
         self.latency.record(max(0.0, time.time() - born) * 1e6, ok)
 
-    def _deliver(self, target: int, key: BatchKey, records: list,
+    def _deliver(self, target: int, key: BatchKey, records: list, lin: Lineage,
                  born: float) -> asyncio.Future:
         """A source feeding a sink directly: no actor in between."""
-        self._sink(target, key, records, born, time.time())
+        self._hand_over(self.ledger.offer(Delivery(target, key, records, lin, born,
+                                                   time.time())))
         done = asyncio.get_running_loop().create_future()
         done.set_result(None)
         return done
 
-    def _failures(self, stage: int, key: BatchKey, errors: list) -> None:
-        if not self._fresh((-1 - stage,), key):
-            return
+    def _errors(self, errors: list) -> None:
         for err in errors:
             self.errors += 1
             self.on_error(err)
 
-    def _unsendable(self, key: BatchKey, records: list, exc: BaseException) -> None:
+    def _unsendable(self, key: BatchKey, records: list, lin: Lineage,
+                    exc: BaseException) -> None:
         sid = self.plan.stages[key[0]].ops[0].id
-        self._failures(key[0], key, [ErrorRecord.from_exception(sid, x, TypeError(
-            f"record cannot be sent to a Ray actor: {exc}")) for x in records])
+        self._hand_over(self.ledger.offer(Failures(key[0], key, [
+            ErrorRecord.from_exception(sid, x, TypeError(
+                f"record cannot be sent to a Ray actor: {exc}")) for x in records], lin)))
 
     # -- statistics -----------------------------------------------------------------------
     def stats(self, wall: float, interrupted: bool) -> RayRunStats:
@@ -492,5 +525,5 @@ class RayRun:
             sink_meters={i: s.meter for i, s in self.sinks.items()}, sink_depth=depth,
             totals=(self.records_in, self.records_out, self.errors), wall=wall,
             latency=self.latency, scheduling=self.scheduling, interrupted=interrupted,
-            actor_restarts=self.actor_restarts, duplicates=self.duplicates,
+            actor_restarts=self.actor_restarts, duplicates=self.ledger.dropped,
             incarnations=self.replica_incarnations)

@@ -30,12 +30,14 @@ from .messages import (
     PUSH_OK,
     RUN_CLOSED,
     BatchKey,
+    Commit,
     Delivery,
     Drained,
     Failures,
     Installed,
     InstallSpec,
     InstanceKey,
+    Lineage,
     Unsendable,
 )
 
@@ -65,13 +67,20 @@ class Outbox:
         self.wake.set()
         return fut
 
-    def deliver(self, target: int, key: BatchKey, records: list, born: float) -> asyncio.Future:
+    def deliver(self, target: int, key: BatchKey, records: list, lin: Lineage,
+                born: float) -> asyncio.Future:
         """Records for the sink of stage ``target``; the future is the driver's ack."""
-        return self._put(Delivery(target, key, records, born, time.time()))
+        return self._put(Delivery(target, key, records, lin, born, time.time()))
 
-    def fail(self, stage: int, key: BatchKey, errors: list) -> asyncio.Future:
-        """Error records of stage ``stage`` for batch ``key``; the future is the driver's ack."""
-        return self._put(Failures(stage, key, errors))
+    def fail(self, stage: int, key: BatchKey, errors: list, lin: Lineage) -> asyncio.Future:
+        """Error records of stage ``stage`` on route ``key``; the future is the driver's
+        ack."""
+        return self._put(Failures(stage, key, errors, lin))
+
+    def commit(self, stage: int, key: BatchKey, token: int, parents: Lineage) -> asyncio.Future:
+        """A fan-out stage's execution of a push is complete; the future is the driver's
+        ack."""
+        return self._put(Commit(stage, key, token, parents))
 
     def ack(self, upto: int) -> None:
         p = self.pending
@@ -161,19 +170,20 @@ class StageHost:
     async def push(self, msg: bytes) -> int:
         """One micro-batch for a stage replica; returns once acknowledged end to end.
 
-        msg: pickled ``(instance key, batch key, records, born, order)``; ``order`` is
-             ``(link, seq, low)`` of the producer's link (see ``StageInstance.push``).
+        msg: pickled ``(instance key, route, records, lineage ids, born, order)``;
+             ``order`` is ``(link, seq, low)`` of the producer's link (see
+             ``StageInstance.push``).
         """
         key: InstanceKey
         batch_key: BatchKey
-        key, batch_key, records, born, order = pickle.loads(msg)
+        key, batch_key, records, lin, born, order = pickle.loads(msg)
         box = self.runs.get(key[0])
         if box is None:
             return RUN_CLOSED if key[0] in self.finished else NEED_INSTALL
         inst = box.instances.get((key[1], key[2]))
         if inst is None:
             return NEED_INSTALL
-        await inst.push(batch_key, records, born, order)
+        await inst.push(batch_key, records, lin, born, order)
         return PUSH_OK
 
     async def drain(self, run_id: str, ack: int, incarnation: str) -> bytes:
@@ -214,12 +224,15 @@ def pack(d: Drained) -> bytes:
     entries: list = []
     for e in d.entries:
         if type(e) is Delivery:
-            good = [x for x in e.records if picklable(x)]
-            bad = [x for x in e.records if not picklable(x)]
+            ok = [picklable(x) for x in e.records]
+            good = [j for j, g in enumerate(ok) if g]
+            bad = [j for j, g in enumerate(ok) if not g]
             if good:
-                entries.append(e._replace(records=good))
+                entries.append(e._replace(records=[e.records[j] for j in good],
+                                          lineage=[e.lineage[j] for j in good]))
             if bad:
-                entries.append(Unsendable(e.target, e.key + (-1,), [repr(x) for x in bad],
+                entries.append(Unsendable(e.target, e.key, [repr(e.records[j]) for j in bad],
+                                          [e.lineage[j] for j in bad],
                                           "record cannot be sent back to the driver"))
         elif type(e) is Failures:
             entries.append(e._replace(errors=[

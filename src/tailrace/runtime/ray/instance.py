@@ -2,16 +2,19 @@
 
 Pushes from producers wait for room in the replica's bounded input queue (the stage's
 ``queue`` bound, in records), one loop takes them in order and runs the fused operators
-on each micro-batch exactly as the local runtime does (``Replica.run_chain``, timeouts and
-retries through ``call_with_policy``, ``batch`` contracts in groups), then hands the
-results to the consumer stages through credit-bounded ``Link``s. A push returns only
-when its results are acknowledged downstream: that is the acknowledgement its producer
-waits for before forgetting the batch.
+on each micro-batch with the local runtime's batch functions and meters (the fused chain,
+timeouts and retries through ``call_careful``, ``batch`` contracts in groups), tracking
+which input each output and error came from (``lineage.py``), then hands the results to
+the consumer stages through credit-bounded ``Link``s. A push returns only when its
+results are acknowledged downstream: that is the acknowledgement its producer waits for
+before forgetting the batch. A fan-out stage (a ``flat_map``) then also commits the push
+to the driver, whose ledger delivers one complete execution per input (``ledger.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 import uuid
 from collections import deque
@@ -24,9 +27,10 @@ from typing import Any
 from ...api.records import ErrorRecord
 from ...observability import Histogram, StageMeter
 from ...operators import OpRuntime
-from ..local.stage import Replica, call_careful, call_collect
+from ..local.stage import Replica
 from .credits import Link, gather_acks
-from .messages import PORT_CODE, BatchKey, InstallSpec, MeterReport
+from .lineage import ids, is_fan_out, run_careful, run_chain, run_collect
+from .messages import BatchKey, InstallSpec, Lineage, MeterReport
 
 
 def snapshot(m: StageMeter) -> StageMeter:
@@ -65,6 +69,8 @@ class StageInstance:
         rts: list[OpRuntime] = [o.op.build(o.params, o.contract) for o in ops]
         self.rep = Replica(s, rts)
         self.meters: list[StageMeter] = self.rep.meters[:len(rts)]
+        self.fans = tuple(is_fan_out(o.op.name) for o in ops)
+        self.fan = any(self.fans)
         self.scheduling = Histogram()
         first, rt = s.ops[0], rts[0]
         self.op, self.rt = first, rt
@@ -94,16 +100,17 @@ class StageInstance:
         self.depth = 0
         self.max_depth = 0
         self.dirty = True
-        self._q: deque = deque()  # (enqueued, born, key, records, done future)
+        self._q: deque = deque()  # (enqueued, born, key, records, lineage, done future)
         self._room: deque = deque()  # pushes waiting for room in the queue, FIFO
         self._streams: dict[int, list] = {}  # link -> [next seq, {seq: waiting turn}]
         self._wake = asyncio.Event()
         self._task = asyncio.ensure_future(self._work())
 
     # -- input ----------------------------------------------------------------------------
-    async def push(self, key: BatchKey, records: list, born: float,
+    async def push(self, key: BatchKey, records: list, lin: Lineage, born: float,
                    order: tuple[int, int, int]) -> None:
-        """Queue one micro-batch (waiting for room); returns once it is acked end to end.
+        """Queue one micro-batch (waiting for room); returns once it is acked end to end
+        (and, on a fan-out stage, committed).
 
         order: ``(link, seq, low)``: pushes of one producer link enter the queue in ``seq``
                order whatever order Ray delivers them in; ``low`` is the link's oldest
@@ -119,7 +126,7 @@ class StageInstance:
             await turn
         n = len(records)
         done = asyncio.get_running_loop().create_future()
-        item = (n, born, key, records, done)
+        item = (n, born, key, records, lin, done)
         if self._room or (self.depth + n > self.bound and self.depth > 0):
             self._room.append(item)
         else:
@@ -129,14 +136,17 @@ class StageInstance:
             nxt = stream[1].pop(seq + 1, None)
             if nxt is not None and not nxt.done():
                 nxt.set_result(None)
-        await gather_acks(await done)
+        acks, commit = await done
+        await gather_acks(acks)
+        if commit is not None:
+            await self.outbox.commit(*commit)
 
     def _enqueue(self, item: tuple) -> None:
-        n, born, key, records, done = item
+        n, born, key, records, lin, done = item
         self.depth += n
         if self.depth > self.max_depth:
             self.max_depth = self.depth
-        self._q.append((perf_counter(), born, key, records, done))
+        self._q.append((perf_counter(), born, key, records, lin, done))
         self._wake.set()
 
     def _admit(self) -> None:
@@ -152,22 +162,24 @@ class StageInstance:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            enq, born, key, records, done = q.popleft()
+            enq, born, key, records, lin, done = q.popleft()
             self.depth -= len(records)
             self._admit()
             if done.done():  # the pushing call was cancelled (run aborted)
                 continue
             try:
-                acks = await self._run(enq, born, key, records)
+                result = await self._run(enq, born, key, records, lin)
             except Exception as e:  # noqa: BLE001 - a runtime fault: fail this push
                 done.set_exception(e)
             else:
-                done.set_result(acks)
+                done.set_result(result)
             self.dirty = True
 
-    async def _run(self, enq: float, born: float, key: BatchKey, records: list) -> list:
+    async def _run(self, enq: float, born: float, key: BatchKey, records: list,
+                   lin: Lineage) -> tuple[list, tuple | None]:
         """Run one micro-batch in parts of at most ``max_n`` records (a batch contract's
-        size, an engine's batch), handing each part's results on as soon as it is done."""
+        size, an engine's batch), handing each part's results on as soon as it is done.
+        Returns the acks to wait for and, if the push fanned out, its commit."""
         now = perf_counter()
         n = len(records)
         self.meters[0].queue_wait.record((now - enq) * 1e6, n)
@@ -175,40 +187,64 @@ class StageInstance:
             self.scheduling.record((time.time() - born) * 1e6, n)
         step = self.max_n or n or 1
         acks: list = []
-        for part_no, i in enumerate(range(0, n, step)):
+        token: int | None = None
+        fanned_ids: list = []
+        fan_key = key
+        for i in range(0, n, step):
+            part = records if step >= n else records[i:i + step]
+            part_ids = lin if step >= n else lin[i:i + step]
             errors: list[ErrorRecord] = []
-            ports = await self._process(records[i:i + step], errors)
+            esrc: list[int] = []
+            ports, fanned = await self._process(part, errors, esrc)
+            fan = self.fan or fanned
+            out_key = key
+            if fan:  # outputs are (parent, ordinal), delivered once this push commits
+                if token is None:
+                    token = random.getrandbits(62)
+                    fan_key = key + ((self.index, token),)
+                out_key = fan_key
+                fanned_ids.extend(part_ids)
             if errors:
-                acks.append(self.outbox.fail(self.index, key + (part_no,), errors))
-            for port, recs in ports.items():
+                acks.append(self.outbox.fail(self.index, out_key, errors,
+                                             ids(part_ids, esrc, fan, errors=True)))
+            for port, (recs, src) in ports.items():
                 if recs:
                     links = self.links.get(port)
                     if links:
-                        out_key = key + (self.index, PORT_CODE[port] + 3 * part_no)
-                        for link in links:
-                            await link.send(out_key, recs, born, acks)
-        return acks
+                        out_ids = ids(part_ids, src, fan)
+                        if len(links) == 1:
+                            await links[0].send(out_key, recs, out_ids, born, acks)
+                            continue
+                        for link in links:  # each consumer gets a copy: a hop of its own
+                            await link.send(out_key + (link.route.target,), recs, out_ids,
+                                            born, acks)
+        if token is None:
+            return acks, None
+        return acks, (self.index, key, token, fanned_ids)
 
-    async def _process(self, batch: list, errors: list) -> dict[str | None, list]:
+    async def _process(self, batch: list, errors: list,
+                       esrc: list) -> tuple[dict[str | None, tuple[list, Any]], bool]:
         if self.collect:
-            return {None: await call_collect(self.op, self.rt, self.meters[0], batch,
-                                             self.run_blocking, errors)}
+            return await run_collect(self.op, self.rt, self.meters[0], batch,
+                                     self.run_blocking, errors, esrc)
         if self.careful:
-            return await call_careful(self.op, self.rt, self.meters[0], batch,
-                                      self.run_blocking, errors)
-        return await self._chain(batch, errors)
-
-    async def _chain(self, batch: list, errors: list) -> dict[str | None, list]:
+            return await run_careful(self.op, self.rt, self.meters[0], batch,
+                                     self.run_blocking, errors, esrc)
         if self.run_blocking is not None:
-            return await self.run_blocking(self.rep.run_chain, batch, errors)
-        return self.rep.run_chain(batch, errors)
+            return await self.run_blocking(self._chain, batch, errors, esrc)
+        return run_chain(self.rep, self.fans, batch, errors, esrc)
 
-    def _unsendable(self, key: BatchKey, records: list, exc: BaseException) -> asyncio.Future:
+    def _chain(self, batch: list, errors: list,
+               esrc: list) -> tuple[dict[str | None, tuple[list, Any]], bool]:
+        return run_chain(self.rep, self.fans, batch, errors, esrc)
+
+    def _unsendable(self, key: BatchKey, records: list, lin: Lineage,
+                    exc: BaseException) -> asyncio.Future:
         """Records that cannot be serialised for the next stage become error records here."""
         sid = self.rep.ops[len(self.meters) - 1].id
         errs = [ErrorRecord.from_exception(sid, x, TypeError(
             f"record cannot be sent to the next Ray actor: {exc}")) for x in records]
-        return self.outbox.fail(self.index, key, errs)
+        return self.outbox.fail(self.index, key, errs, lin)
 
     # -- reporting and shutdown -----------------------------------------------------------
     def report(self) -> MeterReport:
@@ -226,8 +262,8 @@ class StageInstance:
         """Stop the loop, fail waiting pushes, release the replica's thread."""
         self._task.cancel()
         for item in list(self._room) + list(self._q):
-            if not item[4].done():
-                item[4].cancel()
+            if not item[-1].done():
+                item[-1].cancel()
         for stream in self._streams.values():
             for turn in stream[1].values():
                 turn.cancel()

@@ -1,21 +1,26 @@
 """What crosses a Ray boundary: small typed messages, grouped by direction.
 
-Every micro-batch carries a *lineage key*: the source batch it descends from, then one
-``(stage index, port and part, chunk)`` triple per stage it went through. A replayed batch gets
-the same key again (operators see the same input batch and cut the same chunks), so the
-driver keeps the first delivery of each key and drops replays: every record reaches a
-sink exactly once even though delivery between actors is at-least-once.
+Every micro-batch carries a *route* (``BatchKey``): the source batch it descends from,
+then a hop where a port copies records to several stages (the consumer's index) or where
+a fan-out stage ran (``(stage, token)``); and one *lineage id* per record (``lineage.py``).
+The driver's ledger keeps the first delivery of each id and drops replays, whatever
+the replayed stages did differently (``ledger.py``): every record reaches a sink exactly
+once even though delivery between actors is at-least-once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ...compiler import PlanStage
 
-#: Lineage key of a micro-batch: ``(source index, seq, stage, port, chunk, ...)``.
-BatchKey = tuple[int, ...]
+#: Route of a micro-batch: ``(source index, seq, hop, ...)``; a hop is a consumer stage
+#: index (a copy) or ``(stage index, token)`` (an execution of a fan-out stage).
+BatchKey = tuple[Any, ...]
+#: Lineage ids of a micro-batch's records, one each (``range`` from a source).
+Lineage = Sequence[Any]
 #: Where one stage replica lives: ``(run id, stage index, replica)``.
 InstanceKey = tuple[str, int, int]
 
@@ -25,10 +30,6 @@ PUSH_OK = 0
 NEED_INSTALL = 1
 #: ... the run is over on this host (a straggler after an abort): drop the batch.
 RUN_CLOSED = 2
-
-#: Port codes in lineage keys (plus 3 x the part of the micro-batch the records came from).
-PORT_CODE = {None: 0, "true": 1, "false": 2}
-
 
 # -- driver -> host: what a stage replica needs to run ------------------------------------
 @dataclass(frozen=True)
@@ -77,21 +78,24 @@ class InstallSpec:
 
 # -- host -> driver: the outbox, drained by the driver -----------------------------------
 class Delivery(NamedTuple):
-    """Records for the sink of stage ``target``, from batch ``key``."""
+    """Records for the sink of stage ``target``, on route ``key``."""
 
     target: int
     key: BatchKey
     records: list
+    lineage: Lineage
     born: float  # wall clock when the oldest record was read by the source
     sent: float  # wall clock when it entered the outbox
 
 
 class Failures(NamedTuple):
-    """Error records stage ``stage`` produced while processing batch ``key``."""
+    """Error records stage ``stage`` produced on route ``key`` (its input's route, plus
+    its own hop when it fans out); ``lineage``: the failed records' ids."""
 
     stage: int
     key: BatchKey
     errors: list  # of ErrorRecord
+    lineage: Lineage
 
 
 class Unsendable(NamedTuple):
@@ -100,7 +104,18 @@ class Unsendable(NamedTuple):
     target: int
     key: BatchKey
     reprs: list
+    lineage: Lineage
     reason: str
+
+
+class Commit(NamedTuple):
+    """Fan-out stage ``stage`` finished execution ``token`` of a push that came on route
+    ``key`` with ids ``parents``: all it produced is acknowledged end to end."""
+
+    stage: int
+    key: BatchKey
+    token: int
+    parents: Lineage
 
 
 class MeterReport(NamedTuple):
@@ -121,7 +136,7 @@ class Drained(NamedTuple):
 
     incarnation: str  # the host's; a new one means it restarted and forgot its outbox
     last_seq: int  # acknowledge up to this with the next drain call
-    entries: list  # Delivery | Failures | Unsendable | MeterReport
+    entries: list  # Delivery | Failures | Unsendable | Commit | MeterReport
     closed: bool  # the run is finished on this host
 
 

@@ -1,0 +1,261 @@
+"""Record lineage inside a stage replica: which input record each output and error came from.
+
+Every record that crosses an actor carries a *lineage id*, sent beside the records as one
+list per push (a ``range`` straight from the source: no per-record object there). A
+source record's id is its index within its source batch; a record keeps its id through
+every one-to-one operator (``map``, ``filter``, ``branch``, a ``batch`` contract, ...;
+a ``batch`` stage's group keeps its first member's id), and the outputs and errors of a
+*fan-out* stage (one with a ``flat_map``) get ``(parent id, ordinal)``: outputs count
+0, 1, ... and errors -1, -2, ... per parent. The driver de-duplicates by these ids, not
+by positions in micro-batches, so a replay that keeps, drops or fans out records
+differently is still delivered once per id (``ledger.py``).
+
+``run_chain`` is the stage's fused chain with lineage: the same batch functions and
+meters as the local runtime's ``Replica.run_chain``; when every operator kept every
+record (the common case) it costs one length check per operator, and only a batch with
+errors, drops or branches pays a walk to attribute them (by object identity: filters and
+branches pass their input objects on, errors name their inputs; identical objects are
+interchangeable, so any consistent attribution among them is right).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from time import perf_counter
+from typing import Any
+
+from ...api.records import ErrorRecord
+from ...compiler import PlanOp
+from ...observability import StageMeter
+from ...operators import OpRuntime
+from ..local.stage import Replica, call_careful, call_collect
+
+#: Positions of a step's records within the stage's input batch (None: 0, 1, ... n-1).
+Src = list[int] | None
+
+
+def is_fan_out(op_name: str) -> bool:
+    """Does this operator emit any number of records per input (so its outputs need
+    ordinals and its replays a commit)?
+
+    op_name: the operator's registered name.
+    """
+    return op_name == "flat_map"
+
+
+def error_positions(before: list, errs: list) -> list[int]:
+    """Positions in ``before`` of the inputs named by ``errs`` (``(input, exc)`` pairs or
+    ``ErrorRecord``s), matched by identity in any order; an error naming no input of the
+    batch takes the first position left (never the same one twice)."""
+    if not errs:
+        return []
+    where: dict[int, list[int]] = {}
+    for j in range(len(before) - 1, -1, -1):
+        where.setdefault(id(before[j]), []).append(j)
+    used: set[int] = set()
+    out: list[int] = []
+    unmatched = 0
+    for e in errs:
+        x = e.input if isinstance(e, ErrorRecord) else e[0]
+        stack = where.get(id(x))
+        if stack:
+            j = stack.pop()
+            used.add(j)
+            out.append(j)
+        else:
+            out.append(-1)
+            unmatched += 1
+    if unmatched:
+        free = (j for j in range(len(before)) if j not in used)
+        out = [next(free, 0) if j < 0 else j for j in out]
+    return out
+
+
+def kept_positions(before: list, after: list, failed: list[int]) -> list[int]:
+    """Positions in ``before`` of the records in ``after`` for an operator that gives at
+    most one output per input, in order (``failed``: positions that became errors).
+    Kept records are matched by identity (a filter passes its inputs on); when the outputs
+    are new objects and some inputs gave none, the first inputs are taken, in order; extra
+    outputs (an operator other than ``flat_map`` that fans out) go to the last input."""
+    bad = set(failed)
+    ok = [j for j in range(len(before)) if j not in bad] if bad else list(range(len(before)))
+    n_out = len(after)
+    if n_out >= len(ok):  # one each (more: an operator that fans out unannounced)
+        return ok + [ok[-1] if ok else 0] * (n_out - len(ok))
+    kept: list[int] = []
+    p = 0
+    for j in ok:
+        if p < n_out and before[j] is after[p]:
+            kept.append(j)
+            p += 1
+    if p < n_out:  # outputs that are not their inputs: attribute by position
+        return ok[:n_out]
+    return kept
+
+
+def compose(src: Src, positions: list[int]) -> list[int]:
+    """Positions relative to a step's input -> positions in the stage's input."""
+    return positions if src is None else [src[k] for k in positions]
+
+
+def split_branch(before: list, t: list, f: list, failed: list[int]) -> tuple[list, list]:
+    """Positions in ``before`` of a branch's true and false records (identity walk)."""
+    bad = set(failed)
+    pt: list[int] = []
+    pf: list[int] = []
+    it, iff, nt, nf = 0, 0, len(t), len(f)
+    for j, x in enumerate(before):
+        if j in bad:
+            continue
+        if it < nt and t[it] is x:
+            pt.append(j)
+            it += 1
+        elif iff < nf and f[iff] is x:
+            pf.append(j)
+            iff += 1
+    return pt, pf
+
+
+def run_chain(rep: Replica, fans: tuple[bool, ...], batch: list, errors: list,
+              esrc: list) -> tuple[dict[str | None, tuple[list, Src]], bool]:
+    """One micro-batch through the stage's fused operators, tracking lineage.
+
+    Returns (port -> (records, positions of their inputs in ``batch``: None when one to
+    one), whether some input gave several records). Failed records become
+    ``ErrorRecord``s in ``errors`` and their input positions go to ``esrc`` (same order).
+
+    rep:   the replica (operator runtimes and meters).
+    fans:  per operator, whether it is a fan-out (``is_fan_out``): run record by record.
+    """
+    src: Src = None
+    fanned = False
+    for i, rt in enumerate(rep.rts):
+        m = rep.meters[i]
+        n = len(batch)
+        m.records_in += n
+        if not n:
+            continue
+        t0 = perf_counter()
+        errs: list = []
+        kind = rt.kind
+        fn = rt.batch_fn
+        if kind == "map":
+            if fans[i]:
+                batch, src = _fan_out(rt.record_fn, batch, src, errs, esrc)
+                fanned = True
+            elif fn is not None:
+                before = batch
+                try:
+                    batch = fn(batch, errs)
+                except Exception as e:  # noqa: BLE001 - a whole-batch call failed
+                    errs = [(x, e) for x in batch]
+                    batch = []
+                if errs or len(batch) != n:
+                    failed = error_positions(before, errs)
+                    esrc.extend(compose(src, failed))
+                    src = compose(src, kept_positions(before, batch, failed))
+                    fanned = fanned or len(batch) > n - len(errs)
+        elif kind == "branch":
+            t, f = fn(batch, errs)  # type: ignore[misc]
+            failed = error_positions(batch, errs)
+            esrc.extend(compose(src, failed))
+            pt, pf = split_branch(batch, t, f, failed)
+            _done(rep, m, t0, n, len(t) + len(f), errs, errors, i)
+            return {"true": (t, compose(src, pt)), "false": (f, compose(src, pf))}, fanned
+        else:  # pragma: no cover - sinks run in the driver, the compiler allows no other
+            raise RuntimeError(f"operator kind {kind!r} cannot run in a chain")
+        _done(rep, m, t0, n, len(batch), errs, errors, i)
+    return {None: (batch, src)}, fanned
+
+
+async def run_careful(op: PlanOp, rt: OpRuntime, m: StageMeter, batch: list,
+                      run_blocking: Any, errors: list, esrc: list
+                      ) -> tuple[dict[str | None, tuple[list, Src]], bool]:
+    """``call_careful`` (timeouts, retries; one operator) record by record, so that each
+    output and error is known by its input. Returns as ``run_chain``."""
+    ports: dict[str | None, tuple[list, list]] = {}
+    fanned = False
+    for j, x in enumerate(batch):
+        ne = len(errors)
+        out = await call_careful(op, rt, m, [x], run_blocking, errors)
+        if len(errors) > ne:
+            esrc.extend([j] * (len(errors) - ne))
+        for port, recs in out.items():
+            if port not in ports:
+                ports[port] = ([], [])
+            if recs:
+                ports[port][0].extend(recs)
+                ports[port][1].extend([j] * len(recs))
+                fanned = fanned or len(recs) > 1
+    return {p: (recs, pos) for p, (recs, pos) in ports.items()}, fanned
+
+
+async def run_collect(op: PlanOp, rt: OpRuntime, m: StageMeter, batch: list,
+                      run_blocking: Any, errors: list, esrc: list
+                      ) -> tuple[dict[str | None, tuple[list, Src]], bool]:
+    """``call_collect`` (a batch contract or a ``batch`` stage), attributed: a group
+    takes its first member's lineage, a batch-contract map is one to one. Returns as
+    ``run_chain``."""
+    ne = len(errors)
+    out = await call_collect(op, rt, m, batch, run_blocking, errors)
+    failed = error_positions(batch, errors[ne:])
+    esrc.extend(failed)
+    if rt.kind == "collect":
+        bad = set(failed)
+        first = next((j for j in range(len(batch)) if j not in bad), 0)
+        return {None: (out, [first] * len(out))}, len(out) > 1
+    if not failed and len(out) == len(batch):
+        return {None: (out, None)}, False
+    return {None: (out, kept_positions(batch, out, failed))}, \
+        len(out) > len(batch) - len(failed)
+
+
+def _fan_out(record_fn: Any, batch: list, src: Src, errs: list,
+             esrc: list) -> tuple[list, list[int]]:
+    """A fan-out operator record by record: its outputs and their input positions."""
+    out: list = []
+    pos: list[int] = []
+    for j, x in enumerate(batch):
+        try:
+            r = record_fn(x)
+        except Exception as e:  # noqa: BLE001 - operator code may raise anything
+            errs.append((x, e))
+            esrc.append(j if src is None else src[j])
+            continue
+        if r:
+            out.extend(r)
+            pos.extend([j if src is None else src[j]] * len(r))
+    return out, pos
+
+
+def _done(rep: Replica, m: StageMeter, t0: float, n_in: int, n_out: int, errs: list,
+          errors: list, i: int) -> None:
+    m.records_out += n_out
+    m.service.record((perf_counter() - t0) * 1e6 / n_in, n_in)
+    m.batch_size.record(n_in)
+    if errs:
+        m.errors += len(errs)
+        sid = rep.ops[i].id
+        errors.extend(ErrorRecord.from_exception(sid, x, e) for x, e in errs)
+
+
+def ids(lin: Sequence, src: Src, fan: bool, errors: bool = False) -> Sequence:
+    """Lineage ids of a step's records from the stage input's ids ``lin``.
+
+    src:    positions of the records in the stage's input (None: one to one).
+    fan:    the stage fans out: ids are ``(parent id, ordinal)``.
+    errors: these are error records of a fan-out stage (ordinals -1, -2, ...).
+    """
+    if not fan:
+        return lin if src is None else [lin[s] for s in src]
+    if src is None:
+        src = list(range(len(lin)))
+    seen: dict[int, int] = {}
+    out: list = []
+    step = -1 if errors else 1
+    base = -1 if errors else 0
+    for s in src:
+        k = seen.get(s, base)
+        seen[s] = k + step
+        out.append((lin[s], k))
+    return out
