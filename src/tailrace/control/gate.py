@@ -13,6 +13,7 @@ deadline can no longer be met are rejected on time, not when capacity frees up.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 import time
@@ -49,6 +50,7 @@ class AdmissionGate:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._abandoned: set[str] = set()  # queued requests whose caller gave up
         self._wake = threading.Event()
         self._closed = False
         self._poller: threading.Thread | None = None
@@ -73,7 +75,16 @@ class AdmissionGate:
             self._waiters[req.id] = (loop, fut)
             self._ensure_poller()
         self._wake.set()
-        return await fut
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            # the caller gave up while it waited: a ticket admitted meanwhile (its
+            # delivery finds the future cancelled) is released there; one still queued
+            # is released the moment the policy admits it
+            with self._lock:
+                if self._waiters.pop(req.id, None) is not None:
+                    self._abandoned.add(req.id)
+            raise
 
     def done(self, ticket: Ticket, service_seconds: float | None = None) -> None:
         """The admitted work left the pipeline: free its capacity, admit who fits.
@@ -89,18 +100,39 @@ class AdmissionGate:
             self._resolve(self.policy.poll())
 
     # -- internals ---------------------------------------------------------------------
-    def _resolve(self, tickets: list[Ticket]) -> None:
+    def _resolve(self, tickets: list[Ticket]) -> None:  # under our lock
         for t in tickets:
-            waiter = self._waiters.pop(t.request.id, None)
+            rid = t.request.id
+            waiter = self._waiters.pop(rid, None)
             if waiter is not None:
                 loop, fut = waiter
-                loop.call_soon_threadsafe(settle, fut, t, None)
+                try:
+                    loop.call_soon_threadsafe(self._deliver, fut, t)
+                except RuntimeError:  # the waiter's loop is closed: nobody takes it
+                    self.policy.release(t)
+                    self._resolve(self.policy.poll())
+            elif rid in self._abandoned:
+                self._abandoned.discard(rid)
+                self.policy.release(t)  # its caller left while it was queued
+
+    def _deliver(self, fut: asyncio.Future, ticket: Ticket) -> None:
+        """On the waiter's loop: hand the ticket over, or give it back if the caller
+        cancelled in between (so an admitted ticket is never lost)."""
+        if fut.done():
+            with self._lock:  # no service time to learn from
+                self.policy.release(ticket)
+                self._resolve(self.policy.poll())
+        else:
+            fut.set_result(ticket)
 
     def _rejected(self, rej: Rejection) -> None:  # called by the policy under our lock
-        waiter = self._waiters.pop(rej.request.id, None)
+        rid = rej.request.id
+        self._abandoned.discard(rid)
+        waiter = self._waiters.pop(rid, None)
         if waiter is not None:
             loop, fut = waiter
-            loop.call_soon_threadsafe(settle, fut, None, rej.error())
+            with contextlib.suppress(RuntimeError):  # the waiter's loop is closed
+                loop.call_soon_threadsafe(settle, fut, None, rej.error())
 
     def _ensure_poller(self) -> None:
         if self._poller is None or not self._poller.is_alive():
@@ -125,9 +157,11 @@ class AdmissionGate:
         self._wake.set()
         with self._lock:
             for rid, (loop, fut) in list(self._waiters.items()):
-                loop.call_soon_threadsafe(settle, fut, None, AdmissionRejected(
-                    "admission gate closed", reason="closed", retry_after=1.0,
-                    request_id=rid))
+                with contextlib.suppress(RuntimeError):  # that run's loop already ended
+                    loop.call_soon_threadsafe(settle, fut, None, AdmissionRejected(
+                        "admission gate closed", reason="closed", retry_after=1.0,
+                        request_id=rid))
+                self._abandoned.add(rid)  # still queued in the policy: free it if admitted
             self._waiters.clear()
 
     def statistics(self) -> Any:

@@ -171,6 +171,7 @@ def pipeline_families(pipelines: Iterable[PipelineScrape]) -> list[Any]:
          for name, doc in (("records_in", "Records that entered the stage"),
                            ("records_out", "Records the stage emitted"),
                            ("errors", "Records the stage failed (error records)"),
+                           ("dropped", "Records a filter dropped (counted, no error)"),
                            ("retries", "Operator calls retried"),
                            ("timeouts", "Operator calls that timed out"))}
     wait = HistogramMetricFamily("tailrace_stage_queue_wait_seconds",

@@ -131,6 +131,7 @@ class StageStats:
     replicas: int
     fused_into: str | None = None
     counters: dict[str, float] = field(default_factory=dict)  # the operator's own counts
+    dropped: int = 0  # records a filter said no to (they end here, counted, no error)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -227,4 +228,7 @@ class StageMeter:
             queue_bound=self.queue_bound,
             replicas=self.replicas,
             fused_into=self.fused_into,
+            # a filter's records end as outputs, errors or drops; nothing else is lost
+            dropped=(self.records_in - self.records_out - self.errors
+                     if self.op == "filter" else 0),
         )

@@ -15,7 +15,7 @@ def _us(v: float) -> str:
 
 def format_stats(stats: RunStats) -> str:
     """A fixed-width table: one row per stage, queue wait and service percentiles."""
-    header = ("stage", "op", "in", "out", "err", "wait p50", "wait p99",
+    header = ("stage", "op", "in", "out", "err", "drop", "wait p50", "wait p99",
               "svc p50", "svc p99", "batch", "depth/bound")
     rows = [header]
     for s in stats.stages:
@@ -27,6 +27,7 @@ def format_stats(stats: RunStats) -> str:
             str(s.records_in),
             str(s.records_out),
             str(s.errors),
+            str(s.dropped),
             _us(s.queue_wait_us.p50) if queued else "-",
             _us(s.queue_wait_us.p99) if queued else "-",
             _us(s.service_us.p50),

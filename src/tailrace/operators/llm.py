@@ -145,8 +145,8 @@ def _build_generate(params: dict, contract: Any) -> OpRuntime:
                     errors.append((r, e))
             return result
 
-    return OpRuntime("map", batch_fn=batch_fn, record_fn=lambda x: batch_fn([x], []),
-                     max_batch=params["max_batch"])
+    # no record_fn: the runtime calls batch_fn([x]) per record and raises its error
+    return OpRuntime("map", batch_fn=batch_fn, max_batch=params["max_batch"])
 
 
 register(OpDef(

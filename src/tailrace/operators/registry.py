@@ -56,6 +56,7 @@ class OpRuntime:
     whole_batch: bool = False  # batch contract: record_fn takes the whole list
     max_batch: int | None = None  # most records per call (e.g. an engine's batch size)
     counters: Callable[[], dict[str, float]] | None = None
+    abandoned: int = 0  # runtime bookkeeping: timed-out blocking calls still running
 
 
 @dataclass

@@ -35,7 +35,7 @@ class Channel:
         self.max_depth = 0
         self._q: deque = deque()  # (enqueue time, born time, records)
         self._getters: deque = deque()
-        self._putters: deque = deque()
+        self._putters: deque = deque()  # (future, records to put), in arrival order
         self._producers = producers
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -73,8 +73,13 @@ class Channel:
             return
         while not self.put_nowait(records, born):
             fut = self._future()
-            self._putters.append(fut)
-            await fut
+            self._putters.append((fut, len(records)))
+            try:
+                await fut
+            except asyncio.CancelledError:
+                if self._putters and self.depth < self.bound:
+                    self._wake_putters()  # pass on a wake-up this producer took
+                raise
 
     def get_nowait(self, max_n: int) -> tuple[float, float, list] | None:
         """Up to ``max_n`` buffered records as ``(enqueued, born, records)``, or None."""
@@ -96,12 +101,25 @@ class Channel:
                     if b2 < born:
                         born = b2
         self.depth -= len(taken)
-        putters = self._putters
-        while putters:
-            fut = putters.popleft()
-            if not fut.done():
-                fut.set_result(None)
+        if self._putters:
+            self._wake_putters()
         return enq, born, taken
+
+    def _wake_putters(self) -> None:
+        """Wake waiting producers in order, only as many as now fit (a woken producer
+        that still finds no room waits again; nobody is woken just to fail)."""
+        putters = self._putters
+        room = self.bound - self.depth
+        while putters:
+            fut, n = putters[0]
+            if fut.done():  # its producer gave up
+                putters.popleft()
+                continue
+            if n > room:
+                return
+            putters.popleft()
+            fut.set_result(None)
+            room -= n
 
     async def get(self, max_n: int) -> tuple[float, float, list] | None:
         """Wait for records; None once the channel is closed and drained."""

@@ -24,7 +24,7 @@ from ...observability import Histogram, StageMeter
 from ...observability.tracing import STATE as TRACING
 from ...observability.tracing import stage_spans
 from .channel import Channel
-from .stage import Replica, call_careful, call_collect, sink_runtime
+from .stage import ABANDON_CAP, Replica, call_careful, call_collect, sink_runtime
 
 #: Largest micro-batch a source emits or a stage takes at once.
 MAX_MICROBATCH = 1024
@@ -35,7 +35,8 @@ class LocalRun:
 
     def __init__(self, plan: Plan, *, inputs: dict[str, Any], outputs: dict[str, Any],
                  on_error: Callable[[ErrorRecord], None], admission: Any = None,
-                 on_drop: Callable[[str, list], None] | None = None) -> None:
+                 on_drop: Callable[[str, list], None] | None = None,
+                 admission_window: int = MAX_MICROBATCH) -> None:
         """Prepare a run (``execute`` runs it).
 
         inputs, outputs: records for sources and targets for sinks declared without them.
@@ -43,12 +44,16 @@ class LocalRun:
         admission: the admission gate each record waits for, or None.
         on_drop:   ``on_drop(stage id, records)`` when a ``filter`` drops records (a
                    server answers those requests instead of waiting forever).
+        admission_window: most arriving records waiting for admission at once; past
+                   that the source stops reading its input.
         """
         self.plan = plan
         self.on_error = on_error
         self.on_drop = on_drop
         self.admission = admission
-        self.tickets: dict[int, Any] = {}  # id(ticket) -> ticket, admitted and not yet out
+        # id(ticket) -> [ticket, copies of it in flight]; see ``_account``
+        self.tickets: dict[int, list] = {}
+        self.admission_window = admission_window
         self.latency = Histogram()
         self.scheduling = Histogram()  # arrival -> first operator start, per record
         self.records_in = 0
@@ -58,13 +63,7 @@ class LocalRun:
         self.replicas: dict[str, list[Replica]] = {}
         self.source_meters: dict[str, StageMeter] = {}
         self.inputs = inputs
-        # Blocking replicas each get one dedicated thread (native libraries such as
-        # llama.cpp keep per-thread state: OpenMP teams, caches). Calls under a timeout go
-        # to a shared pool instead, so an abandoned call never blocks the replica.
-        n_threads = sum(s.replicas for s in plan.stages if s.mode == "thread"
-                        and s.ops[0].contract.timeout_ms is not None)
-        self.pool = ThreadPoolExecutor(max_workers=n_threads + 4,
-                                       thread_name_prefix="tailrace") if n_threads else None
+        self.pools: list[ThreadPoolExecutor] = []  # the blocking replicas' threads
         for s in plan.stages:
             if s.ops[0].op.kind == "source":
                 self.source_meters[s.id] = StageMeter(s.id, "source")
@@ -92,6 +91,8 @@ class LocalRun:
                 if target is None:
                     raise PlanError("sink has no target: pass a list or callable to "
                                     ".sink(...) or tr.run(p, output=...)", stage=o.id)
+                if self.admission is not None:
+                    target = _without_ticket(target)
                 rts.append(sink_runtime(target))
             else:
                 rts.append(o.op.build(o.params, o.contract))
@@ -107,55 +108,94 @@ class LocalRun:
                     else:
                         tg.create_task(self._stage(s))
         finally:
-            if self.pool is not None:
-                self.pool.shutdown(wait=False, cancel_futures=True)
-            if self.admission is not None:  # e.g. filtered-out records: free them too
-                for ticket in list(self.tickets.values()):
+            for pool in self.pools:  # an abandoned timed-out call may still run: no wait
+                pool.shutdown(wait=False, cancel_futures=True)
+            if self.admission is not None:  # an interrupted run: free what is left
+                for ticket, _ in list(self.tickets.values()):
                     self.admission.done(ticket)
                 self.tickets.clear()
 
     def _error(self, errs: list[ErrorRecord]) -> None:
         self.errors += len(errs)
         for e in errs:
-            if self.admission is not None:
-                self._leave([e.input])
             self.on_error(e)
 
-    def _leave(self, records: list) -> None:
-        """Admitted records leaving the run (output or error) free their admission."""
-        for r in records:
-            if isinstance(r, dict):
-                ticket = r.pop("_admission", None)
-                if ticket is not None and self.tickets.pop(id(ticket), None) is not None:
-                    self.admission.done(ticket)
+    # -- admission: every ticket taken is given back exactly once -----------------------
+    # An admitted record carries its ticket in ``_admission``; ``tickets`` counts the
+    # copies of it in flight (fan-out and flat_map children add, every stage's input
+    # subtracts, its outputs add back). A record ends where its ticket stops appearing:
+    # at a sink, as an error record, dropped by a filter, or replaced by a stage with a
+    # record that does not carry it. The count reaching 0 releases the ticket.
+    def _account(self, sid: str, batch: list, ports: dict[str | None, list]) -> None:
+        """Under admission: one stage call took ``batch`` and emitted ``ports``."""
+        delta: dict[int, int] = {}
+        for r in batch:
+            t = r.get("_admission") if isinstance(r, dict) else None
+            if t is not None:
+                delta[id(t)] = delta.get(id(t), 0) - 1
+        down = self.down[sid]
+        for port, records in ports.items():
+            k = len(down.get(port, ()))
+            if k:
+                for r in records:
+                    t = r.get("_admission") if isinstance(r, dict) else None
+                    if t is not None and id(t) in self.tickets:
+                        delta[id(t)] = delta.get(id(t), 0) + k
+        tickets = self.tickets
+        for key, d in delta.items():
+            entry = tickets.get(key)
+            if entry is None:
+                continue
+            entry[1] += d
+            if entry[1] <= 0:
+                del tickets[key]
+                self.admission.done(entry[0])
 
-    async def _admit(self, x: Any, born: float, down: list[Channel], op_id: str) -> None:
+    async def _admit(self, x: Any, born: float, down: list[Channel],
+                     window: asyncio.Semaphore) -> None:
         """One arriving record through the admission gate, then into the plan."""
         try:
-            ticket = await self.admission.admit(self.plan.name, x)
-        except Exception as e:  # noqa: BLE001 - AdmissionRejected (or a gate failure)
-            self.errors += 1
-            self.on_error(ErrorRecord.from_exception("admission", x, e))
-            return
-        self.tickets[id(ticket)] = ticket
-        rec = [{**x, "_admission": ticket} if isinstance(x, dict) else x]
-        for ch in down:
-            if not ch.put_nowait(rec, born):
-                await ch.put(rec, born)
+            if not isinstance(x, dict):  # the ticket rides in the record: it must be a dict
+                self.errors += 1
+                self.on_error(ErrorRecord.from_exception("admission", x, TypeError(
+                    f"admission needs records that are dicts (JSON objects) to carry their "
+                    f"ticket; got {type(x).__name__}: wrap it, e.g. {{'value': x}}")))
+                return
+            try:
+                ticket = await self.admission.admit(self.plan.name, x)
+            except Exception as e:  # noqa: BLE001 - AdmissionRejected (or a gate failure)
+                self.errors += 1
+                self.on_error(ErrorRecord.from_exception("admission", x, e))
+                return
+            if not down:  # pragma: no cover - the compiler gives every source a consumer
+                self.admission.done(ticket)
+                return
+            self.tickets[id(ticket)] = [ticket, len(down)]
+            rec = [{**x, "_admission": ticket}]
+            for ch in down:
+                if not ch.put_nowait(rec, born):
+                    await ch.put(rec, born)
+        finally:
+            window.release()
 
-    async def _admitted_source(self, data: Any, down: list[Channel], meter: StageMeter,
-                               op_id: str) -> None:
+    async def _admitted_source(self, data: Any, down: list[Channel],
+                               meter: StageMeter) -> None:
         """Open-loop ingress: each record waits for admission in its own task, so a
-        queued record never delays the arrival of the next one."""
+        queued record does not delay the arrival of the next one — up to
+        ``admission_window`` records waiting at once; past that the source stops reading
+        (memory stays flat whatever the input size)."""
+        window = asyncio.Semaphore(self.admission_window)
         async with asyncio.TaskGroup() as tg:
             if hasattr(data, "__aiter__"):
                 async for x in data:
+                    await window.acquire()
                     meter.records_out += 1
-                    tg.create_task(self._admit(x, perf_counter(), down, op_id))
+                    tg.create_task(self._admit(x, perf_counter(), down, window))
             else:
                 for x in data:
+                    await window.acquire()
                     meter.records_out += 1
-                    tg.create_task(self._admit(x, perf_counter(), down, op_id))
+                    tg.create_task(self._admit(x, perf_counter(), down, window))
 
     async def _emit(self, sid: str, ports: dict[str | None, list], born: float) -> None:
         down = self.down[sid]
@@ -179,7 +219,7 @@ class LocalRun:
         down = self.down[s.id].get(None, [])
         try:
             if self.admission is not None:
-                await self._admitted_source(data, down, meter, op.id)
+                await self._admitted_source(data, down, meter)
             elif hasattr(data, "__aiter__"):
                 async for x in data:
                     born = perf_counter()
@@ -242,20 +282,17 @@ class LocalRun:
         careful = (rt.is_async or first.contract.retries > 0
                    or first.contract.timeout_ms is not None)
         run_blocking = None
-        own: ThreadPoolExecutor | None = None
         if s.mode == "thread":
-            loop = asyncio.get_running_loop()
-            pool = self.pool
-            if first.contract.timeout_ms is None:
-                i = self.replicas[s.id].index(rep)
-                pool = own = ThreadPoolExecutor(1, thread_name_prefix=f"tailrace-{s.id}-{i}")
-            run_blocking = partial(loop.run_in_executor, pool)
-        try:
-            await self._serve(s, rep, ch, first, rt, meter, max_n, max_wait, collect, careful,
-                              run_blocking)
-        finally:
-            if own is not None:
-                own.shutdown(wait=False)
+            # One dedicated thread per blocking replica (native libraries such as llama.cpp
+            # keep per-thread state: OpenMP teams, caches); under a timeout, spare threads
+            # for up to ABANDON_CAP abandoned calls, so one never blocks the replica.
+            i = self.replicas[s.id].index(rep)
+            n = 1 + (ABANDON_CAP if first.contract.timeout_ms is not None else 0)
+            pool = ThreadPoolExecutor(n, thread_name_prefix=f"tailrace-{s.id}-{i}")
+            self.pools.append(pool)
+            run_blocking = partial(asyncio.get_running_loop().run_in_executor, pool)
+        await self._serve(s, rep, ch, first, rt, meter, max_n, max_wait, collect, careful,
+                          run_blocking)
 
     async def _serve(self, s: PlanStage, rep: Replica, ch: Channel, first: Any, rt: Any,
                      meter: StageMeter, max_n: int, max_wait: float, collect: bool,
@@ -292,18 +329,18 @@ class LocalRun:
                 ports = rep.run_chain(batch, errors)
             if TRACING.tracer is not None:  # tracing off: this check is all it costs
                 stage_spans(TRACING.tracer, s, batch, ports, errors, enq, now, perf_counter())
-            if errors:
-                self._error(errors)
-                errors = []
             if is_sink:
                 sm = rep.meters[-1]
                 delivered = sm.records_out - counted
                 counted = sm.records_out
                 self.records_out += delivered
                 self.latency.record((perf_counter() - born) * 1e6, delivered)
-                if self.admission is not None:
-                    self._leave(batch)
-            else:
+            if errors:
+                self._error(errors)
+                errors = []
+            if self.tickets:
+                self._account(s.id, batch, ports)
+            if not is_sink:
                 await self._emit(s.id, ports, born)
 
 
@@ -334,3 +371,19 @@ async def collect_batch(ch: Channel, max_n: int, max_wait: float,
             break
         await ch.wait_readable(remaining)
     return enq, born, recs
+
+
+def _without_ticket(target: Any) -> Any:
+    """A sink target that receives records without their admission ticket (a copy:
+    the same record may still be in flight on another branch)."""
+    def strip(r: Any) -> Any:
+        if isinstance(r, dict) and "_admission" in r:
+            return {k: v for k, v in r.items() if k != "_admission"}
+        return r
+
+    if isinstance(target, list):
+        append = target.append
+        return lambda r: append(strip(r))
+    if callable(target):
+        return lambda r: target(strip(r))
+    return target
