@@ -136,7 +136,8 @@ class _Relay:
 
     The queue holds at most ``budget`` pieces (plus ``_END``): pieces wait there only
     while the client reads slower than the engine writes, and a conforming pipeline
-    sends fewer than ``piece_budget`` pieces in all. A piece past the bound stops the
+    sends fewer than ``piece_budget`` pieces in all, so only an engine writing past its
+    ``max_tokens`` to a slow client can fill it. A piece past the bound stops the
     generation (the record's ``_cancel``) and the stream ends with an error event.
     """
 
@@ -164,8 +165,9 @@ class _Relay:
         stream was cut at its bound."""
         out = self.task.result()
         if self.overflowed:
-            raise ServiceError(f"the pipeline streamed more than {self.budget} text pieces "
-                               "(twice its generate stages' max_tokens); the stream was cut",
+            raise ServiceError(f"more than {self.budget} streamed text pieces waited for "
+                               "the client (twice the generate stages' max_tokens: the engine "
+                               "wrote past max_tokens); the stream was cut",
                                code="stream_overflow")
         return out
 
