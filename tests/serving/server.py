@@ -10,22 +10,25 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from tailrace.cli.serve import draining_server
 from tailrace.serving import ServingHub, create_app
 
 
 @contextlib.contextmanager
-def running(hub: ServingHub, *, start_hub: bool = True) -> Iterator[str]:
+def running(hub: ServingHub, *, start_hub: bool = True, drain_s: float = 30.0
+            ) -> Iterator[str]:
     """Serve ``hub`` on 127.0.0.1:<free port>; yields the base URL (``http://...:N``).
 
-    hub:       the hub to serve (stopped on exit).
+    hub:       the hub to serve (drained and stopped on exit, as ``tailrace serve`` does).
     start_hub: start the hub's services first (False: the test starts them).
+    drain_s:   most seconds each pipeline may take to drain on exit.
     """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # NODELAY
     sock.bind(("127.0.0.1", 0))
     sock.listen(128)
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(hub), log_level="warning",
-                                           access_log=False, lifespan="off"))
+    server = draining_server(uvicorn.Config(create_app(hub), log_level="warning",
+                                            access_log=False, lifespan="off"), hub, drain_s)
     if start_hub:
         hub.start()
         for s in hub.services.values():

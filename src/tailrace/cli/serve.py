@@ -3,7 +3,8 @@
 Every pipeline file becomes one ``PipelineService`` (``model`` = its ``pipeline:``
 name); they share the process's engines and one admission gate. The server listens
 at once and prints its URL; engines load in the background (``/readyz`` turns 200 when
-they have). Ctrl-C (or SIGTERM) drains the pipelines and stops.
+they have). Ctrl-C (or SIGTERM) drains the pipelines (every waiting request gets its
+answer, or 503 after 30 s) and stops.
 """
 
 from __future__ import annotations
@@ -97,6 +98,30 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def draining_server(config: Any, hub: Any, drain_s: float = 30.0) -> Any:
+    """A ``uvicorn.Server`` that drains ``hub`` as it shuts down.
+
+    uvicorn's shutdown waits for every open request, and a request waits for its
+    pipeline: without the drain, Ctrl-C with a record stuck in a stage would wait for
+    that request's timeout. Draining first answers every waiting request (its output if
+    the pipeline finishes it within ``drain_s`` seconds, else 503).
+
+    config:  the ``uvicorn.Config``.
+    hub:     the ``ServingHub`` it serves.
+    drain_s: most seconds each pipeline may take to finish its records.
+    """
+    import asyncio
+
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            await asyncio.to_thread(hub.stop, drain_s)
+            await super().shutdown(sockets)
+
+    return DrainingServer(config)
+
+
 def serve(args: argparse.Namespace) -> int:
     """Run ``tailrace serve`` until interrupted; returns the exit status.
 
@@ -133,8 +158,8 @@ def serve(args: argparse.Namespace) -> int:
     sock = _listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    server = uvicorn.Server(uvicorn.Config(create_app(hub), log_level="warning",
-                                           access_log=False, lifespan="off"))
+    server = draining_server(uvicorn.Config(create_app(hub), log_level="warning",
+                                            access_log=False, lifespan="off"), hub)
     failed: list[str] = []
 
     def watch() -> None:
