@@ -63,7 +63,8 @@ class LocalRun:
         self.replicas: dict[str, list[Replica]] = {}
         self.source_meters: dict[str, StageMeter] = {}
         self.inputs = inputs
-        self.pools: list[ThreadPoolExecutor] = []  # the blocking replicas' threads
+        # the blocking replicas' threads, with the runtime of the operator they call
+        self.pools: list[tuple[ThreadPoolExecutor, Any]] = []
         for s in plan.stages:
             if s.ops[0].op.kind == "source":
                 self.source_meters[s.id] = StageMeter(s.id, "source")
@@ -100,6 +101,7 @@ class LocalRun:
 
     # -- the run ----------------------------------------------------------------------
     async def execute(self) -> None:
+        finished = False
         try:
             async with asyncio.TaskGroup() as tg:
                 for s in self.plan.stages:
@@ -107,9 +109,12 @@ class LocalRun:
                         tg.create_task(self._source(s))
                     else:
                         tg.create_task(self._stage(s))
+            finished = True
         finally:
-            for pool in self.pools:  # an abandoned timed-out call may still run: no wait
-                pool.shutdown(wait=False, cancel_futures=True)
+            for pool, rt in self.pools:
+                # a finished run leaves no thread behind, except one running an abandoned
+                # timed-out call (it cannot be stopped); an interrupted run does not wait
+                pool.shutdown(wait=finished and rt.abandoned == 0, cancel_futures=True)
             if self.admission is not None:  # an interrupted run: free what is left
                 for ticket, _ in list(self.tickets.values()):
                     self.admission.done(ticket)
@@ -289,7 +294,7 @@ class LocalRun:
             i = self.replicas[s.id].index(rep)
             n = 1 + (ABANDON_CAP if first.contract.timeout_ms is not None else 0)
             pool = ThreadPoolExecutor(n, thread_name_prefix=f"tailrace-{s.id}-{i}")
-            self.pools.append(pool)
+            self.pools.append((pool, rt))
             run_blocking = partial(asyncio.get_running_loop().run_in_executor, pool)
         await self._serve(s, rep, ch, first, rt, meter, max_n, max_wait, collect, careful,
                           run_blocking)
