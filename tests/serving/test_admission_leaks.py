@@ -148,6 +148,12 @@ def test_a_cancelled_caller_gives_its_ticket_back(gate_closed, where):
         assert asyncio.run(main()) == {"text": "c", "held": True}
         assert svc.pending == 0
         wait_until(lambda: idle(gate), "gate idle")
+        stats = svc.stats()
+        if where == "waiting for admission":  # "b" was admitted for nobody: it did not run
+            assert (stats["held"].records_in, stats.errors) == (2, 1)
+        else:  # "a" was in the stage already: it ran on for nobody
+            assert (stats["held"].records_in, stats.errors) == (2, 0)
+        assert svc.unrouted == 1  # the answer (or error record) nobody waited for
     finally:
         svc.stop()
         gate.close()

@@ -73,3 +73,12 @@ class ServiceTimeout(ServiceError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, status=504, code="timeout")
+
+
+class CallerGone(ServiceError):
+    """The caller gave up (cancelled, timed out, disconnected) while its request waited
+    for admission: its ticket goes straight back and its record ends as this error
+    (stage ``admission``) instead of running for nobody."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, status=499, code="caller_gone")

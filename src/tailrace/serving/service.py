@@ -13,7 +13,10 @@ after the runtime has finished the step that produced it: by the time ``submit``
 returns, the record is counted in ``stats()`` and its admission ticket is back.
 A record a ``filter`` drops is answered at once with ``RecordDropped`` (HTTP 422).
 Records that lose ``_rid`` (a map returning a new object without it) never answer:
-their callers get ``ServiceTimeout`` after ``timeout_s``.
+their callers get ``ServiceTimeout`` after ``timeout_s``. A caller that gives up
+(cancelled, timed out, disconnected) before its record is admitted costs nothing more:
+the feed skips the record, or admission gives the ticket straight back and the record
+ends as a ``CallerGone`` error record; once admitted, it runs on for nobody.
 A ``ServingHub`` holds the services of one process, their shared admission gate and
 the optional API key.
 """
@@ -36,6 +39,7 @@ from ..control.gate import settle
 from ..errors import PlanError
 from ..observability import RunStats
 from .errors import (
+    CallerGone,
     RecordDropped,
     RequestFailed,
     ServiceError,
@@ -82,7 +86,8 @@ def _clean(record: dict) -> dict:
 
 class _Door:
     """The admission gate as the runtime sees it; remembers each rejection's retry-after
-    so the caller's 429 carries it (the error record keeps only the message)."""
+    so the caller's 429 carries it (the error record keeps only the message), and gives
+    a ticket straight back when its caller left while the record waited for it."""
 
     def __init__(self, gate: Any, service: PipelineService) -> None:
         self.gate = gate
@@ -90,7 +95,7 @@ class _Door:
 
     async def admit(self, pipeline: str, record: Any) -> Any:
         try:
-            return await self.gate.admit(pipeline, record)
+            ticket = await self.gate.admit(pipeline, record)
         except Exception as e:
             retry = getattr(e, "retry_after", None)
             if retry is not None and isinstance(record, dict):
@@ -98,6 +103,12 @@ class _Door:
                 if waiter is not None:
                     waiter.retry_after = float(retry)
             raise
+        cancel = record.get("_cancel") if isinstance(record, dict) else None
+        if cancel is not None and cancel.is_set():
+            self.gate.done(ticket)
+            raise CallerGone(f"pipeline '{pipeline}': the caller gave up while this request "
+                             "waited for admission; it did not run")
+        return ticket
 
     def done(self, ticket: Any, service_seconds: float | None = None) -> None:
         self.gate.done(ticket, service_seconds)
