@@ -59,6 +59,15 @@ def finishes(fn, timeout=60.0):
     return out["result"]
 
 
+async def until(cond, timeout=10.0):
+    """Wait (polling) until ``cond()`` holds; fail after ``timeout`` seconds."""
+    for _ in range(int(timeout / 0.01)):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached in time")
+
+
 def records(n):
     return [{"i": i} for i in range(n)]
 
@@ -178,15 +187,13 @@ def test_a_cancelled_admission_wait_gives_its_ticket_back():
     async def scenario():
         first = await gate.admit("p", {"q": "a"})
         waiting = asyncio.ensure_future(gate.admit("p", {"q": "b"}))
-        await asyncio.sleep(0.05)
+        await until(lambda: gate.statistics().queued == 1)
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
-        gate.done(first)
-        for _ in range(200):  # the poller may admit the abandoned request: then freed
-            if gate.statistics().in_flight == 0 and gate.statistics().queued == 0:
-                break
-            await asyncio.sleep(0.01)
+        gate.done(first)  # admits the abandoned request, which is freed at once
+        await until(lambda: gate.statistics().in_flight == 0
+                    and gate.statistics().queued == 0)
         third = await asyncio.wait_for(gate.admit("p", {"q": "c"}), 5)
         gate.done(third)
 
@@ -202,12 +209,13 @@ def test_a_ticket_admitted_as_its_caller_cancels_is_given_back():
     async def scenario():
         first = await gate.admit("p", {"q": "a"})
         waiting = asyncio.ensure_future(gate.admit("p", {"q": "b"}))
-        await asyncio.sleep(0.05)
+        await until(lambda: gate.statistics().queued == 1)
         gate.done(first)  # schedules delivery of b's ticket on this loop...
+        assert gate.statistics().in_flight == 1
         waiting.cancel()  # ...but b's caller leaves first
         with pytest.raises(asyncio.CancelledError):
             await waiting
-        await asyncio.sleep(0.05)
+        await until(lambda: gate.statistics().in_flight == 0)
 
     asyncio.run(scenario())
     assert gate.statistics().in_flight == 0
@@ -221,7 +229,7 @@ def test_close_after_a_waiters_loop_ended_does_not_raise():
     async def leave_one_waiting():
         await gate.admit("p", {"q": "a"})
         asyncio.ensure_future(gate.admit("p", {"q": "b"}))
-        await asyncio.sleep(0.02)
+        await until(lambda: gate.statistics().queued == 1)
 
     loop.run_until_complete(leave_one_waiting())
     loop.close()  # like a Ctrl-C'd run that shared the gate
