@@ -259,3 +259,14 @@ def test_ledger_an_input_ends_once_as_an_error_or_an_output():
     # but an error of the copied record's ancestor, after its copies were delivered, is
     assert led.offer(Failures(2, (0, 0), [ErrorRecord("m", 6, "ValueError", "no")],
                               [6])) == []
+
+
+def test_ledger_nested_fan_outs_wait_for_both_commits():
+    led = Ledger()
+    route = (0, 0)
+    inner = route + ((1, 11),)
+    entry = d(inner + ((2, 22),), ["g"], [((0, 0), 0)])
+    assert led.offer(entry) == []
+    assert led.commit(Commit(2, inner, 22, [(0, 0)])) == []  # the outer one is pending
+    assert led.commit(Commit(1, route, 11, [0])) == [entry]
+    assert led.offer(d((0, 0, 4), ["p"], [3])) and not led.offer(d((0, 0, 4), ["p"], [3]))

@@ -26,9 +26,9 @@ execution of that push), and one lineage id per record. The rules:
    committed: its ledger is freed, waiting entries of dead executions are dropped, and
    anything that still arrives for it (a straggler of a dead actor) is dropped.
 
-Cost: a route without hops (chains, branches, merges) costs two set operations per
-delivery in C (``isdisjoint``, ``update``); per-record Python work happens only on routes
-with hops and for duplicates.
+Cost: a route without fan-out hops (chains, branches, merges, copies) costs a few set
+operations per delivery, in C (``isdisjoint``, ``update``); per-record Python work
+happens only behind a fan-out stage and for duplicates.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from .messages import BatchKey, Commit, Delivery
+
+_NONE: frozenset = frozenset()
 
 
 def peel(lin: Any, depth: int) -> Any:
@@ -124,6 +126,18 @@ class Ledger:
                 return [e]
             return self._pick(b, e, key, lin, [])
         fans = [(p, h) for p, h in enumerate(key) if p >= 2 and type(h) is tuple]
+        if not fans:  # only copies: an id is its ancestors' id, still set operations
+            prefixes = [key[:p] for p in range(2, len(key))]
+            term = b.terminal.get(key)
+            touch = b.touched.get(key)
+            if (term is None or term.isdisjoint(lin)) and \
+                    (touch is None or touch.isdisjoint(lin)) and \
+                    all(b.terminal.get(r, _NONE).isdisjoint(lin) for r in prefixes):
+                b.terminal.setdefault(key, set()).update(lin)
+                for r in prefixes:
+                    b.touched.setdefault(r, set()).update(lin)
+                return [e]
+            return self._pick(b, e, key, lin, fans)
         for _, (_, token) in fans:
             if token not in b.committed:
                 b.waiting.setdefault(token, []).append(e)
