@@ -55,7 +55,8 @@ def executions(folder: str) -> dict[int, set[int]]:
             pid = int(name[5:])
             with open(os.path.join(folder, name)) as f:
                 for line in f:
-                    out[int(line)].add(pid)
+                    if line.endswith("\n"):  # not the line a killed process was writing
+                        out[int(line)].add(pid)
     return out
 
 

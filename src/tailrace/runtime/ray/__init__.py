@@ -3,12 +3,14 @@
 Layout, one responsibility per module:
 
 - ``connect``: import Ray lazily, reach the cluster or fail in one line.
-- ``messages``: what crosses actors (install specs, lineage keys, outbox entries).
+- ``messages``: what crosses actors (install specs, routes, outbox entries).
 - ``credits``: per-edge credit windows and at-least-once pushes with replay.
+- ``lineage``: which input each output and error came from, inside a replica.
 - ``instance``: one stage replica (bounded queue, operator loop) inside a host.
 - ``host``: the ``StageHost`` actor and its outbox to the driver.
 - ``placement``: placement options and the pool of hosts.
-- ``driver``: sources, sinks, de-duplication, the run's life cycle.
+- ``ledger``: the driver's de-duplication by lineage (exactly once across replays).
+- ``driver``: sources, admission, sinks, the run's life cycle.
 - ``stats``: per-actor meters merged into the local runtime's stats format.
 
 Nothing here imports Ray at module import time.
