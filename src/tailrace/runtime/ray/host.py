@@ -18,7 +18,6 @@ import pickle
 import sys
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from functools import cache
 from typing import Any
@@ -142,7 +141,6 @@ class StageHost:
         self.node = ray.get_runtime_context().get_node_id()
         self.runs: dict[str, Outbox] = {}
         self.finished: deque = deque(maxlen=4096)
-        self.timeout_pool = ThreadPoolExecutor(64, thread_name_prefix="tailrace-timeout")
 
     def _outbox(self, run_id: str) -> Outbox | None:
         box = self.runs.get(run_id)
@@ -162,7 +160,7 @@ class StageHost:
                 if p not in sys.path:
                     sys.path.append(p)
             box.instances[(spec.index, replica)] = StageInstance(
-                spec, replica, box, self.timeout_pool, self.node)
+                spec, replica, box, self.node)
         inst = box.instances.get((spec.index, replica)) if box is not None else None
         return Installed(self.incarnation, self.node, os.getpid(),
                          inst.incarnation if inst is not None else "")

@@ -19,7 +19,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from time import perf_counter
 from typing import Any
@@ -27,7 +27,7 @@ from typing import Any
 from ...api.records import ErrorRecord
 from ...observability import Histogram, StageMeter
 from ...operators import OpRuntime
-from ..local.stage import Replica
+from ..local.stage import ABANDON_CAP, Replica
 from .credits import Link, gather_acks
 from .lineage import ids, is_fan_out, run_careful, run_chain, run_collect
 from .messages import BatchKey, InstallSpec, Lineage, MeterReport
@@ -52,12 +52,11 @@ class StageInstance:
     spec:    the stage, its routes and the run (see ``InstallSpec``).
     replica: which replica of the stage this is.
     outbox:  the host's outbox for this run (``deliver``/``fail`` for the driver).
-    timeout_pool: the host's shared thread pool for calls under a ``timeout_ms``.
     node:    the Ray node id of the host (reported with the meters).
     """
 
     def __init__(self, spec: InstallSpec, replica: int, outbox: Any,
-                 timeout_pool: Executor, node: str) -> None:
+                 node: str) -> None:
         s = spec.stage
         self.index = spec.index
         self.replica = replica
@@ -86,11 +85,11 @@ class StageInstance:
                         or first.contract.timeout_ms is not None)
         self.own_pool: ThreadPoolExecutor | None = None
         self.run_blocking: Callable | None = None
-        if s.mode == "thread":
-            pool: Executor = timeout_pool
-            if first.contract.timeout_ms is None:  # one dedicated thread, as locally
-                pool = self.own_pool = ThreadPoolExecutor(
-                    1, thread_name_prefix=f"tailrace-{s.id}-{replica}")
+        if s.mode == "thread":  # as locally: one dedicated thread, plus, under a timeout,
+            # spare ones for up to ABANDON_CAP abandoned calls (never the host's threads)
+            n = 1 + (ABANDON_CAP if first.contract.timeout_ms is not None else 0)
+            pool = self.own_pool = ThreadPoolExecutor(
+                n, thread_name_prefix=f"tailrace-{s.id}-{replica}")
             self.run_blocking = partial(asyncio.get_running_loop().run_in_executor, pool)
         self.links: dict[str | None, list[Link]] = {
             port: [Link(r, spec.run_id, outbox.deliver if r.sink else None, self._unsendable)
