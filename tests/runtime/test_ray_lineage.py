@@ -165,6 +165,19 @@ def test_a_filter_that_keeps_more_on_replay_delivers_each_record_once(ray_sessio
     assert set(counts) == expected
 
 
+def pair(x):
+    return [2 * x, 2 * x + 1]
+
+
+def test_a_fan_out_fused_with_a_branch_numbers_children_across_both_ports(ray_session):
+    p = tr.Pipeline("fan-branch")
+    t, f = p.source(range(50)).flat_map(pair, id="fan").branch(lambda x: x % 2 == 0, id="b")
+    t.merge(f, id="m").sink(out := [])
+    result = tr.run(p, runtime="ray")
+    assert len(result.plan.stages) == 3  # source, fan+b, m+sink
+    assert sorted(out) == list(range(100))
+
+
 # -- the lineage runner, on its own -------------------------------------------------------
 def _replica(p: tr.Pipeline) -> tuple[Replica, tuple[bool, ...]]:
     """The first operator stage, built as a host builds it (its sink runs in the driver)."""

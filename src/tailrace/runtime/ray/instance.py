@@ -206,11 +206,12 @@ class StageInstance:
             if errors:
                 acks.append(self.outbox.fail(self.index, out_key, errors,
                                              ids(part_ids, esrc, fan, errors=True)))
+            counts: dict[int, int] = {}  # ordinals per input, across ports
             for port, (recs, src) in ports.items():
                 if recs:
                     links = self.links.get(port)
                     if links:
-                        out_ids = ids(part_ids, src, fan)
+                        out_ids = ids(part_ids, src, fan, counts=counts)
                         if len(links) == 1:
                             await links[0].send(out_key, recs, out_ids, born, acks)
                             continue

@@ -239,18 +239,21 @@ def _done(rep: Replica, m: StageMeter, t0: float, n_in: int, n_out: int, errs: l
         errors.extend(ErrorRecord.from_exception(sid, x, e) for x, e in errs)
 
 
-def ids(lin: Sequence, src: Src, fan: bool, errors: bool = False) -> Sequence:
+def ids(lin: Sequence, src: Src, fan: bool, errors: bool = False,
+        counts: dict[int, int] | None = None) -> Sequence:
     """Lineage ids of a step's records from the stage input's ids ``lin``.
 
     src:    positions of the records in the stage's input (None: one to one).
     fan:    the stage fans out: ids are ``(parent id, ordinal)``.
     errors: these are error records of a fan-out stage (ordinals -1, -2, ...).
+    counts: ordinals already given per input position (shared by a part's ports, so
+            that a fan-out followed by a branch never gives two records one id).
     """
     if not fan:
         return lin if src is None else [lin[s] for s in src]
     if src is None:
         src = list(range(len(lin)))
-    seen: dict[int, int] = {}
+    seen: dict[int, int] = {} if counts is None else counts
     out: list = []
     step = -1 if errors else 1
     base = -1 if errors else 0
