@@ -1,0 +1,38 @@
+"""Hypothesis profiles of the fault suite, chosen by ``TAILRACE_FAULT_PROFILE``.
+
+- ``ci`` (default): deterministic (``derandomize``), no deadline; sized so the whole
+  directory runs in under 3 minutes on two cores (``make test``).
+- ``chaos``: random, many more examples, failures saved in the example database
+  (``make chaos``, about 20 minutes).
+
+Each profile has one child per target (``ci-local``, ``chaos-ray``, ...) that sets its
+number of examples; tests use ``harness.fault_settings(target)``. The profiles are only
+registered, never loaded, so Hypothesis tests elsewhere keep their own settings.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+PROFILES = ("ci", "chaos")
+#: examples per test, per target; the serving test runs once per admission policy
+EXAMPLES = {
+    "ci": {"local": 60, "interrupt": 12, "service": 12, "ray": 5},
+    "chaos": {"local": 3000, "interrupt": 400, "service": 300, "ray": 60},
+}
+
+_common = dict(deadline=None, print_blob=True,
+               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                      HealthCheck.filter_too_much])
+settings.register_profile("ci", derandomize=True, database=None, **_common)
+settings.register_profile("chaos", derandomize=False, **_common)
+for _name in PROFILES:
+    for _target, _n in EXAMPLES[_name].items():
+        settings.register_profile(f"{_name}-{_target}", settings.get_profile(_name),
+                                  max_examples=_n)
+
+_chosen = os.environ.get("TAILRACE_FAULT_PROFILE", "ci")
+if _chosen not in PROFILES:
+    raise ValueError(f"TAILRACE_FAULT_PROFILE={_chosen!r}: choose one of {', '.join(PROFILES)}")

@@ -1,0 +1,567 @@
+"""The fault suite's model: scenarios, fault-injecting operators and lineage accounting.
+
+A ``Scenario`` is plain data (Hypothesis prints it when an example fails, and a
+regression test pastes it back): how many input records, a seed, the stages, and which
+faults hit where. ``build`` turns it into a ``tr.Pipeline`` whose operator functions
+inject those faults. Every decision — which record fails, how many children a
+``flat_map`` emits, which way a ``branch`` sends a record — is a hash of the seed, the
+stage and the record's lineage, so an example replays exactly wherever it runs (the
+Ray runtime runs the functions in other processes).
+
+Records are dicts: ``lid`` (input index), ``path`` (``(lid,)`` plus one ordinal per
+``flat_map`` passed), ``grp`` (a key for ``stateful``) and ``hops``. A ``batch`` stage
+emits ``{"items": [records]}``; a ``flat_map`` of a batch emits its members again.
+Operators keep every other field (``{**x, ...}``), so the serving runtime's ``_rid``
+and friends ride along.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import signal
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import tailrace as tr
+import tailrace.errors as tr_errors
+
+
+def h(*parts: Any) -> int:
+    """A stable hash (Python's ``hash`` of strings differs between processes)."""
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "big")
+
+
+class InjectedFault(Exception):
+    """The exception the suite's operators raise on purpose."""
+
+
+# -- records and lineage ------------------------------------------------------------------
+def inputs(n: int) -> list[dict]:
+    return [{"lid": i, "path": (i,), "grp": i % 3, "hops": 0} for i in range(n)]
+
+
+def is_batch(x: Any) -> bool:
+    return isinstance(x, dict) and "items" in x
+
+
+def lineages(x: Any) -> list[tuple]:
+    """The lineage paths a record carries (a batch: its members'); ValueError if none."""
+    if is_batch(x):
+        return [p for r in x["items"] for p in lineages(r)]
+    if isinstance(x, dict) and "path" in x:
+        return [tuple(x["path"])]
+    raise ValueError(f"record without lineage: {x!r:.200}")
+
+
+def key_of(x: Any) -> tuple:
+    """What decisions about a record (or a batch-contract call's list) depend on."""
+    if isinstance(x, list):
+        return ("L",) + tuple(key_of(r) for r in x)
+    if is_batch(x):
+        return ("B",) + tuple(sorted(lineages(x)))
+    return tuple(x["path"])
+
+
+def fanout(seed: int, path: tuple) -> int:
+    """How many children a ``flat_map`` emits for a (non-batch) record."""
+    return (0, 1, 1, 2)[h(seed, "fan", path) % 4]
+
+
+def keeps(seed: int, stage: str, path: tuple) -> bool:
+    """A ``filter``'s verdict on a (non-batch) record: about one in four is dropped."""
+    return h(seed, "keep", stage, path) % 4 != 0
+
+
+# -- scenarios ------------------------------------------------------------------------------
+FAULT_KINDS = ("always", "first", "slow", "slow_first", "hang")
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Percentages of the records (by lineage) that meet each fault at a stage.
+
+    always: raise on every attempt; first: raise on the first attempt only;
+    slow / slow_first: take 3x the stage's timeout (every attempt / the first);
+    hang: block until the test releases it (or the record's cancel event is set).
+    """
+
+    always: int = 0
+    first: int = 0
+    slow: int = 0
+    slow_first: int = 0
+    hang: int = 0
+
+    def fate(self, seed: int, stage: str, key: tuple) -> str:
+        r = h(seed, stage, key) % 100
+        for kind in FAULT_KINDS:
+            pct = getattr(self, kind)
+            if r < pct:
+                return kind
+            r -= pct
+        return "ok"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One stage: ``op`` consumes open stream ``at`` (and ``other`` for a merge).
+
+    op: map | amap (async map) | filter | flat_map | branch | merge | batch (a batch
+        stage of ``size`` records, ``wait_ms``) | bmap (a map with a batch contract of
+        ``size``, ``wait_ms``) | stateful | select (a batch-only built-in operator).
+    contract: the contract keywords, as sorted (key, value) pairs.
+    """
+
+    op: str
+    at: int = 0
+    other: int = -1
+    contract: tuple = ()
+    faults: Faults = Faults()
+    size: int = 2
+    wait_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The admission gate of a run: policy and limits (fcfs, slo)."""
+
+    policy: str
+    max_in_flight: int = 2
+    max_queue: int = 4
+    p99_ms: float = 60_000.0
+
+    def gate(self) -> Any:
+        from tailrace.control import AdmissionGate, PipelineSLO, make_policy
+
+        if self.policy == "simultaneous":
+            policy = make_policy("simultaneous")
+        elif self.policy == "fcfs":
+            policy = make_policy("fcfs", max_in_flight=self.max_in_flight,
+                                 max_queue=self.max_queue)
+        else:
+            policy = make_policy("slo", max_in_flight=self.max_in_flight,
+                                 max_queue=self.max_queue,
+                                 slos={PIPELINE: PipelineSLO(p99_ms=self.p99_ms)})
+        return AdmissionGate(policy)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One example: ``n`` input records through ``steps``, with these faults.
+
+    interrupt: (step, lid): the operator of that step sends the process SIGINT (Ctrl-C)
+               when it first sees a record of that lineage (local runtime, run on the
+               main thread of a child process: see ``interrupt.py``).
+    cancel:    (step, lid) pairs: the caller of that request cancels it when its record
+               reaches that step (serving).
+    stop:      serving: stop the service while the requests are in flight.
+    max_pending: serving: the service's limit of waiting requests (None: plenty).
+    kill:      Ray: the step whose actor is killed once the first output arrived.
+    """
+
+    n: int
+    seed: int
+    steps: tuple[Step, ...] = ()
+    fuse: bool = True
+    admission: Admission | None = None
+    interrupt: tuple[int, int] | None = None
+    cancel: tuple[tuple[int, int], ...] = ()
+    stop: bool = False
+    max_pending: int | None = None
+    kill: int | None = None
+
+
+PIPELINE = "fault"
+FN_OPS = ("map", "amap", "filter", "flat_map", "branch", "bmap", "stateful")
+
+
+def stage_id(i: int, step: Step) -> str:
+    return f"{step.op}{i}"
+
+
+def timeout_s(step: Step) -> float | None:
+    ms = dict(step.contract).get("timeout_ms")
+    return None if ms is None else ms / 1000.0
+
+
+# -- the operators ----------------------------------------------------------------------------
+class Ledger:
+    """An append-only file of the silent ends the operators decide: a filter's drop, a
+    flat_map that emits nothing. Shared by processes (Ray actors) through the file."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def note(self, kind: str, stage: str, path: tuple) -> None:
+        line = (json.dumps([kind, stage, list(path)]) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+
+    def entries(self) -> list[tuple[str, str, tuple]]:
+        if not os.path.exists(self.path):
+            return []
+        with open(self.path) as f:
+            return [(k, s, tuple(p)) for k, s, p in map(json.loads, f)]
+
+
+class Probe:
+    """The test's hooks into one in-process run: progress, the release of hung calls,
+    cancellations and interrupts. Operators find it by run key (absent on Ray)."""
+
+    def __init__(self, sc: Scenario) -> None:
+        self.calls = 0
+        self.release = threading.Event()
+        self.on_cancel: Any = None  # lid -> None, set by the serving runner
+        self._cancel = {(stage_id(i, sc.steps[i]), lid) for i, lid in sc.cancel}
+        self._interrupt = (None if sc.interrupt is None else
+                           (stage_id(sc.interrupt[0], sc.steps[sc.interrupt[0]]),
+                            sc.interrupt[1]))
+        self.interrupted = False
+        self._lock = threading.Lock()
+
+    def visit(self, stage: str, x: Any) -> None:
+        self.calls += 1
+        try:
+            paths = lineages(x) if not isinstance(x, list) else \
+                [p for r in x for p in lineages(r)]
+        except ValueError:
+            return
+        for p in paths:
+            with self._lock:
+                cancel = (stage, p[0]) in self._cancel
+                self._cancel.discard((stage, p[0]))
+                stop = not self.interrupted and self._interrupt == (stage, p[0])
+                if stop:
+                    self.interrupted = True
+            if cancel and self.on_cancel is not None:
+                self.on_cancel(p[0])
+            if stop:  # Ctrl-C, as a terminal sends it (the run is on the main thread)
+                os.kill(os.getpid(), signal.SIGINT)
+
+
+PROBES: dict[int, Probe] = {}
+_ATTEMPTS: dict[tuple, int] = defaultdict(int)
+_ATTEMPTS_LOCK = threading.Lock()
+HANG_MAX_S = 30.0  # a hung call's own bound; the test releases it long before
+
+
+def _attempt(run: int, stage: str, key: tuple) -> int:
+    with _ATTEMPTS_LOCK:
+        _ATTEMPTS[(run, stage, key)] += 1
+        return _ATTEMPTS[(run, stage, key)]
+
+
+def forget_attempts(run: int) -> None:
+    with _ATTEMPTS_LOCK:
+        for k in [k for k in _ATTEMPTS if k[0] == run]:
+            del _ATTEMPTS[k]
+
+
+def _events(x: Any, probe: Probe | None) -> list[Any]:
+    """What may end a blocking wait early: the records' ``_cancel`` (set by the caller,
+    or by the runtime when it abandons a timed-out attempt) and the test's release."""
+    evs = [r.get("_cancel") for r in (x if isinstance(x, list) else [x])
+           if isinstance(r, dict)]
+    evs = [e for e in evs if callable(getattr(e, "is_set", None))]
+    return evs + ([probe.release] if probe is not None else [])
+
+
+def _block(x: Any, probe: Probe | None, seconds: float) -> None:
+    """Sleep ``seconds``, or less if a record's cancel event or the release is set."""
+    evs = _events(x, probe)
+    end = time.monotonic() + seconds
+    while not any(e.is_set() for e in evs):
+        left = end - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(left, 0.005))
+
+
+class Fn:
+    """A fault-injecting operator function; picklable (Ray ships it to actors)."""
+
+    def __init__(self, op: str, stage: str, sc: Scenario, faults: Faults, ledger: Ledger,
+                 run: int, timeout: float | None) -> None:
+        self.op, self.stage, self.seed, self.faults = op, stage, sc.seed, faults
+        self.ledger, self.run = ledger, run
+        self.slow_s = 3 * timeout if timeout is not None else 0.0
+
+    def _fate(self, x: Any) -> tuple[str, int]:
+        probe = PROBES.get(self.run)
+        if probe is not None:
+            probe.visit(self.stage, x)
+        k = key_of(x)
+        fate = self.faults.fate(self.seed, self.stage, k)
+        if fate == "ok":
+            return fate, 0
+        n = _attempt(self.run, self.stage, k)
+        if fate == "always" or (fate == "first" and n == 1):
+            raise InjectedFault(f"{fate} fault at {self.stage} on {k} (attempt {n})")
+        return fate, n
+
+    def __call__(self, x: Any) -> Any:
+        fate, n = self._fate(x)
+        if fate == "slow" or (fate == "slow_first" and n == 1):
+            _block(x, PROBES.get(self.run), self.slow_s)
+        elif fate == "hang":
+            _block(x, PROBES.get(self.run), HANG_MAX_S)
+        return self.apply(x)
+
+    def apply(self, x: Any) -> Any:
+        op = self.op
+        if op in ("map", "amap"):
+            return {**x, "hops": x.get("hops", 0) + 1}
+        if op == "bmap":
+            return [{**r, "hops": r.get("hops", 0) + 1} for r in x]
+        if op == "filter":
+            if is_batch(x):
+                return True  # batches are never dropped: their fate is in plain sight
+            path = tuple(x["path"])
+            keep = keeps(self.seed, self.stage, path)
+            if not keep:
+                self.ledger.note("drop", self.stage, path)
+            return keep
+        if op == "flat_map":
+            if is_batch(x):
+                return list(x["items"])
+            path = tuple(x["path"])
+            k = fanout(self.seed, path)
+            if k == 0:
+                self.ledger.note("empty", self.stage, path)
+            return [{**x, "path": path + (i,)} for i in range(k)]
+        if op == "branch":
+            return h(self.seed, "branch", self.stage, key_of(x)) % 2 == 0
+        raise AssertionError(op)
+
+
+class AsyncFn(Fn):
+    """The async twin (``amap``): slow and hung calls are sleeps the timeout cancels."""
+
+    async def __call__(self, x: Any) -> Any:  # type: ignore[override]
+        fate, n = self._fate(x)
+        if fate == "slow" or (fate == "slow_first" and n == 1):
+            await asyncio.sleep(self.slow_s)
+        elif fate == "hang":
+            await asyncio.sleep(HANG_MAX_S)
+        return self.apply(x)
+
+
+class StatefulFn(Fn):
+    """``fn(state, record) -> (state, emit)``: counts the records of each ``grp``."""
+
+    def __call__(self, state: Any, x: Any) -> Any:  # type: ignore[override]
+        fate, n = self._fate(x)
+        if fate == "slow" or (fate == "slow_first" and n == 1):
+            _block(x, PROBES.get(self.run), self.slow_s)
+        elif fate == "hang":
+            _block(x, PROBES.get(self.run), HANG_MAX_S)
+        count = (state or 0) + 1
+        return count, count
+
+
+def build(sc: Scenario, ledger: Ledger, run: int, *, data: list | None,
+          sink: Any) -> tr.Pipeline:
+    """The scenario's pipeline; ``data``/``sink`` None leave them to be bound (serving)."""
+    p = tr.Pipeline(PIPELINE)
+    streams = [p.source(data, id="src")]
+    for i, step in enumerate(sc.steps):
+        sid = stage_id(i, step)
+        s = streams[step.at]
+        c = dict(step.contract)
+        t = timeout_s(step)
+        if step.op == "amap":
+            out = s.map(AsyncFn("amap", sid, sc, step.faults, ledger, run, t), id=sid, **c)
+        elif step.op == "map":
+            out = s.map(Fn("map", sid, sc, step.faults, ledger, run, t), id=sid, **c)
+        elif step.op == "bmap":
+            out = s.map(Fn("bmap", sid, sc, step.faults, ledger, run, t), id=sid,
+                        batch={"max_size": step.size, "max_wait_ms": step.wait_ms}, **c)
+        elif step.op == "filter":
+            out = s.filter(Fn("filter", sid, sc, step.faults, ledger, run, t), id=sid, **c)
+        elif step.op == "flat_map":
+            out = s.flat_map(Fn("flat_map", sid, sc, step.faults, ledger, run, t), id=sid,
+                             **c)
+        elif step.op == "stateful":
+            out = s.stateful(StatefulFn("stateful", sid, sc, step.faults, ledger, run, t),
+                             id=sid, key="grp", output="count", **c)
+        elif step.op == "select":
+            out = s.apply("select", id=sid, drop=["scratch"], **c)
+        elif step.op == "batch":
+            out = s.batch(step.size, step.wait_ms, id=sid, output="items", **c)
+        elif step.op == "branch":
+            yes, no = s.branch(Fn("branch", sid, sc, step.faults, ledger, run, t), id=sid,
+                               **c)
+            streams[step.at] = yes
+            streams.append(no)
+            continue
+        elif step.op == "merge":
+            out = s.merge(streams[step.other], id=sid, **c)
+            streams[step.at] = out
+            del streams[step.other]
+            continue
+        else:
+            raise AssertionError(step.op)
+        streams[step.at] = out
+    for j, s in enumerate(streams):
+        s.sink(sink, id=f"out{j}")
+    return p
+
+
+# -- the account ------------------------------------------------------------------------------
+#: error types a stage with ``timeout_ms`` may end a record with (tailrace's own errors:
+#: StageTimeout, or whatever the runtime says when too many calls are abandoned)
+TAILRACE_ERRORS = frozenset(n for n, v in vars(tr_errors).items()
+                            if isinstance(v, type) and issubclass(v, Exception))
+
+
+@dataclass
+class Observed:
+    """What a run produced, as the suite saw it."""
+
+    entered: set[int]  # lids of the records that entered the run
+    outputs: list = field(default_factory=list)
+    errors: list = field(default_factory=list)  # ErrorRecords
+    ledger: list = field(default_factory=list)  # (kind, stage, path)
+    complete: bool = True  # False for interrupted runs: records may not have ended
+    cancelled: set[int] = field(default_factory=set)  # lids whose caller gave up (serving)
+
+
+def account(sc: Scenario, obs: Observed) -> list[str]:
+    """Invariant 1 by lineage, and whether each error record is explained by a fault."""
+    problems: list[str] = []
+    ends: dict[tuple, list[str]] = defaultdict(list)
+    failed_at: set[tuple[str, tuple]] = set()
+    for r in obs.outputs:
+        try:
+            for p in lineages(r):
+                ends[p].append("output")
+        except ValueError as e:
+            problems.append(f"an output has no lineage: {e}")
+    for e in obs.errors:
+        try:
+            paths = lineages(e.input)
+        except ValueError:
+            problems.append(f"an error record has no lineage: {e}")
+            continue
+        for p in paths:
+            ends[p].append(f"error at {e.stage} ({e.error})")
+            failed_at.add((e.stage, p))
+    silent: dict[tuple[str, tuple], str] = {}
+    for kind, stage, path in obs.ledger:  # an abandoned call's verdict does not count
+        if (stage, path) not in failed_at:
+            silent[(stage, path)] = kind
+    for (stage, path), kind in silent.items():
+        ends[path].append(f"{kind} at {stage}")
+    for p, how in sorted(ends.items()):
+        if len(how) > 1:
+            problems.append(f"record {p} ended {len(how)} times: {how}")
+    ended = set(ends)
+    fanned = {p[:i] for p in ended for i in range(1, len(p))}
+    for p in sorted(ended & fanned):
+        problems.append(f"record {p} both ended ({ends[p]}) and had children")
+    seen: set[tuple] = set()
+    missing: list[tuple] = []
+    stack = [(lid,) for lid in sorted(obs.entered)]
+    while stack:
+        p = stack.pop()
+        seen.add(p)
+        if p in ended:
+            continue
+        if p in fanned:
+            stack.extend(p + (i,) for i in range(fanout(sc.seed, p)))
+        else:
+            missing.append(p)
+    if missing and obs.complete:
+        problems.append(f"{len(missing)} record(s) never ended (lost): {sorted(missing)[:10]}")
+    phantom = sorted((ended | fanned) - seen)
+    if phantom:
+        problems.append(f"records that never entered came out: {phantom[:10]}")
+    problems += explain_errors(sc, obs)
+    return problems
+
+
+def explain_errors(sc: Scenario, obs: Observed) -> list[str]:
+    """Each error record must come from an injected fault, a declared timeout, admission,
+    or (serving) a caller that gave up while its request waited for admission."""
+    steps = {stage_id(i, s): s for i, s in enumerate(sc.steps)}
+    problems = []
+    for e in obs.errors:
+        if e.stage == "admission" and sc.admission is not None:
+            gone = e.error == "CallerGone" and _safe_lineages(e.input)[:1] and \
+                _safe_lineages(e.input)[0][0] in obs.cancelled
+            if e.error != "AdmissionRejected" and not gone:
+                problems.append(f"admission failed with {e.error}: {e.message}")
+            continue
+        step = steps.get(e.stage)
+        if step is None:
+            problems.append(f"error at a stage that injects nothing ({e.stage}): "
+                            f"{e.error}: {e.message}")
+            continue
+        c = dict(step.contract)
+        retries, timeout = c.get("retries", 0), c.get("timeout_ms")
+        if e.error == "InjectedFault":
+            if e.message.startswith("first ") and retries and timeout is None:
+                problems.append(f"{e.stage} has retries={retries} but a first-attempt-only "
+                                f"fault ended the record: {e.message}")
+            elif e.message.startswith("always") and e.attempts != 1 + retries:
+                problems.append(f"{e.stage} has retries={retries} but the record was tried "
+                                f"{e.attempts} time(s)")
+        elif timeout is not None and e.error in TAILRACE_ERRORS:
+            pass  # StageTimeout (or a runtime's clear error about abandoned calls)
+        else:
+            problems.append(f"unexplained error at {e.stage} "
+                            f"({step.op}, {dict(step.contract)}): {e.error}: {e.message}")
+    return problems
+
+
+def queue_problems(stats: Any) -> list[str]:
+    """Invariant 3: no stage's channel ever held more than its bound."""
+    return [f"stage {s.stage} held {s.max_queue_depth} records, bound {s.queue_bound}"
+            for s in getattr(stats, "stages", ()) if s.queue_bound
+            and s.max_queue_depth > s.queue_bound]
+
+
+def drop_problems(sc: Scenario, obs: Observed, stats: Any) -> list[str]:
+    """The stats' per-stage drop counts agree with the filters' own verdicts."""
+    failed_at = {(e.stage, p) for e in obs.errors for p in _safe_lineages(e.input)}
+    drops: dict[str, set] = defaultdict(set)
+    for kind, stage, path in obs.ledger:
+        if kind == "drop" and (stage, path) not in failed_at:
+            drops[stage].add(path)
+    problems = []
+    for i, step in enumerate(sc.steps):
+        sid = stage_id(i, step)
+        if step.op != "filter":
+            continue
+        try:
+            st = stats[sid]
+        except KeyError:
+            continue
+        counted = getattr(st, "dropped", None)
+        if counted is not None and counted != len(drops[sid]):
+            problems.append(f"stats say filter {sid} dropped {counted} records; it dropped "
+                            f"{len(drops[sid])}")
+    return problems
+
+
+def _safe_lineages(x: Any) -> list[tuple]:
+    try:
+        return lineages(x)
+    except ValueError:
+        return []
+
+
+def fault_settings(target: str) -> Any:
+    """The Hypothesis settings of a fault test: the ``TAILRACE_FAULT_PROFILE`` profile
+    (``ci`` by default, registered in ``conftest.py``) for ``target``."""
+    from hypothesis import settings
+
+    return settings.get_profile(f"{os.environ.get('TAILRACE_FAULT_PROFILE', 'ci')}-{target}")

@@ -1,0 +1,580 @@
+"""Run a scenario on each target and collect what the invariants are checked against.
+
+``run_local`` (``tr.run``), ``run_service`` (``PipelineService``) and ``run_ray``
+(``tr.run(runtime="ray")``) each return a ``Report``: the problems found, one line each.
+Runs happen on a worker thread with a watchdog, so a hang fails the example instead of
+the suite; hung operator calls are released when the run is over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import tailrace as tr
+from tailrace.errors import RunInterrupted
+
+from .harness import (
+    PROBES,
+    Ledger,
+    Observed,
+    Probe,
+    Scenario,
+    account,
+    build,
+    drop_problems,
+    forget_attempts,
+    inputs,
+    lineages,
+    queue_problems,
+    stage_id,
+)
+
+STALL_S = 8.0  # no operator call, output or error for this long: the run hangs
+DEADLINE_S = 10.0  # for things that must happen "soon": threads ending, tickets returning
+_runs = itertools.count(1)
+
+
+#: the kind of an invariant violation, by a word of its message; each kind fails with its
+#: own exception type, so Hypothesis reports (and shrinks) distinct bugs separately
+KINDS = (("hung", "Hang"), ("never answered", "Unanswered"), ("request ", "Answer"),
+         ("never ended", "Lost"), ("ended ", "Duplicate"), ("never entered", "Phantom"),
+         ("ticket", "Ticket"), ("gate", "Ticket"), ("threads", "Leak"), ("tasks", "Leak"),
+         ("child process", "Leak"), ("held", "Unbounded"), ("unexplained", "Unexplained"),
+         ("dropped", "Drops"))
+_BROKEN: dict[str, type] = {}
+
+
+def broken(kind: str) -> type:
+    """The AssertionError subclass for one kind of violation."""
+    if kind not in _BROKEN:
+        _BROKEN[kind] = type(f"{kind}Invariant", (AssertionError,), {})
+    return _BROKEN[kind]
+
+
+@dataclass
+class Report:
+    problems: list[str] = field(default_factory=list)
+    interrupted: bool = False
+
+    def check(self, sc: Scenario) -> None:
+        if self.problems:
+            first = self.problems[0]
+            kind = next((k for word, k in KINDS if word in first), "Other")
+            raise broken(kind)("invariants broken:\n  " + "\n  ".join(self.problems))
+
+
+# -- invariant 4: nothing left running -------------------------------------------------------
+def child_pids() -> set[int]:
+    """Live (non-zombie) child processes of this process."""
+    me, out = os.getpid(), set()
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me and fields[0] != "Z":
+            out.add(int(d))
+    return out
+
+
+_LEAKED_TASKS: list[str] = []
+
+
+class _TrackingLoop(asyncio.SelectorEventLoop):
+    """Notes the tasks still pending when a loop's main coroutine returns (``asyncio.run``
+    then cancels them silently: a leak the suite wants to see)."""
+
+    _main_done = False
+
+    def run_until_complete(self, future: Any) -> Any:
+        try:
+            return super().run_until_complete(future)
+        finally:
+            if not self._main_done:
+                self._main_done = True
+                left = [t for t in asyncio.all_tasks(self) if not t.done()]
+                if left:
+                    _LEAKED_TASKS.append(", ".join(repr(t.get_coro()) for t in left[:5]))
+
+
+class _TrackingPolicy(asyncio.DefaultEventLoopPolicy):
+    _loop_factory = _TrackingLoop
+
+
+class LeakWatch:
+    """A baseline of threads and child processes, and every loop's leftover tasks."""
+
+    def __enter__(self) -> LeakWatch:
+        self.threads = {t.ident for t in threading.enumerate()}
+        self.children = child_pids()
+        self.policy = asyncio.get_event_loop_policy()
+        asyncio.set_event_loop_policy(_TrackingPolicy())
+        _LEAKED_TASKS.clear()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        asyncio.set_event_loop_policy(self.policy)
+
+    def problems(self, *, tasks: bool = True) -> list[str]:
+        out = []
+        if tasks and _LEAKED_TASKS:
+            out.append(f"tasks still pending when their run ended: {_LEAKED_TASKS}")
+        threads: list[str] = []
+        kids: set[int] = set()
+        end = time.monotonic() + DEADLINE_S
+        while time.monotonic() < end:
+            threads = [t.name for t in threading.enumerate() if t.ident not in self.threads
+                       and t.name.startswith("tailrace") and t.is_alive()]
+            kids = child_pids() - self.children
+            if not threads and not kids:
+                return out
+            time.sleep(0.02)
+        if threads:
+            out.append(f"threads still running {DEADLINE_S:g} s after the run: {threads}")
+        if kids:
+            out.append(f"child processes left: {sorted(kids)}")
+        return out
+
+
+# -- invariant 2: tickets released exactly once ----------------------------------------------
+class CountingGate:
+    """Wraps an admission gate: counts ``admit()`` and ``done()`` per ticket."""
+
+    def __init__(self, gate: Any) -> None:
+        self.gate = gate
+        self.admitted: dict[int, Any] = {}
+        self.released: Counter = Counter()
+        self.problems: list[str] = []
+        self._lock = threading.Lock()
+
+    async def admit(self, pipeline: str, record: Any) -> Any:
+        ticket = await self.gate.admit(pipeline, record)
+        with self._lock:
+            self.admitted[ticket.seq] = ticket
+        return ticket
+
+    def done(self, ticket: Any, service_seconds: float | None = None) -> None:
+        with self._lock:
+            self.released[ticket.seq] += 1
+            if ticket.seq not in self.admitted:
+                self.problems.append(f"done() on ticket {ticket.seq}, never admitted")
+            if self.released[ticket.seq] > 1:
+                self.problems.append(f"ticket {ticket.seq} released "
+                                     f"{self.released[ticket.seq]} times")
+                return  # the policy would raise: keep the run going, the report has it
+        self.gate.done(ticket, service_seconds)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.gate, name)
+
+    def balance(self) -> list[str]:
+        """Invariant 2, waited for: every admitted ticket released once, gate empty."""
+        end = time.monotonic() + DEADLINE_S
+        while True:
+            stats = self.gate.statistics()
+            with self._lock:
+                unreleased = sorted(s for s in self.admitted if self.released[s] == 0)
+            if not unreleased and stats.in_flight == 0 and stats.queued == 0:
+                break
+            if time.monotonic() > end:
+                return self.problems + [
+                    f"after the run: gate in_flight={stats.in_flight} queued={stats.queued}; "
+                    f"{len(unreleased)} of {len(self.admitted)} admitted tickets never "
+                    f"released"]
+            time.sleep(0.01)
+        return list(self.problems)
+
+
+# -- running -----------------------------------------------------------------------------------
+class _Watched:
+    """``fn()`` on a daemon thread; ``wait`` returns False if it stalls (no progress)."""
+
+    def __init__(self, fn: Any, progress: Any) -> None:
+        self.box: dict[str, Any] = {}
+        self.progress = progress
+        self.thread = threading.Thread(target=self._main, args=(fn,), daemon=True,
+                                       name="fault-suite-run")
+        self.thread.start()
+
+    def _main(self, fn: Any) -> None:
+        try:
+            self.box["result"] = fn()
+        except BaseException as e:  # noqa: BLE001 - examined by the caller
+            self.box["error"] = e
+
+    def wait(self, stall_s: float = STALL_S) -> bool:
+        last, since = None, time.monotonic()
+        while self.thread.is_alive():
+            self.thread.join(0.05)
+            now = self.progress()
+            if now != last:
+                last, since = now, time.monotonic()
+            elif time.monotonic() - since > stall_s:
+                return False
+        return True
+
+
+class _Here:
+    """``fn()`` on this thread (where a SIGINT reaches it); a watchdog thread releases
+    hung calls and closes the gate if it stalls, so a stuck run can still end."""
+
+    def __init__(self, fn: Any, progress: Any, rescue: Any) -> None:
+        self.box: dict[str, Any] = {}
+        self.stalled = False
+        done = threading.Event()
+
+        def watch() -> None:
+            last, since = None, time.monotonic()
+            while not done.wait(0.05):
+                now = progress()
+                if now != last:
+                    last, since = now, time.monotonic()
+                elif time.monotonic() - since > STALL_S and not self.stalled:
+                    self.stalled = True
+                    rescue()
+
+        dog = threading.Thread(target=watch, daemon=True, name="fault-suite-watchdog")
+        dog.start()
+        try:
+            self.box["result"] = fn()
+        except BaseException as e:  # noqa: BLE001 - examined by the caller
+            self.box["error"] = e
+        finally:
+            done.set()
+            dog.join()
+
+    def wait(self) -> bool:
+        return not self.stalled
+
+
+def _setup(sc: Scenario) -> tuple[int, Probe, Ledger, str]:
+    run = next(_runs)
+    probe = PROBES[run] = Probe(sc)
+    tmp = tempfile.mkdtemp(prefix="tailrace-fault-")
+    return run, probe, Ledger(os.path.join(tmp, "ledger.jsonl")), tmp
+
+
+def _teardown(run: int, probe: Probe, tmp: str) -> None:
+    probe.release.set()
+    PROBES.pop(run, None)
+    forget_attempts(run)
+    with contextlib.suppress(OSError):
+        for f in os.listdir(tmp):
+            os.unlink(os.path.join(tmp, f))
+        os.rmdir(tmp)
+
+
+def run_local(sc: Scenario, *, here: bool = False) -> Report:
+    """The scenario through ``tr.run`` (local runtime); ``here``: on this thread (the
+    main thread of a child process, for Ctrl-C), else on a watched worker thread."""
+    report = Report()
+    run, probe, ledger, tmp = _setup(sc)
+    outputs: list = []
+    errors: list = []
+    gate = CountingGate(sc.admission.gate()) if sc.admission is not None else None
+    try:
+        with LeakWatch() as leaks:
+            p = build(sc, ledger, run, data=inputs(sc.n), sink=outputs.append)
+
+            def call() -> Any:
+                return tr.run(p, fuse=sc.fuse, errors=errors.append, admission=gate)
+
+            def progress() -> tuple:
+                return probe.calls, len(outputs), len(errors)
+
+            def rescue() -> None:
+                probe.release.set()
+                if gate is not None:
+                    gate.close()  # rejects the waiters: lets a run stuck at the door end
+
+            job: Any = _Here(call, progress, rescue) if here else _Watched(call, progress)
+            finished = job.wait()
+            probe.release.set()
+            if not finished:
+                report.problems.append(f"the run hung (no progress for {STALL_S:g} s)")
+                rescue()
+                if not here:
+                    job.thread.join(DEADLINE_S)
+                return report
+            err = job.box.get("error")
+            if isinstance(err, RunInterrupted):
+                report.interrupted = True
+                if not probe.interrupted:
+                    report.problems.append("RunInterrupted without an interrupt")
+                stats = err.result.stats
+            elif err is not None:
+                report.problems.append(f"tr.run raised {type(err).__name__}: {err}")
+                return report
+            else:
+                if probe.interrupted:
+                    report.problems.append("an operator raised KeyboardInterrupt, the run "
+                                           "went on as if nothing happened")
+                stats = job.box["result"].stats
+            obs = Observed(set(range(sc.n)), outputs, errors, ledger.entries(),
+                           complete=not report.interrupted)
+            report.problems += account(sc, obs)
+            report.problems += queue_problems(stats)
+            if not report.interrupted:
+                report.problems += drop_problems(sc, obs, stats)
+            if gate is not None:
+                report.problems += gate.balance()
+            report.problems += leaks.problems(tasks=not report.interrupted)
+    finally:
+        if gate is not None:
+            gate.close()
+        _teardown(run, probe, tmp)
+    return report
+
+
+def run_in_child(sc: Scenario, timeout: float = 30.0) -> Report:
+    """``run_local(sc, here=True)`` in a child process (``tests/fault/interrupt.py``): a
+    Ctrl-C there cannot reach the test session."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        proc = subprocess.run([sys.executable, "-m", "tests.fault.interrupt", repr(sc)],
+                              cwd=root, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return Report([f"the child process running the scenario hung ({timeout:g} s)"])
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        return Report([f"the child process exited with {proc.returncode}: "
+                       f"{proc.stderr.strip()[-2000:]}"])
+    out = json.loads(lines[-1])
+    return Report(out["problems"], out["interrupted"])
+
+
+SERVICE_TIMEOUT_S = 60.0  # a caller's own limit; the suite notices silence long before
+
+
+def run_service(sc: Scenario) -> Report:
+    """The scenario through a ``PipelineService``: one request per input record."""
+    from tailrace.serving import PipelineService
+    from tailrace.serving.errors import (
+        RecordDropped,
+        RequestFailed,
+        ServiceOverloaded,
+        ServiceTimeout,
+        ServiceUnavailable,
+    )
+
+    report = Report()
+    run, probe, ledger, tmp = _setup(sc)
+    outputs: list = []
+    errors: list = []
+    dropped: list = []
+    gate = CountingGate(sc.admission.gate()) if sc.admission is not None else None
+    svc = None
+    try:
+        with LeakWatch() as leaks:
+            p = build(sc, ledger, run, data=None, sink=None)
+            svc = PipelineService(p, admission=gate, timeout_s=SERVICE_TIMEOUT_S,
+                                  max_pending=sc.max_pending or 1024)
+            _observe(svc, outputs, errors, dropped)
+            svc.start()
+            if not svc.wait_ready(30):
+                report.problems.append(f"the service never became ready: {svc.failure!r}")
+                return report
+            answers: dict[int, Any] = {}
+            stopper: list[threading.Thread] = []
+
+            async def main() -> None:
+                loop = asyncio.get_running_loop()
+                tasks = {r["lid"]: asyncio.create_task(svc.submit(r)) for r in inputs(sc.n)}
+
+                def cancel(lid: int) -> None:
+                    with contextlib.suppress(RuntimeError):  # this loop ended: all answered
+                        loop.call_soon_threadsafe(tasks[lid].cancel)
+
+                probe.on_cancel = cancel
+                await asyncio.sleep(0)  # every submit has handed its record over
+                if sc.stop:
+                    t = threading.Thread(target=svc.stop, args=(30.0,), name="fault-stop")
+                    t.start()
+                    stopper.append(t)
+                last, since = None, time.monotonic()
+                pending = set(tasks.values())
+                while pending:
+                    _, pending = await asyncio.wait(pending, timeout=0.05)
+                    now = (probe.calls, len(outputs), len(errors), len(dropped), len(pending))
+                    if now != last:
+                        last, since = now, time.monotonic()
+                    elif time.monotonic() - since > STALL_S or (
+                            time.monotonic() - since > ANSWER_S and not sc.stop
+                            and _all_ended(sc, {lid for lid, t in tasks.items()
+                                                if not _overloaded(t)},
+                                           outputs, errors, ledger)):
+                        break  # stuck, or every record ended and some callers wait on
+                for lid, t in tasks.items():
+                    if not t.done():
+                        answers[lid] = "never answered"
+                        t.cancel()
+                    elif t.cancelled():
+                        answers[lid] = "cancelled"
+                    elif t.exception() is not None:
+                        answers[lid] = t.exception()
+                    else:
+                        answers[lid] = t.result()
+                await asyncio.gather(*tasks.values(), return_exceptions=True)
+
+            asyncio.run(main())
+            cancelled = {lid for _, lid in sc.cancel}
+            entered = set()
+            for lid, a in sorted(answers.items()):
+                if isinstance(a, ServiceOverloaded):
+                    continue  # turned away before it entered
+                entered.add(lid)
+                if isinstance(a, dict | RequestFailed | RecordDropped):
+                    if isinstance(a, dict) and a.get("lid") != lid:
+                        report.problems.append(f"request {lid} got another's answer: {a}")
+                elif a == "cancelled" and lid in cancelled:
+                    pass
+                elif isinstance(a, str | ServiceTimeout | ServiceUnavailable):
+                    report.problems.append(f"request {lid}: {a if isinstance(a, str) else a!r}")
+                else:
+                    report.problems.append(f"request {lid} failed oddly: {a!r}")
+            def observed() -> Observed:
+                return Observed(entered, list(outputs), list(errors), ledger.entries(),
+                                cancelled=cancelled)
+
+            end = time.monotonic() + DEADLINE_S  # records of callers who left run on
+            while time.monotonic() < end and any(
+                    "never ended" in x for x in account(sc, observed())):
+                time.sleep(0.02)
+            obs = observed()
+            report.problems += account(sc, obs)
+            hook_drops = sorted(p for r in dropped for p in lineages(r))
+            filter_drops = sorted(path for kind, stage, path in obs.ledger if kind == "drop"
+                                  and not any(e.stage == stage and path in _paths(e.input)
+                                              for e in errors))
+            if hook_drops != sorted(set(filter_drops)):
+                report.problems.append(f"the service was told of drops {hook_drops}, the "
+                                       f"filters dropped {sorted(set(filter_drops))}")
+            if gate is not None and not sc.stop:
+                report.problems += [f"while idle: {x}" for x in gate.balance()]
+            report.problems += queue_problems(svc.stats())
+            for t in stopper:
+                t.join(40)
+            svc.stop(30.0)
+            if svc.failure is not None:
+                report.problems.append(f"the service failed: {svc.failure!r}")
+            if gate is not None:
+                report.problems += [f"after stop: {x}" for x in gate.balance()]
+            report.problems += leaks.problems()
+    finally:
+        if svc is not None:
+            svc.stop(5.0)
+        if gate is not None:
+            gate.close()
+        _teardown(run, probe, tmp)
+    return report
+
+
+ANSWER_S = 1.0  # how long callers may wait for an answer once their records ended
+
+
+def _all_ended(sc: Scenario, lids: set, outputs: list, errors: list, ledger: Ledger) -> bool:
+    """Whether every record of these requests ended in the pipeline (rejected ones too)."""
+    obs = Observed(lids, list(outputs), list(errors), ledger.entries())
+    return not any("never ended" in x for x in account(sc, obs))
+
+
+def _overloaded(task: asyncio.Task) -> bool:
+    from tailrace.serving.errors import ServiceOverloaded
+
+    return task.done() and not task.cancelled() and \
+        isinstance(task.exception(), ServiceOverloaded)
+
+
+def _paths(x: Any) -> list:
+    try:
+        return lineages(x)
+    except ValueError:
+        return []
+
+
+def _observe(svc: Any, outputs: list, errors: list, dropped: list) -> None:
+    """Hear every output, error record and drop of the service's run, answered or not."""
+    on_output, on_error, on_drop = svc._on_output, svc._on_error, svc._on_drop
+
+    def output(record: Any) -> None:
+        outputs.append(record)
+        on_output(record)
+
+    def error(err: Any) -> None:
+        errors.append(err)
+        on_error(err)
+
+    def drop(stage: str, records: list) -> None:
+        dropped.extend(records)
+        on_drop(stage, records)
+
+    svc._on_output, svc._on_error, svc._on_drop = output, error, drop
+
+
+def run_ray(sc: Scenario, ray: Any) -> Report:
+    """The scenario through ``tr.run(runtime="ray")``; ``kill`` kills a stage's actor
+    once the first output reached the driver."""
+    from tailrace.runtime.ray import active_runs
+
+    report = Report()
+    run, probe, ledger, tmp = _setup(sc)
+    outputs: list = []
+    errors: list = []
+    killed: list = []
+    victim = stage_id(sc.kill, sc.steps[sc.kill]) if sc.kill is not None else None
+
+    def sink(x: Any) -> None:
+        outputs.append(x)
+        if victim is not None and not killed:
+            killed.append(None)
+            for r in active_runs():
+                actors = r["stages"].get(victim) or next(iter(r["stages"].values()), [])
+                for name, _node in actors[:1]:
+                    ray.kill(ray.get_actor(name), no_restart=False)
+                    killed[0] = name
+
+    gate = CountingGate(sc.admission.gate()) if sc.admission is not None else None
+    try:
+        with LeakWatch() as leaks:
+            p = build(sc, ledger, run, data=inputs(sc.n), sink=sink)
+            job = _Watched(lambda: tr.run(p, runtime="ray", fuse=sc.fuse,
+                                          errors=errors.append, admission=gate),
+                           lambda: (len(outputs), len(errors)))
+            if not job.wait(stall_s=30.0):
+                report.problems.append("the Ray run hung (no output for 30 s)")
+                return report
+            err = job.box.get("error")
+            if err is not None:
+                report.problems.append(f"tr.run raised {type(err).__name__}: {err}")
+                return report
+            stats = job.box["result"].stats
+            obs = Observed(set(range(sc.n)), outputs, errors, ledger.entries())
+            report.problems += account(sc, obs)
+            report.problems += queue_problems(stats)
+            if gate is not None:
+                report.problems += gate.balance()
+            report.problems += leaks.problems()
+    finally:
+        if gate is not None:
+            gate.close()
+        _teardown(run, probe, tmp)
+    return report
+
+
+def without(sc: Scenario, **kw: Any) -> Scenario:
+    return replace(sc, **kw)
