@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test chaos bench lint clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -36,6 +36,11 @@ $(CHROMIUM): | $(BIN)/python
 
 test: $(STAMP) $(CHROMIUM)  ## set up and run the tests
 	$(BIN)/python -m pytest
+
+# The fault suite's long profile (~20 minutes): many more random pipelines and faults
+# than the CI profile that `make test` runs.
+chaos: $(STAMP)
+	TAILRACE_FAULT_PROFILE=chaos $(BIN)/python -m pytest tests/fault -x
 
 bench: $(STAMP)  ## run the benchmarks and print their figures (~35 minutes)
 	$(BIN)/python bench/overhead.py
