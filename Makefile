@@ -55,6 +55,7 @@ bench: $(STAMP)  ## run the benchmarks and print their figures (~35 minutes)
 	$(BIN)/python bench/scale_out.py
 	$(BIN)/python bench/memory.py
 	$(BIN)/python bench/cascade.py
+	$(BIN)/python bench/vs_sage.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples
