@@ -432,6 +432,24 @@ class Observed:
     ledger: list = field(default_factory=list)  # (kind, stage, path)
     complete: bool = True  # False for interrupted runs: records may not have ended
     cancelled: set[int] = field(default_factory=set)  # lids whose caller gave up (serving)
+    transient: frozenset = frozenset()  # ``_`` fields the caller put in the records
+
+
+FIELDS = frozenset({"lid", "path", "grp", "hops", "count", "items"})
+
+
+def _foreign(x: Any, transient: frozenset) -> list[str]:
+    """Fields of an output (or of a batch's members) that neither the input nor any
+    operator put there (e.g. a runtime's bookkeeping leaking out)."""
+    if not isinstance(x, dict):
+        return []
+    out = sorted(k for k in x if k not in FIELDS and k not in transient)
+    if "_cancel" in x and "_cancel" in transient and not isinstance(x["_cancel"],
+                                                                    threading.Event):
+        out.append(f"_cancel={type(x['_cancel']).__name__} (not the caller's event)")
+    for r in x.get("items", ()):
+        out += _foreign(r, transient)
+    return out
 
 
 def account(sc: Scenario, obs: Observed) -> list[str]:
@@ -445,6 +463,9 @@ def account(sc: Scenario, obs: Observed) -> list[str]:
                 ends[p].append("output")
         except ValueError as e:
             problems.append(f"an output has no lineage: {e}")
+        foreign = _foreign(r, obs.transient)
+        if foreign:
+            problems.append(f"an output carries fields nobody wrote: {foreign} in {r!r:.300}")
     for e in obs.errors:
         try:
             paths = lineages(e.input)

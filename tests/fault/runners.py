@@ -48,7 +48,8 @@ _runs = itertools.count(1)
 
 #: the kind of an invariant violation, by a word of its message; each kind fails with its
 #: own exception type, so Hypothesis reports (and shrinks) distinct bugs separately
-KINDS = (("hung", "Hang"), ("never answered", "Unanswered"), ("request ", "Answer"),
+KINDS = (("nobody wrote", "Foreign"), ("hung", "Hang"), ("never answered", "Unanswered"),
+         ("request ", "Answer"),
          ("never ended", "Lost"), ("ended ", "Duplicate"), ("never entered", "Phantom"),
          ("ticket", "Ticket"), ("gate", "Ticket"), ("threads", "Leak"), ("tasks", "Leak"),
          ("child process", "Leak"), ("held", "Unbounded"), ("unexplained", "Unexplained"),
@@ -449,7 +450,7 @@ def run_service(sc: Scenario) -> Report:
                     report.problems.append(f"request {lid} failed oddly: {a!r}")
             def observed() -> Observed:
                 return Observed(entered, list(outputs), list(errors), ledger.entries(),
-                                cancelled=cancelled)
+                                cancelled=cancelled, transient=SERVING_FIELDS)
 
             end = time.monotonic() + DEADLINE_S  # records of callers who left run on
             while time.monotonic() < end and any(
@@ -484,12 +485,14 @@ def run_service(sc: Scenario) -> Report:
     return report
 
 
+SERVING_FIELDS = frozenset({"_rid", "_cancel", "_stream"})  # what submit() adds
 ANSWER_S = 1.0  # how long callers may wait for an answer once their records ended
 
 
 def _all_ended(sc: Scenario, lids: set, outputs: list, errors: list, ledger: Ledger) -> bool:
     """Whether every record of these requests ended in the pipeline (rejected ones too)."""
-    obs = Observed(lids, list(outputs), list(errors), ledger.entries())
+    obs = Observed(lids, list(outputs), list(errors), ledger.entries(),
+                   transient=SERVING_FIELDS)
     return not any("never ended" in x for x in account(sc, obs))
 
 

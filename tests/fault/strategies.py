@@ -82,7 +82,7 @@ def scenarios(draw, target: str = "local", policy: str | None = None, interrupt:
         steps.append(Step(op, at, other, contract, faults, size, wait))
     if policy is not None:
         admission = draw(admissions((policy,)))
-    elif target == "local" and draw(st.booleans()):
+    elif target in ("local", "ray") and draw(st.booleans()):
         admission = draw(admissions())
     else:
         admission = None
