@@ -234,3 +234,23 @@ def test_close_after_a_waiters_loop_ended_does_not_raise():
     loop.run_until_complete(leave_one_waiting())
     loop.close()  # like a Ctrl-C'd run that shared the gate
     gate.close()  # raised "Event loop is closed"
+
+
+def test_a_ticket_delivered_just_before_its_caller_is_cancelled_is_given_back():
+    """The other order of the race (found by the fault suite under Ctrl-C): the ticket
+    reached the waiter's future, then its task was cancelled before it resumed."""
+    gate = AdmissionGate(make_policy("fcfs", max_in_flight=1, max_queue=10))
+
+    async def scenario():
+        first = await gate.admit("p", {"q": "a"})
+        waiting = asyncio.ensure_future(gate.admit("p", {"q": "b"}))
+        await until(lambda: gate.statistics().queued == 1)
+        gate.done(first)  # schedules the delivery...
+        await asyncio.sleep(0)  # ...which runs now: the future holds b's ticket
+        waiting.cancel()  # and the task is cancelled before it resumes
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await until(lambda: gate.statistics().in_flight == 0)
+
+    asyncio.run(scenario())
+    gate.close()

@@ -84,6 +84,10 @@ class AdmissionGate:
             with self._lock:
                 if self._waiters.pop(req.id, None) is not None:
                     self._abandoned.add(req.id)
+                elif fut.done() and not fut.cancelled():
+                    # delivered, but the cancellation reached this task first
+                    self.policy.release(fut.result())
+                    self._resolve(self.policy.poll())
             raise
 
     def done(self, ticket: Ticket, service_seconds: float | None = None) -> None:

@@ -11,10 +11,12 @@ record carries transient fields the runtime passes along untouched:
 An output or error record reaches the waiting caller on the caller's own event loop,
 after the runtime has finished the step that produced it: by the time ``submit``
 returns, the record is counted in ``stats()`` and its admission ticket is back.
-A record a ``filter`` drops is answered at once with ``RecordDropped`` (HTTP 422).
-Records that lose ``_rid`` (a map returning a new object without it) never answer:
-their callers get ``ServiceTimeout`` after ``timeout_s``. A caller that gives up
-(cancelled, timed out, disconnected) before its record is admitted costs nothing more:
+A record that ends without an output — a filter's drop, a flat_map's empty expansion,
+a stage that replaced it without keeping ``_rid`` — is answered at once with
+``RecordDropped`` naming the stage (the runtime reports records whose ``_rid`` no
+output carries); one folded into a ``batch`` window's list gets ``ServiceTimeout``.
+A caller that gives up (cancelled, timed out, disconnected) before its record is
+admitted costs nothing more:
 the feed skips the record, or admission gives the ticket straight back and the record
 ends as a ``CallerGone`` error record; once admitted, it runs on for nobody.
 A ``ServingHub`` holds the services of one process, their shared admission gate and
@@ -241,7 +243,7 @@ class PipelineService:
         door = _Door(self.gate, self) if self.gate is not None else None
         self._run = LocalRun(self.plan, inputs=inputs, outputs=outputs,
                              on_error=self._on_error, admission=door,
-                             on_drop=self._on_drop)  # loads engines
+                             on_drop=self._on_drop, drop_key="_rid")  # loads engines
         self._t0 = perf_counter()
         self._ready.set()
         await self._run.execute()
@@ -350,8 +352,9 @@ class PipelineService:
             waiter = self._waiter_of(record)
             if waiter is not None:
                 self._reply(waiter, None, RecordDropped(
-                    f"pipeline '{self.name}': filter stage '{stage}' dropped this record; "
-                    "the pipeline has no answer for it"))
+                    f"pipeline '{self.name}': stage '{stage}' dropped this record (a filter "
+                    "said no, a flat_map made nothing of it, or the stage replaced it "
+                    "without keeping '_rid'); the pipeline has no answer for it"))
 
     def _fail_waiting(self, exc: ServiceError) -> None:
         with self._lock:

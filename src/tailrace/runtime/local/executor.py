@@ -36,7 +36,8 @@ class LocalRun:
     def __init__(self, plan: Plan, *, inputs: dict[str, Any], outputs: dict[str, Any],
                  on_error: Callable[[ErrorRecord], None], admission: Any = None,
                  on_drop: Callable[[str, list], None] | None = None,
-                 admission_window: int = MAX_MICROBATCH) -> None:
+                 admission_window: int = MAX_MICROBATCH,
+                 drop_key: str | None = None) -> None:
         """Prepare a run (``execute`` runs it).
 
         inputs, outputs: records for sources and targets for sinks declared without them.
@@ -46,6 +47,9 @@ class LocalRun:
                    server answers those requests instead of waiting forever).
         admission_window: most arriving records waiting for admission at once; past
                    that the source stops reading its input.
+        drop_key:  with ``on_drop``: a field every record keeps (a request id); then
+                   ``on_drop`` hears of every record that ended without an output or
+                   error (not only a filter's drops): no output carries its key.
         """
         self.plan = plan
         self.on_error = on_error
@@ -70,7 +74,7 @@ class LocalRun:
                 self.source_meters[s.id] = StageMeter(s.id, "source")
                 continue
             self.channels[s.id] = Channel(s.queue, producers=len(s.upstream))
-            self.replicas[s.id] = [Replica(s, self._build(s, outputs), on_drop)
+            self.replicas[s.id] = [Replica(s, self._build(s, outputs), on_drop, drop_key)
                                    for _ in range(s.replicas)]
         self.down: dict[str, dict[str | None, list[Channel]]] = {s.id: {} for s in plan.stages}
         sources = {s.id for s in plan.stages if s.ops[0].op.kind == "source"}

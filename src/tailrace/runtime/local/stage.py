@@ -45,17 +45,24 @@ def sink_runtime(target: Any) -> OpRuntime:
 class Replica:
     """The operator runtimes and meters of one replica of a stage."""
 
-    __slots__ = ("stage", "ops", "rts", "meters", "sinks", "drop_hook", "filters")
+    __slots__ = ("stage", "ops", "rts", "meters", "sinks", "drop_hook", "filters",
+                 "drop_key")
 
     def __init__(self, stage: PlanStage, rts: list[OpRuntime],
-                 drop_hook: Callable[[str, list], None] | None = None) -> None:
+                 drop_hook: Callable[[str, list], None] | None = None,
+                 drop_key: str | None = None) -> None:
         self.stage = stage
         self.ops = stage.ops
         self.rts = rts
-        # told which records a filter dropped (a server answers their requests); the
-        # check costs nothing per record and nothing at all without a hook
+        # told which records ended without an output or error (a server answers their
+        # requests); nothing at all is checked without a hook. Without ``drop_key`` it
+        # hears of records a filter dropped (by identity); with it, of every record
+        # whose key no output (or error) of an operator carries: a flat_map's empty
+        # expansion, or a stage that replaced the record without keeping the key.
         self.drop_hook = drop_hook
-        self.filters = frozenset(i for i, o in enumerate(stage.ops) if o.op.name == "filter")
+        self.drop_key = drop_key
+        self.filters = frozenset(i for i, o in enumerate(stage.ops)
+                                 if drop_key is not None or o.op.name == "filter")
         self.meters = [StageMeter(o.id, o.op.name, replicas=stage.replicas,
                                   queue_bound=stage.queue if i == 0 else 0,
                                   fused_into=stage.id if len(stage.ops) > 1 else None)
@@ -84,9 +91,13 @@ class Replica:
                     except Exception as e:  # noqa: BLE001 - a whole-batch call failed
                         errs = [(x, e) for x in batch]
                         batch = []
-                    if self.drop_hook is not None and i in self.filters and \
-                            len(batch) + len(errs) < n:
-                        self.drop_hook(self.ops[i].id, dropped(before, batch, errs))
+                    if self.drop_hook is not None and i in self.filters:
+                        gone = (dropped_by_key(before, batch, errs, self.drop_key)
+                                if self.drop_key is not None else
+                                dropped(before, batch, errs) if len(batch) + len(errs) < n
+                                else [])
+                        if gone:
+                            self.drop_hook(self.ops[i].id, gone)
             elif kind == "branch":
                 t, f = fn(batch, errs)  # type: ignore[misc]
                 self._done(m, t0, n, len(t) + len(f), errs, errors, i)
@@ -110,6 +121,13 @@ class Replica:
             m.errors += len(errs)
             sid = self.ops[i].id
             errors.extend(ErrorRecord.from_exception(sid, x, e) for x, e in errs)
+
+
+def dropped_by_key(before: list, after: list, errs: list, key: str) -> list:
+    """The records of ``before`` whose ``key`` no record of ``after`` or ``errs`` has."""
+    kept = {r.get(key) for r in after if isinstance(r, dict)}
+    kept.update(x.get(key) for x, _ in errs if isinstance(x, dict))
+    return [r for r in before if isinstance(r, dict) and r.get(key) not in kept]
 
 
 def dropped(before: list, after: list, errs: list) -> list:
@@ -141,7 +159,7 @@ async def call_careful(op: PlanOp, rt: OpRuntime, m: StageMeter, batch: list,
             (out if r else falses).append(x)
         else:
             out.extend(r)
-            if not r and on_drop is not None and op.op.name == "filter":
+            if not r and on_drop is not None:  # the record ended here without output
                 on_drop(op.id, [x])
     m.records_out += len(out) + len(falses)
     m.service.record((perf_counter() - t0) * 1e6 / len(batch), len(batch))
@@ -290,8 +308,12 @@ async def call_with_policy(op: PlanOp, rt: OpRuntime, meter: StageMeter, arg: An
         attempts += 1
         try:
             if is_async:
-                coro = call(arg)
-                return await (asyncio.wait_for(coro, timeout) if timeout else coro)
+                if timeout is None:
+                    return await call(arg)
+                # not asyncio.wait_for: on 3.11 it can swallow a cancellation (Ctrl-C)
+                # that arrives as the awaited call completes
+                async with asyncio.timeout(timeout):
+                    return await call(arg)
             if run_blocking is None:
                 return call(arg)
             if timeout is None:
@@ -308,7 +330,9 @@ async def call_with_policy(op: PlanOp, rt: OpRuntime, meter: StageMeter, arg: An
                     f"{abandoned} earlier calls of this replica are still running past "
                     f"timeout_ms={c.timeout_ms:g} (the operator ignores cancellation); "
                     "refusing new calls until one returns")
-            call_arg, cancels = _with_cancel(arg)
+            # a map gets a cancel of its own per attempt; a batch window's records are
+            # handed over untouched
+            call_arg, cancels = _with_cancel(arg) if rt.kind == "map" else (arg, [])
             fut = asyncio.ensure_future(run_blocking(call, call_arg))
             done, _ = await asyncio.wait({fut}, timeout=timeout)
             if fut in done:
