@@ -157,7 +157,8 @@ class Link:
             r = self._pick()
             seq = self.seqs[r]
             unacked = self.unacked[r]
-            order = (self.link_id, seq, next(iter(unacked)) if unacked else seq)
+            order = ((self.link_id, seq, next(reversed(unacked)), next(iter(unacked)))
+                     if unacked else (self.link_id, seq, -1, seq))
             try:
                 msg = encode((self.keys[r], key, part, ids, born, order))
             except Exception as e:  # noqa: BLE001 - some record cannot be serialised
@@ -186,6 +187,20 @@ class Link:
             acks.append(fut)
         return ([x for x, g in zip(part, ok, strict=True) if g],
                 [x for x, g in zip(lin, ok, strict=True) if g])
+
+    def _replay_order(self, r: int, seq: int) -> tuple[int, int, int, int]:
+        """``(link, seq, prev, low)`` for pushing ``seq`` again to replica ``r``: ``prev``
+        is the newest push before it that is still unacknowledged (-1: none), ``low`` the
+        oldest. Pushes acknowledged in between (a filter dropped all their records, so they
+        were acknowledged at once) are never pushed again: a restarted replica must not
+        wait for them."""
+        unacked = self.unacked[r]
+        prev = -1
+        for s in unacked:  # in seq order
+            if s >= seq:
+                break
+            prev = s
+        return self.link_id, seq, prev, next(iter(unacked), seq)
 
     def _pick(self) -> int:
         """The consumer replica with the fewest of our records in flight (round robin ties)."""
@@ -222,8 +237,8 @@ class Link:
                             "check `ray status` for lost nodes") from None
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 0.5)
-                order = (self.link_id, seq, next(iter(self.unacked[r])))
-                ref = host.push.remote(encode((self.keys[r], key, part, lin, born, order)))
+                ref = host.push.remote(encode((self.keys[r], key, part, lin, born,
+                                               self._replay_order(r, seq))))
         finally:
             self.outstanding[r] -= n
             del self.unacked[r][seq]

@@ -169,7 +169,7 @@ class StageHost:
         """One micro-batch for a stage replica; returns once acknowledged end to end.
 
         msg: pickled ``(instance key, route, records, lineage ids, born, order)``;
-             ``order`` is ``(link, seq, low)`` of the producer's link (see
+             ``order`` is ``(link, seq, prev, low)`` of the producer's link (see
              ``StageInstance.push``).
         """
         key: InstanceKey

@@ -46,6 +46,79 @@ def snapshot(m: StageMeter) -> StageMeter:
     return c
 
 
+class Stream:
+    """The order in which one producer link's pushes enter a replica's queue.
+
+    Ray may deliver an async actor's calls in any order, so each push names ``prev``, the
+    link's newest earlier push that was unacknowledged when it was sent, and enters only
+    after it. Seqs are not contiguous here: a replica rebuilt after its actor restarted
+    gets only the pushes its producer still holds, and pushes in between may have been
+    acknowledged before the crash (e.g. a filter dropped all their records, so nothing
+    downstream had to acknowledge them) and never come again. Every seq below a push's
+    ``low`` is done as well. Memory: the seqs entered out of order above ``low``.
+
+    low: the first push's ``low`` (seqs below it entered before this replica existed).
+    """
+
+    __slots__ = ("low", "above", "waiting")
+
+    def __init__(self, low: int) -> None:
+        self.low = low  # every seq below it has entered (or never will)
+        self.above: set[int] = set()  # seqs >= low that entered
+        self.waiting: dict[int, list[asyncio.Future]] = {}  # seq -> pushes waiting for it
+
+    def entered(self, seq: int) -> bool:
+        """Has push ``seq`` entered the queue, or will it never come (-1: no push)?"""
+        return seq < self.low or seq in self.above
+
+    async def turn(self, prev: int) -> None:
+        """Wait until push ``prev`` has entered (or is known done)."""
+        fut = asyncio.get_running_loop().create_future()
+        self.waiting.setdefault(prev, []).append(fut)
+        await fut
+
+    def enter(self, seq: int) -> None:
+        """Push ``seq`` has entered the queue: wake the pushes that wait for it."""
+        if seq == self.low and not self.above:  # in order: the common case
+            self.low = seq + 1
+        elif seq >= self.low:
+            self.above.add(seq)
+            self._collapse()
+        self._wake(seq)
+
+    def forget_below(self, low: int) -> None:
+        """The producer says every push below ``low`` is acknowledged: none of them
+        will come, wake whoever waits for one."""
+        if low <= self.low:
+            return
+        self.low = low
+        if self.above:
+            self.above = {s for s in self.above if s >= low}
+            self._collapse()
+        for s in [s for s in self.waiting if s < low]:
+            self._wake(s)
+
+    def _collapse(self) -> None:
+        above = self.above
+        while self.low in above:
+            above.discard(self.low)
+            self.low += 1
+
+    def _wake(self, seq: int) -> None:
+        if not self.waiting:
+            return
+        for fut in self.waiting.pop(seq, ()):
+            if not fut.done():
+                fut.set_result(None)
+
+    def close(self) -> None:
+        """The run ends: cancel the pushes still waiting for their turn."""
+        for futs in self.waiting.values():
+            for fut in futs:
+                fut.cancel()
+        self.waiting.clear()
+
+
 class StageInstance:
     """A stage replica on a host: bounded input queue, operator loop, output links.
 
@@ -101,28 +174,30 @@ class StageInstance:
         self.dirty = True
         self._q: deque = deque()  # (enqueued, born, key, records, lineage, done future)
         self._room: deque = deque()  # pushes waiting for room in the queue, FIFO
-        self._streams: dict[int, list] = {}  # link -> [next seq, {seq: waiting turn}]
+        self._streams: dict[int, Stream] = {}  # producer link -> its pushes' order
         self._wake = asyncio.Event()
         self._task = asyncio.ensure_future(self._work())
 
     # -- input ----------------------------------------------------------------------------
     async def push(self, key: BatchKey, records: list, lin: Lineage, born: float,
-                   order: tuple[int, int, int]) -> None:
+                   order: tuple[int, int, int, int]) -> None:
         """Queue one micro-batch (waiting for room); returns once it is acked end to end
         (and, on a fan-out stage, committed).
 
-        order: ``(link, seq, low)``: pushes of one producer link enter the queue in ``seq``
-               order whatever order Ray delivers them in; ``low`` is the link's oldest
-               unacknowledged seq (where a rebuilt replica starts).
+        order: ``(link, seq, prev, low)``: pushes of one producer link enter the queue in
+               ``seq`` order whatever order Ray delivers them in: this one after ``prev``,
+               the link's newest earlier push still unacknowledged when it was sent (-1:
+               none); ``low`` is the link's oldest unacknowledged seq (every seq below it
+               is done and will never come). See ``Stream``.
         """
-        link, seq, low = order
+        link, seq, prev, low = order
         stream = self._streams.get(link)
         if stream is None:
-            stream = self._streams[link] = [low, {}]
-        if seq > stream[0]:  # an earlier push of this link has not arrived yet
-            turn = asyncio.get_running_loop().create_future()
-            stream[1][seq] = turn
-            await turn
+            stream = self._streams[link] = Stream(low)
+        else:
+            stream.forget_below(low)
+        if not stream.entered(prev):  # an earlier push of this link has not arrived yet
+            await stream.turn(prev)
         n = len(records)
         done = asyncio.get_running_loop().create_future()
         item = (n, born, key, records, lin, done)
@@ -130,11 +205,7 @@ class StageInstance:
             self._room.append(item)
         else:
             self._enqueue(item)
-        if seq >= stream[0]:  # our turn is taken: let the next seq of this link in
-            stream[0] = seq + 1
-            nxt = stream[1].pop(seq + 1, None)
-            if nxt is not None and not nxt.done():
-                nxt.set_result(None)
+        stream.enter(seq)  # our turn is taken: let the push that waits for us in
         acks, commit = await done
         await gather_acks(acks)
         if commit is not None:
@@ -265,7 +336,6 @@ class StageInstance:
             if not item[-1].done():
                 item[-1].cancel()
         for stream in self._streams.values():
-            for turn in stream[1].values():
-                turn.cancel()
+            stream.close()
         if self.own_pool is not None:
             self.own_pool.shutdown(wait=False)
