@@ -3,7 +3,7 @@ sometimes admission, sometimes a stage actor killed mid-run. One Ray session for
 whole test session (``ray_session``); few examples, Ray runs are slow."""
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from .harness import fault_settings
@@ -14,7 +14,6 @@ pytestmark = pytest.mark.slow
 
 
 @fault_settings("ray")
-@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_ray_runs_keep_the_record_lifecycle(ray_session, data):
     sc = data.draw(scenarios("ray", max_n=16, max_steps=4), label="scenario")
