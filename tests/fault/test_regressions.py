@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 
@@ -159,3 +160,45 @@ def test_ray_killing_an_actor_that_feeds_a_filter_loses_nothing_and_ends(ray_ses
     assert killed
     assert not job.is_alive(), f"the run hung; outputs so far: {sorted(got)}"
     assert sorted(got) == [y for y in map(_double, range(11)) if _keep(y)]
+
+
+def test_a_batch_under_admission_does_not_hand_out_admission_tickets():
+    """Under admission, the records inside a ``batch`` stage's lists kept the runtime's
+    ``_admission`` ticket all the way into the user's output (the sink strips it from
+    top-level records only)."""
+    from tailrace.control import AdmissionGate, make_policy
+
+    p = tr.Pipeline("b")
+    out: list = []
+    p.source([{"a": 1}, {"a": 2}]).batch(2, output="items").sink(out)
+    tr.run(p, admission=AdmissionGate(make_policy("simultaneous")))
+    assert out == [{"items": [{"a": 1}, {"a": 2}]}]
+
+
+def _waits_for_cancel(x):
+    """A blocking predicate that honours cooperative cancellation (like ``generate``)."""
+    cancel = x.get("_cancel")
+    deadline = time.monotonic() + 30
+    while not (cancel is not None and cancel.is_set()) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return True
+
+
+def test_a_timed_out_branch_call_is_cancelled_like_any_other():
+    """Invariant 4: a blocking ``branch`` with ``timeout_ms`` did not give its predicate
+    the record's ``_cancel`` (``map``, ``filter`` and ``flat_map`` do), so an abandoned
+    call that would stop when cancelled ran on after the run."""
+    p = tr.Pipeline("br")
+    yes, no = p.source([{"a": 1}]).branch(_waits_for_cancel, blocking=True, timeout_ms=30)
+    yes.sink([])
+    no.sink([])
+    result = tr.run(p)
+    assert [e.error for e in result.errors] == ["StageTimeout"]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _tailrace_threads():
+        time.sleep(0.01)
+    assert not _tailrace_threads()
+
+
+def _tailrace_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("tailrace")]
