@@ -42,7 +42,7 @@ from .harness import (
 )
 
 STALL_S = 4.0  # no operator call, output or error for this long: the run hangs
-DEADLINE_S = 10.0  # for things that must happen "soon": threads ending, tickets returning
+DEADLINE_S = 5.0  # for things that must happen "soon": threads ending, tickets returning
 _runs = itertools.count(1)
 
 

@@ -57,6 +57,37 @@ def test_ctrl_c_gives_every_admission_ticket_back():
     assert out.split() == ["interrupted", "in_flight", "0"]
 
 
+def test_ctrl_c_leaves_no_request_waiting_at_the_gate():
+    """Invariant 2 under shutdown: after Ctrl-C with fcfs (one in flight, room for 8 to
+    wait), the gate showed a request still waiting (``queued`` 1) on an idle gate: a
+    cancelled waiter stayed in the policy's waiting line until the next arrival."""
+    out = _child("""
+        import os, signal, time
+        import tailrace as tr
+        from tailrace.control import AdmissionGate, make_policy
+
+        def op(x):
+            if x["i"] == 0:
+                os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C
+            return x
+
+        gate = AdmissionGate(make_policy("fcfs", max_in_flight=1, max_queue=8))
+        p = tr.Pipeline("p")
+        p.source([{"i": i} for i in range(5)]).map(op).sink([])
+        try:
+            tr.run(p, admission=gate)
+        except tr.RunInterrupted:
+            print("interrupted")
+        end = time.monotonic() + 10
+        while (gate.statistics().in_flight or gate.statistics().queued) \
+                and time.monotonic() < end:
+            time.sleep(0.01)
+        s = gate.statistics()
+        print("in_flight", s.in_flight, "queued", s.queued)
+    """)
+    assert out.split() == ["interrupted", "in_flight", "0", "queued", "0"]
+
+
 def test_ctrl_c_ends_a_run_whose_timed_async_stage_feeds_a_full_channel():
     """Invariant 4 under shutdown: Ctrl-C while records queue for a one-record channel
     behind an async stage with ``timeout_ms``; the run never returned (its worker, blocked
