@@ -254,3 +254,15 @@ def test_a_ticket_delivered_just_before_its_caller_is_cancelled_is_given_back():
 
     asyncio.run(scenario())
     gate.close()
+
+
+def test_a_batch_window_lists_its_records_without_their_tickets():
+    """Found by the fault suite: the ticket object rode on inside a batch's list."""
+    gate = fcfs(2)
+    p = tr.Pipeline("f")
+    p.source(id="src").batch(3, output="items").map(lambda r: r, queue=1).sink()
+    result = finishes(lambda: tr.run(p, input=records(7), admission=gate, fuse=False))
+    items = [x for r in result.outputs for x in r["items"]]
+    assert sorted(x["i"] for x in items) == list(range(7))
+    assert not any("_admission" in x for x in items)
+    gate.assert_balanced()

@@ -327,7 +327,10 @@ class LocalRun:
                 self.scheduling.record((now - born) * 1e6, n)
             ports: dict[str | None, list]
             if collect:
-                ports = {None: await call_collect(s.ops[0], rep.rts[0], rep.meters[0], batch,
+                # a batch window ends its records' tickets: its list holds them without
+                took = batch if not (self.tickets and rt.kind == "collect") else \
+                    [_strip_ticket(r) for r in batch]
+                ports = {None: await call_collect(s.ops[0], rep.rts[0], rep.meters[0], took,
                                                   run_blocking, errors)}
             elif careful:
                 ports = await call_careful(s.ops[0], rep.rts[0], rep.meters[0], batch,
@@ -382,14 +385,17 @@ async def collect_batch(ch: Channel, max_n: int, max_wait: float,
     return enq, born, recs
 
 
-def _without_ticket(target: Any) -> Any:
-    """A sink target that receives records without their admission ticket (a copy:
-    the same record may still be in flight on another branch)."""
-    def strip(r: Any) -> Any:
-        if isinstance(r, dict) and "_admission" in r:
-            return {k: v for k, v in r.items() if k != "_admission"}
-        return r
+def _strip_ticket(r: Any) -> Any:
+    """``r`` without its admission ticket (a copy: the same record may still be in
+    flight on another branch)."""
+    if isinstance(r, dict) and "_admission" in r:
+        return {k: v for k, v in r.items() if k != "_admission"}
+    return r
 
+
+def _without_ticket(target: Any) -> Any:
+    """A sink target that receives records without their admission ticket."""
+    strip = _strip_ticket
     if isinstance(target, list):
         append = target.append
         return lambda r: append(strip(r))
