@@ -105,19 +105,26 @@ class AdmissionGate:
 
     # -- internals ---------------------------------------------------------------------
     def _resolve(self, tickets: list[Ticket]) -> None:  # under our lock
-        for t in tickets:
-            rid = t.request.id
-            waiter = self._waiters.pop(rid, None)
-            if waiter is not None:
-                loop, fut = waiter
-                try:
-                    loop.call_soon_threadsafe(self._deliver, fut, t)
-                except RuntimeError:  # the waiter's loop is closed: nobody takes it
-                    self.policy.release(t)
-                    self._resolve(self.policy.poll())
-            elif rid in self._abandoned:
-                self._abandoned.discard(rid)
-                self.policy.release(t)  # its caller left while it was queued
+        while tickets:
+            freed = False
+            for t in tickets:
+                rid = t.request.id
+                waiter = self._waiters.pop(rid, None)
+                if waiter is not None:
+                    loop, fut = waiter
+                    try:
+                        loop.call_soon_threadsafe(self._deliver, fut, t)
+                        continue
+                    except RuntimeError:  # the waiter's loop is closed: nobody takes it
+                        pass
+                elif rid in self._abandoned:  # its caller left while it was queued
+                    self._abandoned.discard(rid)
+                else:
+                    continue
+                self.policy.release(t)
+                freed = True
+            # capacity a departed caller freed goes to whoever waits next
+            tickets = self.policy.poll() if freed else []
 
     def _deliver(self, fut: asyncio.Future, ticket: Ticket) -> None:
         """On the waiter's loop: hand the ticket over, or give it back if the caller

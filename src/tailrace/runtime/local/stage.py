@@ -330,9 +330,9 @@ async def call_with_policy(op: PlanOp, rt: OpRuntime, meter: StageMeter, arg: An
                     f"{abandoned} earlier calls of this replica are still running past "
                     f"timeout_ms={c.timeout_ms:g} (the operator ignores cancellation); "
                     "refusing new calls until one returns")
-            # a map gets a cancel of its own per attempt; a batch window's records are
-            # handed over untouched
-            call_arg, cancels = _with_cancel(arg) if rt.kind == "map" else (arg, [])
+            # a map or branch call gets a cancel of its own per attempt; a batch window's
+            # records are handed over untouched
+            call_arg, cancels = _with_cancel(arg) if rt.kind != "collect" else (arg, [])
             fut = asyncio.ensure_future(run_blocking(call, call_arg))
             done, _ = await asyncio.wait({fut}, timeout=timeout)
             if fut in done:
