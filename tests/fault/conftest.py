@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, settings
 PROFILES = ("ci", "chaos")
 #: examples per test, per target; the serving test runs once per admission policy
 EXAMPLES = {
-    "ci": {"local": 60, "interrupt": 12, "service": 12, "ray": 5},
-    "chaos": {"local": 3000, "interrupt": 400, "service": 300, "ray": 60},
+    "ci": {"local": 1_000, "interrupt": 50, "service": 250, "ray": 30},
+    "chaos": {"local": 10_000, "interrupt": 600, "service": 1_500, "ray": 300},
 }
 
 _common = dict(deadline=None, print_blob=True,
