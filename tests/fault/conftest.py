@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, settings
 PROFILES = ("ci", "chaos")
 #: examples per test, per target; the serving test runs once per admission policy
 EXAMPLES = {
-    "ci": {"local": 1_000, "interrupt": 50, "service": 250, "ray": 30},
+    "ci": {"local": 800, "interrupt": 50, "service": 250, "ray": 25},
     "chaos": {"local": 10_000, "interrupt": 600, "service": 1_500, "ray": 300},
 }
 
