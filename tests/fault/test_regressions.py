@@ -233,3 +233,40 @@ def test_a_timed_out_branch_call_is_cancelled_like_any_other():
 
 def _tailrace_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("tailrace")]
+
+
+def test_records_that_are_not_dicts_never_hang_under_admission():
+    """Known defect of issue 11: under an fcfs gate, ``source(range(200))`` never
+    returned (the ticket rode in the record, so a plain value never gave it back). Every
+    record must end, as an output or an error record."""
+    out = _child("""
+        import tailrace as tr
+        from tailrace.control import AdmissionGate, make_policy
+
+        gate = AdmissionGate(make_policy("fcfs", max_in_flight=2, max_queue=10_000))
+        p = tr.Pipeline("plain")
+        p.source(range(200)).map(lambda x: x + 1).sink(out := [])
+        result = tr.run(p, admission=gate)
+        print(len(out) + len(result.errors), gate.statistics().in_flight)
+    """)
+    assert out.split() == ["200", "0"]
+
+
+def test_admission_at_the_source_keeps_a_bounded_number_of_tasks():
+    """Invariant 3 with admission (known defect of issue 11): the source created one task
+    per input record up front (5,000 records: 5,000 tasks waiting at the gate)."""
+    from tailrace.control import AdmissionGate, make_policy
+
+    peak = [0]
+
+    def look(x):  # runs on the run's event loop (an inline stage)
+        peak[0] = max(peak[0], len(asyncio.all_tasks()))
+        return x
+
+    gate = AdmissionGate(make_policy("fcfs", max_in_flight=4, max_queue=100_000))
+    p = tr.Pipeline("many")
+    out: list = []
+    p.source([{"i": i} for i in range(5_000)]).map(look, queue=16).sink(out)
+    tr.run(p, admission=gate)
+    assert len(out) == 5_000
+    assert peak[0] <= 2_000, f"{peak[0]} tasks alive at once for 5,000 records"
