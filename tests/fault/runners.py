@@ -304,8 +304,7 @@ def run_local(sc: Scenario, *, here: bool = False) -> Report:
                     gate.close()  # rejects the waiters: lets a run stuck at the door end
 
             job: Any = _Here(call, progress, rescue) if here else _Watched(call, progress)
-            finished = job.wait()
-            probe.release.set()
+            finished = job.wait()  # hung calls stay hung: the runtime must cancel them
             if not finished:
                 report.problems.append(f"the run hung (no progress for {STALL_S:g} s)")
                 rescue()

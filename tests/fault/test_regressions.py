@@ -115,6 +115,39 @@ def test_ctrl_c_ends_a_run_whose_timed_async_stage_feeds_a_full_channel():
     assert out.split() == ["interrupted"]
 
 
+def test_ctrl_c_cancels_the_blocking_calls_it_abandons():
+    """Invariant 4 under shutdown: Ctrl-C while a blocking call under ``timeout_ms`` runs;
+    the run returned without setting the call's ``_cancel`` (as a timeout does), so a call
+    that honours cancellation ran on after the run, up to its own limit (20 s here)."""
+    out = _child("""
+        import os, signal, threading, time
+        import tailrace as tr
+
+        def slow(x):
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while this call runs
+            cancel = x.get("_cancel")
+            end = time.monotonic() + 20
+            while time.monotonic() < end and not (cancel is not None and cancel.is_set()):
+                time.sleep(0.005)  # honours cooperative cancellation
+            return x
+
+        def ours():
+            return [t.name for t in threading.enumerate() if t.name.startswith("tailrace")]
+
+        p = tr.Pipeline("p")
+        p.source([{"i": 0}]).map(slow, blocking=True, timeout_ms=10_000).sink([])
+        try:
+            tr.run(p)
+        except tr.RunInterrupted:
+            print("interrupted")
+        end = time.monotonic() + 5
+        while time.monotonic() < end and ours():
+            time.sleep(0.01)
+        print("left", len(ours()))
+    """)
+    assert out.split() == ["interrupted", "left", "0"]
+
+
 def test_a_batch_stage_under_a_timeout_emits_its_records_unchanged():
     """A ``batch`` stage with ``timeout_ms`` put the runtime's per-attempt cancel event
     (``_cancel``) into the records of its lists; on Ray such a list cannot be sent back
