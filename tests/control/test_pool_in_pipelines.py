@@ -128,10 +128,19 @@ def test_two_pipelines_share_llama_replica_processes():
         local.close()
     try:
         results: dict[str, list] = {}
+        # Both pipelines reach the pool at the same instant with 2 requests each (half a
+        # batch), and the pool waits up to 2 s for more: their requests share a batch
+        # however loaded the machine is (it used to depend on timing and flaked).
+        spec = {**LLAMA_POOL, "max_wait_ms": 2000}
+        together = threading.Barrier(2)
+        asked = {"a": questions[:2], "b": questions[2:]}
 
         def go(name: str) -> None:
-            results[name] = tr.run(generate_pipeline(name, LLAMA_POOL),
-                                   input=[{"q": q} for q in questions]).outputs
+            p = tr.Pipeline(name, engines={"llm": spec})
+            (p.source(fields=["q"]).map(lambda r: together.wait(60) and r or r, queue=2)
+             .apply("generate", id="gen", engine="llm", input="q", output="a",
+                    max_tokens=8).sink())
+            results[name] = tr.run(p, input=[{"q": q} for q in asked[name]]).outputs
 
         threads = [threading.Thread(target=go, args=(n,)) for n in ("a", "b")]
         t0 = time.monotonic()
@@ -140,10 +149,11 @@ def test_two_pipelines_share_llama_replica_processes():
         for t in threads:
             t.join(300)
         assert time.monotonic() - t0 < 300, "pipelines did not finish"
-        pool = open_engine(LLAMA_POOL, "llm")
+        pool = open_engine(spec, "llm")
         stats = pool.statistics()
         for name in ("a", "b"):
-            assert {r["q"]: r["a"] for r in results[name]} == want  # greedy: same text
+            assert {r["q"]: r["a"] for r in results[name]} == \
+                {q: want[q] for q in asked[name]}  # greedy: same text
         assert {q: pool.count_tokens(q) for q in questions} == tokens  # exact, in this process
         assert pool.context_length == 512 and pool.chat is True
         pids = {r.pid for r in stats.replicas}
