@@ -1,4 +1,4 @@
-"""The fault suite's model: scenarios, fault-injecting operators and lineage accounting.
+"""The fault suite's model: scenarios, records with lineage, fault-injecting operators.
 
 A ``Scenario`` is plain data (Hypothesis prints it when an example fails, and a
 regression test pastes it back): how many input records, a seed, the stages, and which
@@ -25,11 +25,10 @@ import signal
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import tailrace as tr
-import tailrace.errors as tr_errors
 
 
 def h(*parts: Any) -> int:
@@ -413,171 +412,6 @@ def build(sc: Scenario, ledger: Ledger, run: int, *, data: list | None,
     for j, s in enumerate(streams):
         s.sink(sink, id=f"out{j}")
     return p
-
-
-# -- the account ------------------------------------------------------------------------------
-#: error types a stage with ``timeout_ms`` may end a record with (tailrace's own errors:
-#: StageTimeout, or whatever the runtime says when too many calls are abandoned)
-TAILRACE_ERRORS = frozenset(n for n, v in vars(tr_errors).items()
-                            if isinstance(v, type) and issubclass(v, Exception))
-
-
-@dataclass
-class Observed:
-    """What a run produced, as the suite saw it."""
-
-    entered: set[int]  # lids of the records that entered the run
-    outputs: list = field(default_factory=list)
-    errors: list = field(default_factory=list)  # ErrorRecords
-    ledger: list = field(default_factory=list)  # (kind, stage, path)
-    complete: bool = True  # False for interrupted runs: records may not have ended
-    cancelled: set[int] = field(default_factory=set)  # lids whose caller gave up (serving)
-    transient: frozenset = frozenset()  # ``_`` fields the caller put in the records
-
-
-FIELDS = frozenset({"lid", "path", "grp", "hops", "count", "items"})
-
-
-def _foreign(x: Any, transient: frozenset) -> list[str]:
-    """Fields of an output (or of a batch's members) that neither the input nor any
-    operator put there (e.g. a runtime's bookkeeping leaking out)."""
-    if not isinstance(x, dict):
-        return []
-    out = sorted(k for k in x if k not in FIELDS and k not in transient)
-    if "_cancel" in x and "_cancel" in transient and not isinstance(x["_cancel"],
-                                                                    threading.Event):
-        out.append(f"_cancel={type(x['_cancel']).__name__} (not the caller's event)")
-    for r in x.get("items", ()):
-        out += _foreign(r, transient)
-    return out
-
-
-def account(sc: Scenario, obs: Observed) -> list[str]:
-    """Invariant 1 by lineage, and whether each error record is explained by a fault."""
-    problems: list[str] = []
-    ends: dict[tuple, list[str]] = defaultdict(list)
-    failed_at: set[tuple[str, tuple]] = set()
-    for r in obs.outputs:
-        try:
-            for p in lineages(r):
-                ends[p].append("output")
-        except ValueError as e:
-            problems.append(f"an output has no lineage: {e}")
-        foreign = _foreign(r, obs.transient)
-        if foreign:
-            problems.append(f"an output carries fields nobody wrote: {foreign} in {r!r:.300}")
-    for e in obs.errors:
-        try:
-            paths = lineages(e.input)
-        except ValueError:
-            problems.append(f"an error record has no lineage: {e}")
-            continue
-        for p in paths:
-            ends[p].append(f"error at {e.stage} ({e.error})")
-            failed_at.add((e.stage, p))
-    silent: dict[tuple[str, tuple], str] = {}
-    for kind, stage, path in obs.ledger:  # an abandoned call's verdict does not count
-        if (stage, path) not in failed_at:
-            silent[(stage, path)] = kind
-    for (stage, path), kind in silent.items():
-        ends[path].append(f"{kind} at {stage}")
-    for p, how in sorted(ends.items()):
-        if len(how) > 1:
-            problems.append(f"record {p} ended {len(how)} times: {how}")
-    ended = set(ends)
-    fanned = {p[:i] for p in ended for i in range(1, len(p))}
-    for p in sorted(ended & fanned):
-        problems.append(f"record {p} both ended ({ends[p]}) and had children")
-    seen: set[tuple] = set()
-    missing: list[tuple] = []
-    stack = [(lid,) for lid in sorted(obs.entered)]
-    while stack:
-        p = stack.pop()
-        seen.add(p)
-        if p in ended:
-            continue
-        if p in fanned:
-            stack.extend(p + (i,) for i in range(fanout(sc.seed, p)))
-        else:
-            missing.append(p)
-    if missing and obs.complete:
-        problems.append(f"{len(missing)} record(s) never ended (lost): {sorted(missing)[:10]}")
-    phantom = sorted((ended | fanned) - seen)
-    if phantom:
-        problems.append(f"records that never entered came out: {phantom[:10]}")
-    problems += explain_errors(sc, obs)
-    return problems
-
-
-def explain_errors(sc: Scenario, obs: Observed) -> list[str]:
-    """Each error record must come from an injected fault, a declared timeout, admission,
-    or (serving) a caller that gave up while its request waited for admission."""
-    steps = {stage_id(i, s): s for i, s in enumerate(sc.steps)}
-    problems = []
-    for e in obs.errors:
-        if e.stage == "admission" and sc.admission is not None:
-            gone = e.error == "CallerGone" and _safe_lineages(e.input)[:1] and \
-                _safe_lineages(e.input)[0][0] in obs.cancelled
-            if e.error != "AdmissionRejected" and not gone:
-                problems.append(f"admission failed with {e.error}: {e.message}")
-            continue
-        step = steps.get(e.stage)
-        if step is None:
-            problems.append(f"error at a stage that injects nothing ({e.stage}): "
-                            f"{e.error}: {e.message}")
-            continue
-        c = dict(step.contract)
-        retries, timeout = c.get("retries", 0), c.get("timeout_ms")
-        if e.error == "InjectedFault":
-            if e.message.startswith("first ") and retries and timeout is None:
-                problems.append(f"{e.stage} has retries={retries} but a first-attempt-only "
-                                f"fault ended the record: {e.message}")
-            elif e.message.startswith("always") and e.attempts != 1 + retries:
-                problems.append(f"{e.stage} has retries={retries} but the record was tried "
-                                f"{e.attempts} time(s)")
-        elif timeout is not None and e.error in TAILRACE_ERRORS:
-            pass  # StageTimeout (or a runtime's clear error about abandoned calls)
-        else:
-            problems.append(f"unexplained error at {e.stage} "
-                            f"({step.op}, {dict(step.contract)}): {e.error}: {e.message}")
-    return problems
-
-
-def queue_problems(stats: Any) -> list[str]:
-    """Invariant 3: no stage's channel ever held more than its bound."""
-    return [f"stage {s.stage} held {s.max_queue_depth} records, bound {s.queue_bound}"
-            for s in getattr(stats, "stages", ()) if s.queue_bound
-            and s.max_queue_depth > s.queue_bound]
-
-
-def drop_problems(sc: Scenario, obs: Observed, stats: Any) -> list[str]:
-    """The stats' per-stage drop counts agree with the filters' own verdicts."""
-    failed_at = {(e.stage, p) for e in obs.errors for p in _safe_lineages(e.input)}
-    drops: dict[str, set] = defaultdict(set)
-    for kind, stage, path in obs.ledger:
-        if kind == "drop" and (stage, path) not in failed_at:
-            drops[stage].add(path)
-    problems = []
-    for i, step in enumerate(sc.steps):
-        sid = stage_id(i, step)
-        if step.op != "filter":
-            continue
-        try:
-            st = stats[sid]
-        except KeyError:
-            continue
-        counted = getattr(st, "dropped", None)
-        if counted is not None and counted != len(drops[sid]):
-            problems.append(f"stats say filter {sid} dropped {counted} records; it dropped "
-                            f"{len(drops[sid])}")
-    return problems
-
-
-def _safe_lineages(x: Any) -> list[tuple]:
-    try:
-        return lineages(x)
-    except ValueError:
-        return []
 
 
 def fault_settings(target: str) -> Any:

@@ -25,19 +25,16 @@ from typing import Any
 import tailrace as tr
 from tailrace.errors import RunInterrupted
 
+from .account import Observed, account, drop_problems, queue_problems
 from .harness import (
     PROBES,
     Ledger,
-    Observed,
     Probe,
     Scenario,
-    account,
     build,
-    drop_problems,
     forget_attempts,
     inputs,
     lineages,
-    queue_problems,
     stage_id,
 )
 
