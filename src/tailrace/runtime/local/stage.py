@@ -334,7 +334,12 @@ async def call_with_policy(op: PlanOp, rt: OpRuntime, meter: StageMeter, arg: An
             # records are handed over untouched
             call_arg, cancels = _with_cancel(arg) if rt.kind != "collect" else (arg, [])
             fut = asyncio.ensure_future(run_blocking(call, call_arg))
-            done, _ = await asyncio.wait({fut}, timeout=timeout)
+            try:
+                done, _ = await asyncio.wait({fut}, timeout=timeout)
+            except asyncio.CancelledError:  # the run is ending (Ctrl-C): stop the call too
+                for ev in cancels:
+                    ev.set()
+                raise
             if fut in done:
                 return _restore_cancel(fut.result())
             for ev in cancels:
