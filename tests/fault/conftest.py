@@ -20,7 +20,7 @@ PROFILES = ("ci", "chaos")
 #: examples per test, per target; the serving test runs once per admission policy
 EXAMPLES = {
     "ci": {"local": 800, "interrupt": 50, "service": 250, "ray": 25},
-    "chaos": {"local": 10_000, "interrupt": 600, "service": 2_500, "ray": 300},
+    "chaos": {"local": 7_000, "interrupt": 600, "service": 2_500, "ray": 300},
 }
 
 _common = dict(deadline=None, print_blob=True,
