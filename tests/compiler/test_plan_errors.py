@@ -169,3 +169,20 @@ def test_unbound_source_at_run_time():
     with pytest.raises(tr.PlanError, match=r"stage 'source': source has no data: pass "
                        r"tr.run\(p, input=records\)$"):
         tr.run(p)
+
+
+@pytest.mark.parametrize("method", ["filter", "flat_map", "key_by", "branch"])
+def test_an_async_function_where_a_plain_one_is_called_is_refused(method):
+    """An async predicate used to keep every record silently (a coroutine is truthy)."""
+    async def pred(x):
+        return False
+
+    p = tr.Pipeline("t")
+    if method == "branch":
+        yes, no = p.source([1]).branch(pred, id="s")
+        yes.merge(no).sink([])
+    else:
+        getattr(p.source([1]), method)(pred, id="s").sink([])
+    with pytest.raises(tr.PlanError, match="'fn' is an async function, but '" + method +
+                       "' calls it synchronously"):
+        tr.compile_pipeline(p)

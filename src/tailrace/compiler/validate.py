@@ -6,6 +6,7 @@ Every failure is a ``PlanError`` naming the stage, its location and the likely f
 from __future__ import annotations
 
 import difflib
+import inspect
 import numbers
 from typing import Any
 
@@ -73,7 +74,15 @@ def check_params(spec: StageSpec, op: OpDef) -> dict[str, Any]:
                 out[p.name] = resolve(v)
             except ValueError as e:
                 raise _err(spec, f"'{p.name}': {e}") from None
+            if op.name in SYNC_ONLY and inspect.iscoroutinefunction(out[p.name]):
+                raise _err(spec, f"'{p.name}' is an async function, but '{op.name}' calls it "
+                           "synchronously (a coroutine would count as its answer); pass a "
+                           "plain function, or do the async work in a map")
     return out
+
+
+#: Operators that call their ``fn`` synchronously (only ``map`` awaits a coroutine).
+SYNC_ONLY = frozenset({"filter", "flat_map", "key_by", "branch", "stateful"})
 
 
 PLACEMENT_KEYS = ("num_cpus", "num_gpus", "memory", "resources", "strategy")
