@@ -43,13 +43,13 @@ class LocalRun:
         inputs, outputs: records for sources and targets for sinks declared without them.
         on_error:  receives each ``ErrorRecord``.
         admission: the admission gate each record waits for, or None.
-        on_drop:   ``on_drop(stage id, records)`` when a ``filter`` drops records (a
-                   server answers those requests instead of waiting forever).
+        on_drop:   ``on_drop(stage id, records)`` for records that ended without an
+                   output or error (a server answers those requests instead of waiting
+                   forever); needs ``drop_key``.
         admission_window: most arriving records waiting for admission at once; past
                    that the source stops reading its input.
-        drop_key:  with ``on_drop``: a field every record keeps (a request id); then
-                   ``on_drop`` hears of every record that ended without an output or
-                   error (not only a filter's drops): no output carries its key.
+        drop_key:  with ``on_drop``: a field every record keeps (a request id); a
+                   record ended where no output or error of an operator carries its key.
         """
         self.plan = plan
         self.on_error = on_error

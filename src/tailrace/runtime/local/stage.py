@@ -45,8 +45,7 @@ def sink_runtime(target: Any) -> OpRuntime:
 class Replica:
     """The operator runtimes and meters of one replica of a stage."""
 
-    __slots__ = ("stage", "ops", "rts", "meters", "sinks", "drop_hook", "filters",
-                 "drop_key")
+    __slots__ = ("stage", "ops", "rts", "meters", "sinks", "drop_hook", "drop_key")
 
     def __init__(self, stage: PlanStage, rts: list[OpRuntime],
                  drop_hook: Callable[[str, list], None] | None = None,
@@ -55,14 +54,13 @@ class Replica:
         self.ops = stage.ops
         self.rts = rts
         # told which records ended without an output or error (a server answers their
-        # requests); nothing at all is checked without a hook. Without ``drop_key`` it
-        # hears of records a filter dropped (by identity); with it, of every record
-        # whose key no output (or error) of an operator carries: a flat_map's empty
-        # expansion, or a stage that replaced the record without keeping the key.
+        # requests): those whose ``drop_key`` no output or error of an operator carries
+        # (a filter's drop, a flat_map's empty expansion, a record replaced without the
+        # key). Nothing at all is checked without a hook.
+        if drop_hook is not None and drop_key is None:
+            raise ValueError("a drop hook needs the drop_key its records keep")
         self.drop_hook = drop_hook
         self.drop_key = drop_key
-        self.filters = frozenset(i for i, o in enumerate(stage.ops)
-                                 if drop_key is not None or o.op.name == "filter")
         self.meters = [StageMeter(o.id, o.op.name, replicas=stage.replicas,
                                   queue_bound=stage.queue if i == 0 else 0,
                                   fused_into=stage.id if len(stage.ops) > 1 else None)
@@ -91,11 +89,8 @@ class Replica:
                     except Exception as e:  # noqa: BLE001 - a whole-batch call failed
                         errs = [(x, e) for x in batch]
                         batch = []
-                    if self.drop_hook is not None and i in self.filters:
-                        gone = (dropped_by_key(before, batch, errs, self.drop_key)
-                                if self.drop_key is not None else
-                                dropped(before, batch, errs) if len(batch) + len(errs) < n
-                                else [])
+                    if self.drop_hook is not None:
+                        gone = dropped(before, batch, errs, self.drop_key or "")
                         if gone:
                             self.drop_hook(self.ops[i].id, gone)
             elif kind == "branch":
@@ -123,17 +118,11 @@ class Replica:
             errors.extend(ErrorRecord.from_exception(sid, x, e) for x, e in errs)
 
 
-def dropped_by_key(before: list, after: list, errs: list, key: str) -> list:
+def dropped(before: list, after: list, errs: list, key: str) -> list:
     """The records of ``before`` whose ``key`` no record of ``after`` or ``errs`` has."""
     kept = {r.get(key) for r in after if isinstance(r, dict)}
     kept.update(x.get(key) for x, _ in errs if isinstance(x, dict))
     return [r for r in before if isinstance(r, dict) and r.get(key) not in kept]
-
-
-def dropped(before: list, after: list, errs: list) -> list:
-    """The records of ``before`` neither kept (``after``) nor failed (``errs``)."""
-    gone = {id(r) for r in after} | {id(x) for x, _ in errs}
-    return [r for r in before if id(r) not in gone]
 
 
 async def call_careful(op: PlanOp, rt: OpRuntime, m: StageMeter, batch: list,
@@ -142,7 +131,7 @@ async def call_careful(op: PlanOp, rt: OpRuntime, m: StageMeter, batch: list,
                        ) -> dict[str | None, list]:
     """Record by record, with the stage's timeout and retries (one operator, never fused);
     returns port -> records. Arguments as for ``call_collect``; ``on_drop(stage id,
-    records)`` hears of records a filter dropped."""
+    records)`` hears of records whose call returned nothing (they end there)."""
     out: list = []
     falses: list = []
     branch = rt.kind == "branch"
