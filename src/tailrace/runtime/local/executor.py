@@ -176,9 +176,6 @@ class LocalRun:
                 self.errors += 1
                 self.on_error(ErrorRecord.from_exception("admission", x, e))
                 return
-            if not down:  # pragma: no cover - the compiler gives every source a consumer
-                self.admission.done(ticket)
-                return
             self.tickets[id(ticket)] = [ticket, len(down)]
             rec = [{**x, "_admission": ticket}]
             for ch in down:
