@@ -86,8 +86,7 @@ class AdmissionGate:
                     self._abandoned.add(req.id)
                 elif fut.done() and not fut.cancelled():
                     # delivered, but the cancellation reached this task first
-                    self.policy.release(fut.result())
-                    self._resolve(self.policy.poll())
+                    self._give_back(fut.result())
             raise
 
     def done(self, ticket: Ticket, service_seconds: float | None = None) -> None:
@@ -100,10 +99,14 @@ class AdmissionGate:
         if service_seconds is None:
             service_seconds = max(0.0, self._clock() - ticket.admitted_at)
         with self._lock:
-            self.policy.release(ticket, service_seconds)
-            self._resolve(self.policy.poll())
+            self._give_back(ticket, service_seconds)
 
     # -- internals ---------------------------------------------------------------------
+    def _give_back(self, ticket: Ticket, service_seconds: float | None = None) -> None:
+        """Under our lock: free a ticket's capacity and admit whoever now fits."""
+        self.policy.release(ticket, service_seconds)
+        self._resolve(self.policy.poll())
+
     def _resolve(self, tickets: list[Ticket]) -> None:  # under our lock
         while tickets:
             freed = False
@@ -131,8 +134,7 @@ class AdmissionGate:
         cancelled in between (so an admitted ticket is never lost)."""
         if fut.done():
             with self._lock:  # no service time to learn from
-                self.policy.release(ticket)
-                self._resolve(self.policy.poll())
+                self._give_back(ticket)
         else:
             fut.set_result(ticket)
 
