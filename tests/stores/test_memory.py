@@ -221,3 +221,76 @@ def test_default_store_is_sqlite_in_tailrace_home(monkeypatch, tmp_path):
     monkeypatch.setenv("MY_DSN", "postgresql://u@127.0.0.1:5432/db")
     assert check_store_spec({"backend": "postgres", "dsn_env": "MY_DSN"}) == \
         {"backend": "postgres", "dsn_env": "MY_DSN"}
+
+
+def _open_at_once(path, barrier, results):
+    from tailrace.stores.memory_sqlite import SqliteMemory
+
+    barrier.wait()
+    try:
+        SqliteMemory(path)
+        results.put("ok")
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        results.put(str(e))
+
+
+def test_many_processes_open_one_new_sqlite_file_at_once(tmp_path):
+    # Ray stage hosts open one memory file together: the loser of the WAL switch used to
+    # fail with "database is locked" (seen in CI, about 1 trial in 30 with 8 openers)
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    for trial in range(3):
+        path = str(tmp_path / f"m{trial}.sqlite")
+        barrier, results = ctx.Barrier(6), ctx.Queue()
+        procs = [ctx.Process(target=_open_at_once, args=(path, barrier, results))
+                 for _ in range(6)]
+        for p in procs:
+            p.start()
+        got = [results.get(timeout=60) for _ in procs]
+        for p in procs:
+            p.join(timeout=60)
+        assert got == ["ok"] * 6
+
+
+class _Locked:
+    """A connection whose first ``fails`` statements answer "database is locked"."""
+
+    def __init__(self, real, fails, message):
+        self.real, self.fails, self.message = real, fails, message
+
+    def execute(self, *a):
+        if self.fails[0] > 0:
+            self.fails[0] -= 1
+            raise __import__("sqlite3").OperationalError(self.message)
+        return self.real.execute(*a)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def __enter__(self):
+        return self.real.__enter__()
+
+    def __exit__(self, *exc):
+        return self.real.__exit__(*exc)
+
+
+@pytest.mark.parametrize("message,opens", [("database is locked", True),
+                                           ("disk I/O error", False)])
+def test_a_locked_open_is_retried_and_other_errors_are_not(monkeypatch, tmp_path, message,
+                                                          opens):
+    import sqlite3
+
+    from tailrace.stores import memory_sqlite
+
+    real_connect, fails = sqlite3.connect, [2]
+    monkeypatch.setattr(memory_sqlite.sqlite3, "connect",
+                        lambda *a, **k: _Locked(real_connect(*a, **k), fails, message))
+    path = str(tmp_path / "m.sqlite")
+    if opens:
+        memory_sqlite.SqliteMemory(path).add_turns([Turn("ada", "s", "user", "hi")], T0)
+        assert fails == [0]
+    else:
+        with pytest.raises(StoreError, match="cannot open the sqlite memory store.*disk I/O"):
+            memory_sqlite.SqliteMemory(path)
+        assert fails == [1]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,42 @@ _USER_FACTS = ("SELECT text, embedding, metadata, created FROM facts WHERE user_
                "AND model = ? AND (expires IS NULL OR expires > ?)")
 
 
+OPEN_WAIT_S = 30.0
+
+
+def _open(path: str) -> sqlite3.Connection:
+    """Connect, switch to WAL and create the schema, retrying while another opener holds it.
+
+    Several processes (Ray stage hosts) may open one new file at the same moment. SQLite
+    answers the loser of the journal-mode switch or of a lock upgrade with "database is
+    locked" at once, without waiting for its busy timeout, so the whole sequence is
+    retried with backoff up to ``OPEN_WAIT_S``; any other error is reported at once.
+    """
+    deadline = time.monotonic() + OPEN_WAIT_S
+    pause = 0.01
+    while True:
+        conn = None
+        try:
+            conn = sqlite3.connect(path, check_same_thread=False, timeout=10.0)
+            if conn.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+                conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.executescript(SCHEMA)
+            return conn
+        except sqlite3.OperationalError as e:
+            if conn is not None:
+                conn.close()
+            busy = "locked" in str(e) or "busy" in str(e)
+            if not busy or time.monotonic() + pause > deadline:
+                raise StoreError(f"cannot open the sqlite memory store {path!r}: {e}") from None
+            time.sleep(pause)
+            pause = min(pause * 2, 0.5)
+        except sqlite3.Error as e:
+            if conn is not None:
+                conn.close()
+            raise StoreError(f"cannot open the sqlite memory store {path!r}: {e}") from None
+
+
 class SqliteMemory(BaseMemory):
     """Turns and facts in one SQLite file (``:memory:`` for a private in-process one)."""
 
@@ -66,13 +103,7 @@ class SqliteMemory(BaseMemory):
         self.path = path
         if path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-        try:
-            self._conn = sqlite3.connect(path, check_same_thread=False, timeout=10.0)
-            self._conn.execute("PRAGMA journal_mode=WAL")
-            self._conn.execute("PRAGMA synchronous=NORMAL")
-            self._conn.executescript(SCHEMA)
-        except sqlite3.Error as e:
-            raise StoreError(f"cannot open the sqlite memory store {path!r}: {e}") from None
+        self._conn = _open(path)
         self._lock = threading.Lock()
 
     def add(self, turns: Sequence[Turn], facts: Sequence[Fact], now: float,
