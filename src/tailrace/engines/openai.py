@@ -20,6 +20,7 @@ from typing import Any
 
 from ..errors import ContextOverflow, EngineError
 from .base import Generation, GenerationRequest, TokenCallback
+from .tokens import approx_tokens
 
 #: server messages (HTTP 400/413) that mean "the prompt does not fit in the context window"
 _OVERFLOW = re.compile(
@@ -29,17 +30,6 @@ _OVERFLOW = re.compile(
 #: tokenizer endpoints tried once, relative to the server root (``base_url`` minus ``/v1``):
 #: llama-cpp-python's server, then vLLM / SGLang / llama.cpp's ``llama-server``.
 _TOKENIZE_PATHS = ("/extras/tokenize", "/tokenize")
-
-
-def approx_tokens(text: str) -> int:
-    """Rough token count used when the server has no tokenizer endpoint: 4 characters a token.
-
-    text: the text to measure.
-
-    >>> approx_tokens(""), approx_tokens("abcd"), approx_tokens("abcdefgh")
-    (1, 2, 3)
-    """
-    return len(text) // 4 + 1
 
 
 def _one_line(text: str, limit: int = 300) -> str:

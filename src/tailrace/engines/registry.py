@@ -191,7 +191,7 @@ def token_counter(spec: dict[str, Any]) -> Callable[[str], int]:
 
     spec: the engine spec.
     """
-    from .openai import approx_tokens
+    from .tokens import approx_tokens
 
     if spec.get("backend") != "llama_cpp":
         return approx_tokens
