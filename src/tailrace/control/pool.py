@@ -29,8 +29,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..engines.base import Generation, GenerationRequest, TokenCallback
-from ..engines.tokens import approx_tokens
 from ..engines.registry import BACKENDS, PoolHooks, set_pool_hooks, token_counter
+from ..engines.tokens import approx_tokens
 from ..errors import ContextOverflow, EngineError
 from ._pool_state import Batch, Call, Item, PoolStatistics, ReplicaState, ReplicaStatistics
 from .batching import Batcher
