@@ -32,9 +32,16 @@ from typing import Any
 
 from ..engines import open_engine
 from ..stores.memory import Fact, FactHit, Turn, check_store_spec, open_store
-from .core import FieldError, _get, positive_int
+from .common import (
+    ENGINE_HINT,
+    FieldError,
+    get_field,
+    link_engine,
+    link_token_counter,
+    positive_int,
+    token_counter,
+)
 from .registry import LinkContext, OpDef, OpRuntime, Param, register
-from .retrieval import _ENGINE_HINT, _prepare_refine, approx_tokens, link_engine
 
 FACTS_HEADER = "Known facts about the user:"
 TURNS_HEADER = "Conversation so far:"
@@ -54,7 +61,7 @@ def _common_params() -> tuple[Param, ...]:
         Param("session", (str,), required=True, want="the field holding the session id"),
         Param("store", (dict,), want="a mapping like {backend: sqlite, path: memory.sqlite} "
               "or {backend: postgres, dsn: postgresql://...}"),
-        Param("embedder", (str,), want=_ENGINE_HINT + " (an embedding engine)"),
+        Param("embedder", (str,), want=ENGINE_HINT + " (an embedding engine)"),
         Param("clock", (str,), callable=True,
               want="a callable returning epoch seconds (tests inject one)"),
     )
@@ -62,7 +69,7 @@ def _common_params() -> tuple[Param, ...]:
 
 def _record_id(record: Any, name: str) -> str:
     """A user or session id: a non-empty string or an integer field."""
-    v = _get(record, name)
+    v = get_field(record, name)
     if isinstance(v, int) and not isinstance(v, bool):
         return str(v)
     if not isinstance(v, str) or not v:
@@ -75,7 +82,7 @@ def _prepare_store(params: dict, ctx: LinkContext, texts: str) -> dict:
     params["_store"] = check_store_spec(params.get("store"))
     if params.get(texts) is not None:
         if not params.get("embedder"):
-            raise ValueError(f"'{texts}' needs 'embedder' ({_ENGINE_HINT}, an embedding "
+            raise ValueError(f"'{texts}' needs 'embedder' ({ENGINE_HINT}, an embedding "
                              "engine) to embed its texts")
         params = link_engine(params, ctx, "embed", key="embedder")
     elif params.get("embedder"):
@@ -144,11 +151,11 @@ def _prepare_read(params: dict, ctx: LinkContext) -> dict:
     params = _prepare_store(params, ctx, "query")
     if params["ordered"] and params["wait_ms"] <= 0:
         raise ValueError(f"'wait_ms' must be a positive number, got {params['wait_ms']!r}")
-    return _prepare_refine(params, ctx)
+    return link_token_counter(params, ctx)
 
 
 def _query_value(record: Any, name: str) -> Any:
-    v = _get(record, name)
+    v = get_field(record, name)
     if isinstance(v, str):
         return v
     if isinstance(v, list) or type(v).__name__ == "ndarray":
@@ -160,8 +167,7 @@ def _query_value(record: Any, name: str) -> Any:
 def _build_read(params: dict, contract: Any) -> OpRuntime:
     store = open_store(params["_store"])
     embedder, model = _embedder(params)
-    count = open_engine(params["_engine"]).count_tokens if params.get("_engine") \
-        else approx_tokens
+    count = token_counter(params)
     clock = params["clock"] or time.time
     ufield, sfield, qfield = params["user"], params["session"], params.get("query")
     n_turns, k, budget = params["turns"], params["k"], params["max_tokens"]
@@ -234,6 +240,7 @@ register(OpDef(
     fields=lambda p: ((p["user"], p["session"]) + ((p["query"],) if p.get("query") else ()),
                       (p["output"],) + ((p["detail"],) if p.get("detail") else ())),
     prepare=_prepare_read,
+    max_batch=lambda p: 1 if p.get("ordered") else p.get("max_batch"),  # ordered: one a call
     doc="last turns of the session and relevant facts of the user, in a token budget"))
 
 
@@ -286,7 +293,7 @@ def _build_write(params: dict, contract: Any) -> OpRuntime:
                 keys.append(key)
                 ts = []
                 for role, f in turn_fields.items():
-                    text = _get(r, f)
+                    text = get_field(r, f)
                     if not isinstance(text, str):
                         raise FieldError(f"field '{f}' ({role} turn) must be text, got "
                                          f"{type(text).__name__}")

@@ -86,6 +86,8 @@ class OpDef:
     blocking: bool = False  # the operator blocks (model calls, I/O): run it in a thread
     # compile-time linking (engines, indexes): returns params; raises ValueError/TailraceError
     prepare: Callable[[dict[str, Any], LinkContext], dict[str, Any]] | None = None
+    # (params) -> most records per call; None: the ``max_batch`` param if there is one
+    max_batch: Callable[[dict[str, Any]], int | None] | None = None
 
 
 _REGISTRY: dict[str, OpDef] = {}
