@@ -6,9 +6,9 @@ import pytest
 
 import tailrace as tr
 from tailrace.api.yaml_loader import loads_pipeline
+from tailrace.engines.tokens import approx_tokens
 from tailrace.errors import PlanError
 from tailrace.operators.memory import pack_memory
-from tailrace.operators.retrieval import approx_tokens
 from tailrace.stores.memory import FactHit, check_store_spec, open_store
 from tests import pg_fixture
 from tests.rag_fixtures import EMBEDDER

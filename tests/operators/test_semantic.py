@@ -16,7 +16,7 @@ from tailrace.errors import PlanError
 np = pytest.importorskip("numpy")
 pytest.importorskip("faiss")
 
-from tailrace.operators.semantic import JsonlTail, follow_jsonl  # noqa: E402
+from tailrace.operators.follow import JsonlTail, follow_jsonl  # noqa: E402
 from tailrace.stores.live_index import close_live_indexes, open_live_index  # noqa: E402
 
 

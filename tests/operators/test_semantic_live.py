@@ -15,7 +15,7 @@ import time
 import pytest
 
 import tailrace as tr
-from tailrace.operators.semantic import feeder_for
+from tailrace.operators.follow import feeder_for
 from tailrace.stores.live_index import close_live_indexes, open_live_index
 from tests.rag_fixtures import EMBEDDER
 

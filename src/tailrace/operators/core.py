@@ -12,29 +12,13 @@ from collections.abc import Callable
 from typing import Any
 
 from ..api.pipeline import Contract
-from ..errors import TailraceError
+from .common import FieldError, get_field, non_negative, positive_int
 from .registry import OpDef, OpRuntime, Param, is_async_callable, register, resolve
 
 FN = Param("fn", (str,), required=True, doc="callable or dotted path 'pkg.module.function'",
            want="a callable or a dotted path like 'mypkg.module.function'", callable=True)
 INPUT = Param("input", (str,), doc="read this field of a dict record", want="a field name")
 OUTPUT = Param("output", (str,), doc="write the result to this field", want="a field name")
-
-
-class FieldError(TailraceError):
-    """A record lacks a field a stage reads, or is not a dict."""
-
-
-def _get(record: Any, name: str) -> Any:
-    try:
-        return record[name]
-    except KeyError:
-        have = ", ".join(map(str, record)) if isinstance(record, dict) else ""
-        raise FieldError(f"record has no field '{name}' (it has: {have or 'no fields'})") \
-            from None
-    except TypeError:
-        raise FieldError(f"stage reads field '{name}' but the record is a "
-                         f"{type(record).__name__}, not a JSON object") from None
 
 
 def _with_fields(fn: Callable, inp: str | None, out: str | None) -> Callable:
@@ -44,7 +28,7 @@ def _with_fields(fn: Callable, inp: str | None, out: str | None) -> Callable:
     target = out if out is not None else inp
     if inp is None:
         return lambda r: {**r, target: fn(r)}
-    return lambda r: {**r, target: fn(_get(r, inp))}
+    return lambda r: {**r, target: fn(get_field(r, inp))}
 
 
 def _fields_io(params: dict) -> tuple:
@@ -87,7 +71,7 @@ def _build_map(params: dict, contract: Contract) -> OpRuntime:
         inp, out = params.get("input"), params.get("output")
 
         async def arecord(x: Any) -> list:
-            v = await raw(x if inp is None else _get(x, inp))
+            v = await raw(x if inp is None else get_field(x, inp))
             if inp is None and out is None:
                 return [v]
             return [{**x, (out or inp): v}]
@@ -103,7 +87,7 @@ def _whole_batch(fn: Callable, params: dict) -> Callable:
     inp, out = params.get("input"), params.get("output")
 
     def call(records: list) -> list:
-        values = records if inp is None else [_get(r, inp) for r in records]
+        values = records if inp is None else [get_field(r, inp) for r in records]
         results = list(fn(values))
         if len(results) != len(values):
             raise ValueError(f"batch function returned {len(results)} results for "
@@ -120,7 +104,7 @@ def _whole_batch(fn: Callable, params: dict) -> Callable:
 def _build_filter(params: dict, contract: Contract) -> OpRuntime:
     raw = _fn(params)
     inp = params.get("input")
-    pred = raw if inp is None else (lambda r: raw(_get(r, inp)))
+    pred = raw if inp is None else (lambda r: raw(get_field(r, inp)))
 
     def batch_fn(batch: list, errors: list) -> list:
         out: list = []
@@ -148,7 +132,7 @@ def _build_flat_map(params: dict, contract: Contract) -> OpRuntime:
         key = outf or inp
 
         def items(r: Any) -> list:
-            return [{**r, key: v} for v in raw(r if inp is None else _get(r, inp))]
+            return [{**r, key: v} for v in raw(r if inp is None else get_field(r, inp))]
 
     return OpRuntime("map", batch_fn=per_record(items, many=True),
                      record_fn=lambda x: list(items(x)))
@@ -165,7 +149,7 @@ def _build_key_by(params: dict, contract: Contract) -> OpRuntime:
 def _build_branch(params: dict, contract: Contract) -> OpRuntime:
     raw = _fn(params)
     inp = params.get("input")
-    pred = raw if inp is None else (lambda r: raw(_get(r, inp)))
+    pred = raw if inp is None else (lambda r: raw(get_field(r, inp)))
 
     def split(batch: list, errors: list) -> tuple[list, list]:
         t: list = []
@@ -206,8 +190,8 @@ def _build_stateful(params: dict, contract: Contract) -> OpRuntime:
         target = outf or inp
 
         def step(x: Any) -> Any:
-            k = _get(x, key)
-            new, emit = fn(state.get(k), x if inp is None else _get(x, inp))
+            k = get_field(x, key)
+            new, emit = fn(state.get(k), x if inp is None else get_field(x, inp))
             if new is None:
                 state.pop(k, None)
             else:
@@ -240,14 +224,6 @@ def _build_placeholder(kind: str) -> Callable[[dict, Contract], OpRuntime]:
     return lambda params, contract: OpRuntime(kind)
 
 
-def positive_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
-
-
-def _non_negative(v: Any) -> bool:
-    return not isinstance(v, bool) and v >= 0
-
-
 register(OpDef("map", "map", _build_map, (FN, INPUT, OUTPUT), batchable=True,
                fields=_fields_io, doc="transform each record"))
 register(OpDef("filter", "map", _build_filter, (FN, INPUT),
@@ -267,7 +243,7 @@ register(OpDef("stateful", "map", _build_stateful,
 register(OpDef("batch", "collect", _build_batch,
                (Param("max_size", (int,), required=True, want="a positive integer",
                       check=positive_int),
-                Param("max_wait_ms", (int, float), default=0.0, check=_non_negative,
+                Param("max_wait_ms", (int, float), default=0.0, check=non_negative,
                       want="a non-negative number of milliseconds"),
                 OUTPUT),
                fusable=False,

@@ -15,9 +15,9 @@ from typing import Any
 
 from ..engines import GenerationRequest, open_engine
 from ..errors import ContextOverflow
-from .core import FieldError, per_record, positive_int
+from .common import ENGINE_HINT, FieldError, link_engine, positive_int
+from .core import per_record
 from .registry import OpDef, OpRuntime, Param, register
-from .retrieval import _ENGINE_HINT, link_engine
 
 
 def template_fields(template: str) -> tuple[str, ...]:
@@ -151,7 +151,7 @@ def _build_generate(params: dict, contract: Any) -> OpRuntime:
 
 register(OpDef(
     "generate", "map", _build_generate,
-    (Param("engine", (str,), required=True, want=_ENGINE_HINT),
+    (Param("engine", (str,), required=True, want=ENGINE_HINT),
      Param("prompt", (str,), want="a template with {field} placeholders"),
      Param("input", (str,), want="a field holding the prompt text"),
      Param("output", (str,), default="answer", want="a field name"),

@@ -12,30 +12,18 @@ import os
 import re
 from typing import Any
 
-from ..engines import check_spec, home, open_engine
+from ..engines import home, open_engine
 from ..errors import TailraceError
-from .core import FieldError, _get, positive_int
+from .common import (
+    ENGINE_HINT,
+    FieldError,
+    get_field,
+    link_engine,
+    link_token_counter,
+    positive_int,
+    token_counter,
+)
 from .registry import LinkContext, OpDef, OpRuntime, Param, register
-
-_ENGINE_HINT = "a name declared under 'engines:'"
-
-
-def link_engine(params: dict, ctx: LinkContext, kind: str, *, key: str = "engine",
-                optional: bool = False) -> dict:
-    """Resolve ``params[key]`` (an engine name) to its spec in ``params['_' + key]``."""
-    name = params.get(key)
-    if name is None:
-        if optional:
-            return params
-        raise ValueError(f"needs '{key}' ({_ENGINE_HINT})")
-    if name not in ctx.engines:
-        declared = ", ".join(ctx.engines) or "none"
-        raise ValueError(f"unknown engine '{name}' (declared engines: {declared}); add it "
-                         f"under 'engines:' like {name}: {{backend: ..., model: ...}}")
-    spec = ctx.engines[name]
-    check_spec(name, spec, kind)
-    params["_" + key] = {**spec, "_name": name}  # pools and cluster engines go by name
-    return params
 
 
 def _batch_rows(batch: list, errors: list, field: str, want: type | tuple) -> tuple[list, list]:
@@ -43,7 +31,7 @@ def _batch_rows(batch: list, errors: list, field: str, want: type | tuple) -> tu
     keep, values = [], []
     for r in batch:
         try:
-            v = _get(r, field)
+            v = get_field(r, field)
             if not isinstance(v, want):
                 raise FieldError(f"field '{field}' must be {_type_name(want)}, got "
                                  f"{type(v).__name__}")
@@ -81,7 +69,7 @@ def _build_embed(params: dict, contract: Any) -> OpRuntime:
 
 register(OpDef(
     "embed", "map", _build_embed,
-    (Param("engine", (str,), required=True, want=_ENGINE_HINT),
+    (Param("engine", (str,), required=True, want=ENGINE_HINT),
      Param("input", (str,), required=True, want="a text field"),
      Param("output", (str,), required=True, want="a field name"),
      Param("max_batch", (int,), default=256, want="a positive integer", check=positive_int)),
@@ -143,7 +131,7 @@ register(OpDef(
      Param("k", (int,), default=5, want="a positive integer",
            check=positive_int),
      Param("output", (str,), default="passages", want="a field name"),
-     Param("embedder", (str,), want=_ENGINE_HINT),
+     Param("embedder", (str,), want=ENGINE_HINT),
      Param("max_batch", (int,), default=256, want="a positive integer", check=positive_int)),
     batchable=True, blocking=True, fields=lambda p: _io(p, (p["query"],)),
     prepare=_prepare_retrieve, doc="top-k passages from a vector index"))
@@ -179,7 +167,7 @@ def _build_rerank(params: dict, contract: Any) -> OpRuntime:
         rows, queries = [], []
         for r, passages in zip(keep, lists, strict=True):
             try:
-                query = _get(r, q)
+                query = get_field(r, q)
             except FieldError as e:
                 errors.append((r, e))
                 continue
@@ -204,7 +192,7 @@ def _build_rerank(params: dict, contract: Any) -> OpRuntime:
 
 register(OpDef(
     "rerank", "map", _build_rerank,
-    (Param("engine", (str,), required=True, want=_ENGINE_HINT),
+    (Param("engine", (str,), required=True, want=ENGINE_HINT),
      Param("input", (str,), required=True, want="a passages field (from retrieve)"),
      Param("query", (str,), required=True, want="the question text or query vector field"),
      Param("k", (int,), default=5, want="a positive integer",
@@ -225,18 +213,6 @@ _WORD = re.compile(r"\w+")
 
 def _shingles(text: str) -> set[str]:
     return set(_WORD.findall(text.lower()))
-
-
-def _prepare_refine(params: dict, ctx: LinkContext) -> dict:
-    if params.get("engine"):
-        return link_engine(params, ctx, "generate")
-    gens = [n for n, s in ctx.engines.items() if isinstance(s, dict) and
-            (s.get("backend") == "llama_cpp" or
-             (s.get("backend") == "openai" and s.get("kind", "generate") == "generate"))]
-    if len(gens) == 1:  # count tokens with the pipeline's generation model
-        params["engine"] = gens[0]
-        return link_engine(params, ctx, "generate")
-    return params
 
 
 class Packer:
@@ -287,16 +263,8 @@ class Packer:
         return " ".join(words[:lo]) + " ..." if lo else ""
 
 
-def approx_tokens(text: str) -> int:
-    """Token estimate without a tokenizer: ~4 characters per token."""
-    return len(text) // 4 + 1
-
-
 def _build_refine(params: dict, contract: Any) -> OpRuntime:
-    count = approx_tokens
-    if params.get("_engine"):
-        count = open_engine(params["_engine"]).count_tokens
-    packer = Packer(params["max_tokens"], params["dedup"], count)
+    packer = Packer(params["max_tokens"], params["dedup"], token_counter(params))
     inp, out, src = params["input"], params["output"], params.get("sources")
 
     def batch_fn(batch: list, errors: list) -> list:
@@ -326,7 +294,7 @@ register(OpDef(
     blocking=True,
     fields=lambda p: ((p["input"],), (p["output"],) + ((p["sources"],) if p.get("sources")
                                                         else ())),
-    prepare=_prepare_refine, doc="pack passages into a token budget"))
+    prepare=link_token_counter, doc="pack passages into a token budget"))
 
 
 # -- select ---------------------------------------------------------------------------

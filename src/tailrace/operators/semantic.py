@@ -3,8 +3,9 @@
 The stage upserts (or deletes) documents by id in a process-wide live index that
 ``retrieve`` stages of any pipeline read with ``index: live:NAME``. Documents come either
 as the stage's own records (any source: a JSONL file, the HTTP runs endpoint, a Python
-iterable such as ``follow_jsonl``) or, with ``follow: FILE``, from a JSONL file that a
-background feeder tails like ``tail -f`` while the pipeline's records pass through.
+iterable such as ``follow.follow_jsonl``) or, with ``follow: FILE``, from a JSONL file
+that a background feeder (``follow.Feeder``) tails like ``tail -f`` while the pipeline's
+records pass through.
 
 Freshness bound: a document is visible to every search that starts after the
 ``semantic_state`` call that ingested it returns, i.e. at most one micro-batch
@@ -22,117 +23,14 @@ change, so no acknowledged document is lost.
 
 from __future__ import annotations
 
-import asyncio
-import json
-import logging
-import os
-import threading
-import time
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from ..engines import open_engine
 from ..errors import TailraceError
-from .core import FieldError, _get, positive_int
+from .common import ENGINE_HINT, FieldError, get_field, link_engine, positive_int
+from .follow import start_feeder
 from .registry import LinkContext, OpDef, OpRuntime, Param, register
-from .retrieval import _ENGINE_HINT, link_engine
-
-_LOG = logging.getLogger(__name__)
-
-
-class JsonlTail:
-    """The complete JSON lines appended to a file since the last read (``tail -f``).
-
-    A partial last line waits for its newline; a file that shrank below the offset was
-    replaced and is read again from its start; a line that is not a JSON object is
-    skipped, counted in ``bad_lines`` and described in ``last_problem``.
-    """
-
-    def __init__(self, path: str, offset: int = 0) -> None:
-        """Start reading ``path`` at byte ``offset``.
-
-        path:   the JSONL file (it may not exist yet).
-        offset: the byte offset to resume from (a saved cursor).
-        """
-        self.path = path
-        self.offset = offset
-        self.bad_lines = 0
-        self.last_problem = ""
-
-    def read(self, max_lines: int) -> list[tuple[dict, int]]:
-        """Up to ``max_lines`` new records, each with the file offset just after it.
-
-        max_lines: the most records to return.
-        """
-        try:
-            size = os.path.getsize(self.path)
-        except FileNotFoundError:
-            return []
-        if size < self.offset:
-            _LOG.warning("%s shrank below offset %d: reading it again from the start",
-                         self.path, self.offset)
-            self.offset = 0
-        if size == self.offset:
-            return []
-        out: list[tuple[dict, int]] = []
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            while len(out) < max_lines:
-                line = f.readline()
-                if not line.endswith(b"\n"):
-                    break  # nothing more, or a line still being written
-                start, self.offset = self.offset, self.offset + len(line)
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except ValueError as e:
-                    rec = e
-                if not isinstance(rec, dict):
-                    self.bad_lines += 1
-                    self.last_problem = f"{self.path}: line at byte {start} is not a JSON object"
-                    _LOG.warning("%s; skipped", self.last_problem)
-                    continue
-                out.append((rec, self.offset))
-        return out
-
-
-class follow_jsonl:  # noqa: N801 - used like a generator function
-    """The records of a JSONL file, then those appended to it, until ``stop`` is set.
-
-    Iterable (blocking) and async-iterable: a pipeline source gets each record as soon
-    as it is read, e.g. ``p.source(follow_jsonl("news.jsonl", stop=ev))``.
-    """
-
-    def __init__(self, path: str, *, poll_s: float = 0.05,
-                 stop: threading.Event | None = None, offset: int = 0) -> None:
-        """Follow ``path`` from byte ``offset``.
-
-        path:   the JSONL file to follow (it may not exist yet).
-        poll_s: seconds between looks at the end of the file.
-        stop:   an event that ends the iteration (None: follow forever).
-        offset: the byte offset to start at.
-        """
-        self.tail = JsonlTail(path, offset)
-        self.poll_s = poll_s
-        self.stop = stop or threading.Event()
-
-    def __iter__(self) -> Iterator[dict]:
-        while not self.stop.is_set():
-            got = self.tail.read(256)
-            yield from (rec for rec, _ in got)
-            if not got:
-                self.stop.wait(self.poll_s)
-
-    async def __aiter__(self) -> AsyncIterator[dict]:
-        while not self.stop.is_set():
-            got = self.tail.read(256)
-            for rec, _ in got:
-                yield rec
-            if not got:
-                await asyncio.sleep(self.poll_s)
 
 
 def doc_time(value: Any) -> float:
@@ -171,16 +69,16 @@ class Ingester:
 
     def _change(self, r: Any) -> tuple[str, Any, Any, float | None]:
         """(action, id, text or vector, time) of one record; FieldError if malformed."""
-        doc_id = _get(r, self.id)
+        doc_id = get_field(r, self.id)
         if isinstance(doc_id, bool) or not isinstance(doc_id, (str, int)):
             raise FieldError(f"field '{self.id}' (the document id) must be a string or an "
                              f"integer, got {type(doc_id).__name__}")
         if r.get(self.delete):
             return "delete", doc_id, None, None
-        t = doc_time(_get(r, self.time)) if self.time else None
+        t = doc_time(get_field(r, self.time)) if self.time else None
         if self.vector:
-            return "upsert", doc_id, _get(r, self.vector), t
-        text = _get(r, self.text)
+            return "upsert", doc_id, get_field(r, self.vector), t
+        text = get_field(r, self.text)
         if not isinstance(text, str):
             raise FieldError(f"field '{self.text}' must be text, got {type(text).__name__}")
         return "upsert", doc_id, text, t
@@ -237,110 +135,6 @@ class Ingester:
         return [r for r, _ in run]
 
 
-@dataclass(frozen=True)
-class FeederStats:
-    """What a follow feeder has done: lines ingested, bad lines, polls, batch times."""
-
-    path: str
-    offset: int
-    lines: int
-    bad_lines: int
-    errors: int
-    polls: int
-    max_batch_ms: float
-    failure: str | None
-
-
-class Feeder:
-    """A thread that tails a JSONL file into a live index until the index closes."""
-
-    def __init__(self, index: Any, ingester: Ingester, path: str, poll_s: float,
-                 max_batch: int) -> None:
-        """Start following ``path`` from the offset saved in the index (if the same file).
-
-        index:     the live index (its ``cursor`` holds the saved offset).
-        ingester:  turns records into index changes.
-        path:      the JSONL file to follow.
-        poll_s:    seconds between looks at the end of the file.
-        max_batch: the most lines per change.
-        """
-        self.path = os.path.abspath(path)
-        self.key = "follow:" + self.path
-        self.tail = JsonlTail(self.path, int(index.cursor.get(self.key, 0)))
-        self.ingester, self.poll_s, self.max_batch = ingester, poll_s, max_batch
-        self.caught_up = threading.Event()
-        self.polls = self.lines = self.errors = 0
-        self.max_batch_s = 0.0
-        self.failure: BaseException | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True,
-                                        name=f"tailrace-follow-{os.path.basename(path)}")
-        index.on_close(self.stop)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        errors: list = []
-        try:
-            while not self._stop.is_set():
-                got = self.tail.read(self.max_batch)
-                if got:
-                    t0 = time.perf_counter()
-                    cursor = {self.key: got[-1][1]}
-                    self.ingester.ingest([r for r, _ in got], errors, cursor)
-                    self.max_batch_s = max(self.max_batch_s, time.perf_counter() - t0)
-                    self.lines += len(got)
-                    for r, e in errors:
-                        _LOG.warning("%s: document %r skipped: %s", self.path, r, e)
-                    self.errors += len(errors)
-                    errors.clear()
-                self.polls += 1
-                if len(got) < self.max_batch:
-                    self.caught_up.set()
-                    self._stop.wait(self.poll_s)
-        except BaseException as e:  # noqa: BLE001 - reported to the stage's records
-            self.failure = e
-            _LOG.error("feeder for %s failed: %s", self.path, e)
-        finally:
-            self.caught_up.set()
-
-    def stop(self) -> None:
-        """Stop following and wait for the batch in progress."""
-        self._stop.set()
-        if threading.current_thread() is not self._thread:
-            self._thread.join()
-
-    def statistics(self) -> FeederStats:
-        """A snapshot of the feeder's counters."""
-        return FeederStats(self.path, self.tail.offset, self.lines, self.tail.bad_lines,
-                           self.errors, self.polls, self.max_batch_s * 1000,
-                           None if self.failure is None else str(self.failure))
-
-
-_FEEDERS: dict[tuple[int, str], Feeder] = {}
-_FEEDERS_LOCK = threading.Lock()
-
-
-def feeder_for(index: Any, path: str) -> Feeder | None:
-    """The running feeder of ``index`` that follows ``path``, if any.
-
-    index: a live index.
-    path:  the followed file.
-    """
-    return _FEEDERS.get((id(index), os.path.abspath(path)))
-
-
-def _start_feeder(index: Any, ingester: Ingester, params: dict) -> Feeder:
-    key = (id(index), os.path.abspath(params["follow"]))
-    with _FEEDERS_LOCK:
-        feeder = _FEEDERS.get(key)
-        if feeder is None or feeder._stop.is_set() or feeder.failure is not None:
-            feeder = Feeder(index, ingester, params["follow"], params["poll_ms"] / 1000,
-                            params["max_batch"])
-            _FEEDERS[key] = feeder
-            index.on_close(lambda: _FEEDERS.pop(key, None))
-        return feeder
-
-
 def _build_semantic(params: dict, contract: Any) -> OpRuntime:
     from ..stores.live_index import open_live_index
 
@@ -351,7 +145,8 @@ def _build_semantic(params: dict, contract: Any) -> OpRuntime:
     out, name = params.get("output"), params["index"]
 
     if params.get("follow"):
-        feeder = _start_feeder(index, ingester, params)
+        feeder = start_feeder(index, ingester.ingest, params["follow"],
+                              params["poll_ms"] / 1000, params["max_batch"])
 
         def passthrough(batch: list, errors: list) -> list:
             feeder.caught_up.wait()
@@ -403,7 +198,7 @@ register(OpDef(
     "semantic_state", "map", _build_semantic,
     (Param("index", (str,), required=True, want="a live index name (retrieve reads it as "
                                                   "live:NAME) or directory"),
-     Param("engine", (str,), want=_ENGINE_HINT + " (an embedding engine)"),
+     Param("engine", (str,), want=ENGINE_HINT + " (an embedding engine)"),
      Param("vector", (str,), want="a field holding the document vector (from embed)"),
      Param("doc_id", (str,), default="id", want="the document id field"),
      Param("text", (str,), default="text", want="the document text field"),

@@ -26,10 +26,9 @@ from typing import Any
 
 from ..engines import GenerationRequest, open_engine
 from ..errors import EngineError
-from .core import FieldError, positive_int
+from .common import ENGINE_HINT, FieldError, link_engine, positive_int
 from .llm import render, template_fields
 from .registry import LinkContext, OpDef, OpRuntime, Param, register, resolve
-from .retrieval import _ENGINE_HINT, link_engine
 from .tool_schema import ToolError, check_schema, parse_json_call, validate
 
 __all__ = ["ToolError", "check_schema", "parse_json_call", "validate"]
@@ -337,7 +336,7 @@ def _prepare_tool_call(params: dict, ctx: LinkContext) -> dict:
 
 register(OpDef(
     "tool_call", "map", _build_tool_call,
-    (Param("engine", (str,), required=True, want=_ENGINE_HINT),
+    (Param("engine", (str,), required=True, want=ENGINE_HINT),
      Param("tools", (list,), required=True, want="a list of {name, fn, schema} mappings"),
      Param("prompt", (str,), want="a template with {field} placeholders"),
      Param("input", (str,), want="a field holding the prompt text"),

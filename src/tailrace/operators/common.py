@@ -1,0 +1,106 @@
+"""What the built-in operators share: reading a record's field, linking a stage to a
+declared engine, counting tokens for a budget, and parameter checks.
+
+>>> get_field({"q": "hi"}, "q")
+'hi'
+>>> get_field({"q": "hi"}, "text")
+Traceback (most recent call last):
+...
+tailrace.operators.common.FieldError: record has no field 'text' (it has: q)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..engines import check_spec, open_engine
+from ..engines.tokens import approx_tokens
+from ..errors import TailraceError
+from .registry import LinkContext
+
+ENGINE_HINT = "a name declared under 'engines:'"
+
+
+class FieldError(TailraceError):
+    """A record lacks a field a stage reads, or is not a dict."""
+
+
+def get_field(record: Any, name: str) -> Any:
+    """``record[name]``, or a FieldError that says which fields the record has.
+
+    record: a record (a dict, for a stage that reads fields).
+    name:   the field to read.
+    """
+    try:
+        return record[name]
+    except KeyError:
+        have = ", ".join(map(str, record)) if isinstance(record, dict) else ""
+        raise FieldError(f"record has no field '{name}' (it has: {have or 'no fields'})") \
+            from None
+    except TypeError:
+        raise FieldError(f"stage reads field '{name}' but the record is a "
+                         f"{type(record).__name__}, not a JSON object") from None
+
+
+def positive_int(v: Any) -> bool:
+    """True for an integer >= 1 (not a bool)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def non_negative(v: Any) -> bool:
+    """True for a number >= 0 (not a bool)."""
+    return not isinstance(v, bool) and v >= 0
+
+
+def link_engine(params: dict, ctx: LinkContext, kind: str, *, key: str = "engine",
+                optional: bool = False) -> dict:
+    """Resolve ``params[key]`` (an engine name) to its spec in ``params['_' + key]``.
+
+    params:   the stage's parameters (changed in place and returned).
+    ctx:      the pipeline's declared engines.
+    kind:     what the stage calls the engine for ("embed" or "generate").
+    key:      the parameter that names the engine.
+    optional: when true, a missing name is not an error.
+    """
+    name = params.get(key)
+    if name is None:
+        if optional:
+            return params
+        raise ValueError(f"needs '{key}' ({ENGINE_HINT})")
+    if name not in ctx.engines:
+        declared = ", ".join(ctx.engines) or "none"
+        raise ValueError(f"unknown engine '{name}' (declared engines: {declared}); add it "
+                         f"under 'engines:' like {name}: {{backend: ..., model: ...}}")
+    spec = ctx.engines[name]
+    check_spec(name, spec, kind)
+    params["_" + key] = {**spec, "_name": name}  # pools and cluster engines go by name
+    return params
+
+
+def link_token_counter(params: dict, ctx: LinkContext) -> dict:
+    """Link the engine whose tokenizer counts a token budget: ``params['engine']`` if
+    given, else the pipeline's only generation engine, else none (``approx_tokens``).
+
+    params: the stage's parameters (changed in place and returned).
+    ctx:    the pipeline's declared engines.
+    """
+    if params.get("engine"):
+        return link_engine(params, ctx, "generate")
+    gens = [n for n, s in ctx.engines.items() if isinstance(s, dict) and
+            (s.get("backend") == "llama_cpp" or
+             (s.get("backend") == "openai" and s.get("kind", "generate") == "generate"))]
+    if len(gens) == 1:  # count tokens with the pipeline's generation model
+        params["engine"] = gens[0]
+        return link_engine(params, ctx, "generate")
+    return params
+
+
+def token_counter(params: dict) -> Callable[[str], int]:
+    """The token count a stage linked by ``link_token_counter`` uses at run time.
+
+    params: the stage's linked parameters.
+    """
+    if params.get("_engine"):
+        return open_engine(params["_engine"]).count_tokens
+    return approx_tokens
