@@ -23,10 +23,9 @@ from typing import Any
 
 from ..engines import GenerationRequest, open_engine
 from ..errors import ContextOverflow, EngineError
-from .core import FieldError, positive_int
+from .common import FieldError, link_engine, positive_int
 from .llm import render, template_fields
 from .registry import LinkContext, OpDef, OpRuntime, Param, register
-from .retrieval import link_engine
 
 _LOGPROBS = "logprobs" in {f.name for f in fields(GenerationRequest)}
 _OPTION_KEYS = {"prompt", "system", "stop", "max_tokens"}
@@ -88,14 +87,12 @@ class _Ledger:
                               {k: dict(v) for k, v in self.engines.items()})
 
 
-_LEDGERS: dict[str, _Ledger] = {}
-_LEDGERS_LOCK = threading.Lock()
+_LEDGERS: Registry[_Ledger] = Registry("route ledgers")
 
 
 def route_statistics() -> dict[str, RouteStats]:
     """Cost accounting of every route stage run in this process, by label."""
-    with _LEDGERS_LOCK:
-        return {k: v.statistics() for k, v in _LEDGERS.items()}
+    return {str(k): v.statistics() for k, v in _LEDGERS.items()}
 
 
 def _matches(when: dict, record: Any, count: Any) -> bool:
@@ -178,8 +175,7 @@ def _build_route(params: dict, contract: Any) -> OpRuntime:
         thresholds = [thresholds] * max(0, len(cascade) - 1)
     out, cost_f, route_f = params["output"], params["cost"], params["route"]
     label = params.get("label") or out
-    with _LEDGERS_LOCK:
-        ledger = _LEDGERS.setdefault(label, _Ledger(label))
+    ledger = _LEDGERS.get(label, lambda: _Ledger(label))
     run_ledger = _Ledger(label)  # this run's (this replica's) share, for the run's stats
 
     def spend(row: list, name: str, g: Any) -> None:
