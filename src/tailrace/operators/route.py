@@ -23,6 +23,7 @@ from typing import Any
 
 from ..engines import GenerationRequest, open_engine
 from ..errors import ContextOverflow, EngineError
+from ..registry import Registry
 from .common import FieldError, link_engine, positive_int
 from .llm import render, template_fields
 from .registry import LinkContext, OpDef, OpRuntime, Param, register
