@@ -33,7 +33,9 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ..errors import TailraceError
-from .slo import CostModel, PipelineSLO, _is_count, _is_number
+from .slo import CostModel, PipelineSLO
+from .slo import is_count as _is_count
+from .slo import is_number as _is_number
 
 QUEUE_FULL = "queue_full"  # the waiting room is full
 DEADLINE_UNMEETABLE = "deadline_unmeetable"  # predicted queueing + service overshoot the deadline

@@ -33,7 +33,8 @@ from .admission import (
     Pending,
     Verdict,
 )
-from .slo import _is_count, _is_number
+from .slo import is_count as _is_count
+from .slo import is_number as _is_number
 
 ADMIT = Decision(Verdict.ADMIT)
 QUEUE = Decision(Verdict.QUEUE)

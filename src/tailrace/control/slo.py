@@ -13,11 +13,13 @@ if TYPE_CHECKING:
 PRIORITIES = {"batch": 0, "standard": 1, "interactive": 2}
 
 
-def _is_number(x: object) -> bool:
+def is_number(x: object) -> bool:
+    """True for a finite int or float (not a bool)."""
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _is_count(x: object) -> bool:
+def is_count(x: object) -> bool:
+    """True for an int >= 0 (not a bool)."""
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
@@ -38,14 +40,14 @@ class PipelineSLO:
 
     def __post_init__(self) -> None:
         where = f"slo for pipeline {self.pipeline!r}" if self.pipeline else "slo"
-        if not _is_number(self.p99_ms) or self.p99_ms <= 0:
+        if not is_number(self.p99_ms) or self.p99_ms <= 0:
             raise ValueError(f"{where}: p99_ms must be a positive number of milliseconds, "
                              f"got {self.p99_ms!r}")
         if not (self.priority in PRIORITIES
                 or isinstance(self.priority, int) and not isinstance(self.priority, bool)):
             raise ValueError(f"{where}: priority must be 'interactive', 'standard', 'batch' "
                              f"or an integer class (higher is more urgent), got {self.priority!r}")
-        if not _is_number(self.weight) or self.weight <= 0:
+        if not is_number(self.weight) or self.weight <= 0:
             raise ValueError(f"{where}: weight must be a positive number, got {self.weight!r}")
 
     @property
@@ -82,13 +84,13 @@ class CostModel:
     def __init__(self, prefill_tps: float = 1000.0, decode_tps: float = 50.0,
                  overhead_s: float = 0.005, alpha: float = 0.2) -> None:
         for name, value in (("prefill_tps", prefill_tps), ("decode_tps", decode_tps)):
-            if not _is_number(value) or value <= 0:
+            if not is_number(value) or value <= 0:
                 raise ValueError(f"cost model: {name} must be a positive number of tokens "
                                  f"per second, got {value!r}")
-        if not _is_number(overhead_s) or overhead_s < 0:
+        if not is_number(overhead_s) or overhead_s < 0:
             raise ValueError(f"cost model: overhead_s must be a non-negative number of "
                              f"seconds, got {overhead_s!r}")
-        if not _is_number(alpha) or not 0 < alpha <= 1:
+        if not is_number(alpha) or not 0 < alpha <= 1:
             raise ValueError(f"cost model: alpha must be in (0, 1], got {alpha!r}")
         self.prefill_tps, self.decode_tps = float(prefill_tps), float(decode_tps)
         self.overhead_s, self.alpha = float(overhead_s), float(alpha)
@@ -123,7 +125,7 @@ class CostModel:
         request: the request that was served.
         seconds: its measured service time.
         """
-        if not _is_number(seconds) or seconds < 0:
+        if not is_number(seconds) or seconds < 0:
             raise ValueError(f"cost model: observed seconds must be a non-negative number, "
                              f"got {seconds!r}")
         base = self.estimate(request)
