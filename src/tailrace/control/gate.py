@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..engines.tokens import CHARS_PER_TOKEN, approx_tokens
 from .admission import AdmissionPolicy, AdmissionRejected, Rejection, Request, Ticket
 
 
@@ -27,8 +28,8 @@ def approx_prompt_tokens(record: Any) -> int:
     """Predicted prompt tokens of a record: its text fields at ~4 characters a token."""
     if isinstance(record, dict):
         return sum(len(v) for k, v in record.items()
-                   if isinstance(v, str) and not k.startswith("_")) // 4 + 1
-    return len(str(record)) // 4 + 1
+                   if isinstance(v, str) and not k.startswith("_")) // CHARS_PER_TOKEN + 1
+    return approx_tokens(str(record))
 
 
 class AdmissionGate:
