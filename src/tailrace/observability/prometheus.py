@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .stats import _MIN_EXP, _SUB, Histogram, RunStats
+from .stats import Histogram, RunStats
 
 #: Latency bucket edges: 2**k microseconds for k in this range (4 us .. ~67 s).
 LATENCY_EXPONENTS = range(2, 27)
@@ -103,12 +103,9 @@ def prom_buckets(h: Histogram, exponents: range, scale: float,
     scale: unit conversion of the edges (1e-6: microseconds to seconds).
     offset: added to each power of two (-1 for integer-valued data such as batch sizes).
     """
-    counts = list(h._counts)  # one copy: a consistent view while the run keeps counting
-    total = sum(counts)
-    out: list[tuple[str, float]] = []
-    for k in exponents:
-        end = max(0, (k - _MIN_EXP + 1) * _SUB)
-        out.append((_go(((1 << k) + offset) * scale), float(sum(counts[:end]))))
+    below, total = h.counts_below(exponents)
+    out = [(_go(((1 << k) + offset) * scale), float(n))
+           for k, n in zip(exponents, below, strict=True)]
     out.append(("+Inf", float(total)))
     return out, total
 

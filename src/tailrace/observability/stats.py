@@ -3,12 +3,14 @@
 A ``Histogram`` costs one ``math.frexp`` and a list increment per observation and is
 observed per micro-batch (weighted by the batch length), never per record, so the hot
 path carries no formatting or allocation. Readers (the stats table, ``--metrics-json``,
-later the HTTP metrics) only see the frozen dataclasses returned by ``statistics()``.
+the Prometheus metrics of ``tailrace serve``) only see the frozen dataclasses returned by
+``statistics()`` and the bucket counts of ``Histogram.counts_below``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 _SUB = 16  # sub-buckets per power of two: ~3% relative error
@@ -92,6 +94,18 @@ class Histogram:
                 mid = math.ldexp(0.5 + (sub + 0.5) / (2 * _SUB), e + _MIN_EXP)
                 return min(max(mid, self.min), self.max)
         return self.max
+
+    def counts_below(self, exponents: Iterable[int]) -> tuple[list[int], int]:
+        """Observations below ``2**k`` for each ``k`` of ``exponents``, and the total, read
+        from one copy of the counts (consistent while the run keeps counting).
+
+        >>> h = Histogram(); h.record(3.0); h.record(100.0, n=2)
+        >>> h.counts_below([1, 2, 7])
+        ([0, 1, 3], 3)
+        """
+        counts = list(self._counts)
+        return [sum(counts[:max(0, (k - _MIN_EXP + 1) * _SUB)]) for k in exponents], \
+            sum(counts)
 
     def statistics(self) -> HistogramStats:
         if self.count == 0:
