@@ -54,5 +54,45 @@ def test_render_formats():
                  "params": {"fn": "builtins.abs"},
                  "contract": {"replicas": 2, "batch": None, "timeout_ms": None, "retries": 0,
                               "queue": None, "blocking": False,
-                              "placement": None}}]}
+                              "placement": None}}],
+        "execution": {"call": "chain", "mode": "thread", "max_batch": 512,
+                      "max_wait_ms": 0.0, "push": 64, "timeout_ms": None, "retries": 0,
+                      "cancel": "none", "threads": 1}}
     assert plan.render("text").splitlines()[0] == "plan 'c': 4 stages from 5 operators"
+
+
+# -- the execution record: decided once here, read by every runtime --------------------
+async def _twice(x):
+    return 2 * x
+
+
+def test_each_stage_gets_one_execution_record():
+    from tailrace.compiler import ABANDON_CAP
+
+    p = tr.Pipeline("x")
+    s = p.source([1]).map(abs, id="plain").map(abs, id="timed", timeout_ms=50, retries=2)
+    s = s.map(_twice, id="coro", timeout_ms=20).map(
+        lambda xs: xs, id="grouped", batch=tr.BatchSpec(max_size=16, max_wait_ms=3))
+    s.batch(max_size=5, max_wait_ms=7, id="win").sink(id="out")
+    plan = tr.compile_pipeline(p, fuse=False)
+    x = {st.id: st.execution for st in plan.stages}
+    assert x["source"] is None
+    assert (x["plain"].call, x["plain"].mode, x["plain"].threads) == ("chain", "inline", 0)
+    assert (x["timed"].call, x["timed"].cancel, x["timed"].retries, x["timed"].threads) == \
+        ("per_record", "abandon", 2, 1 + ABANDON_CAP)
+    assert (x["coro"].call, x["coro"].mode, x["coro"].cancel, x["coro"].threads) == \
+        ("per_record", "async", "cancel", 0)
+    assert (x["win"].call, x["win"].max_batch, x["win"].max_wait_ms, x["win"].push) == \
+        ("collect", 5, 7.0, 5)
+    assert (x["grouped"].call, x["grouped"].max_batch, x["grouped"].push) == ("collect", 16, 16)
+    text = plan.render("text")
+    assert "runs: per_record thread batch<=1024 push=128 timeout=50ms (abandon) retries=2 " \
+        "threads=5" in text
+    assert "runs: collect inline batch<=5 wait=7ms push=5" in text
+
+
+def test_replicas_and_the_bound_size_batches_and_pushes():
+    p = tr.Pipeline("x")
+    p.source([1]).map(abs, id="a", replicas=2, queue=64).sink(id="out")
+    a = tr.compile_pipeline(p).stage("a").execution
+    assert (a.max_batch, a.push) == (32, 4)  # 64 // 2 replicas; 64 // (8 pushes x 2)

@@ -11,7 +11,7 @@ import pytest
 
 import tailrace as tr
 from tailrace.api.yaml_loader import loads_pipeline
-from tailrace.runtime.local.stage import ABANDON_CAP
+from tailrace.compiler import ABANDON_CAP
 from tests.serving.fakes import echo_spec, register_echo
 
 

@@ -14,11 +14,11 @@ import pytest
 import tailrace as tr
 from tailrace.api.records import ErrorRecord
 from tailrace.compiler import compile_pipeline
-from tailrace.runtime.local.stage import Replica
+from tailrace.runtime.lineage import Trace, ids
 from tailrace.runtime.ray import active_runs
 from tailrace.runtime.ray.ledger import Ledger
-from tailrace.runtime.ray.lineage import ids, is_fan_out, run_chain
 from tailrace.runtime.ray.messages import Commit, Delivery, Failures
+from tailrace.runtime.stage import StageWorker
 
 N = 4_000
 _FIRST: dict[str, int] = {}
@@ -179,12 +179,20 @@ def test_a_fan_out_fused_with_a_branch_numbers_children_across_both_ports(ray_se
 
 
 # -- the lineage runner, on its own -------------------------------------------------------
-def _replica(p: tr.Pipeline) -> tuple[Replica, tuple[bool, ...]]:
+def _replica(p: tr.Pipeline) -> tuple[StageWorker, None]:
     """The first operator stage, built as a host builds it (its sink runs in the driver)."""
     stage = next(s for s in compile_pipeline(p).stages if s.ops[0].op.kind != "source")
     ops = [o for o in stage.ops if o.op.kind != "sink"]
     rts = [o.op.build(o.params, o.contract) for o in ops]
-    return Replica(stage, rts), tuple(is_fan_out(o.op.name) for o in ops)
+    return StageWorker(stage, rts), None
+
+
+def run_chain(w: StageWorker, fans: None, batch: list, errors: list, esrc: list):
+    """The worker's chain with a lineage trace: port -> (records, input positions)."""
+    trace = Trace()
+    ports = w.run_chain(batch, errors, trace)
+    esrc.extend(trace.esrc)
+    return {port: (recs, trace.src.get(port)) for port, recs in ports.items()}, trace.fanned
 
 
 def fail_on_4(x):

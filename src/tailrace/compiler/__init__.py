@@ -1,7 +1,20 @@
 """Pipeline -> Plan: validation, fusion, bounded edges, rendering."""
 
-from .plan import DEFAULT_QUEUE, Edge, Plan, PlanOp, PlanStage, compile_pipeline
+from .plan import (
+    ABANDON_CAP,
+    DEFAULT_QUEUE,
+    MAX_MICROBATCH,
+    MAX_PUSH,
+    PUSHES_IN_FLIGHT,
+    Edge,
+    Execution,
+    Plan,
+    PlanOp,
+    PlanStage,
+    compile_pipeline,
+)
 from .render import FORMATS, render
 
-__all__ = ["DEFAULT_QUEUE", "FORMATS", "Edge", "Plan", "PlanOp", "PlanStage",
+__all__ = ["ABANDON_CAP", "DEFAULT_QUEUE", "FORMATS", "MAX_MICROBATCH", "MAX_PUSH",
+           "PUSHES_IN_FLIGHT", "Edge", "Execution", "Plan", "PlanOp", "PlanStage",
            "compile_pipeline", "render"]

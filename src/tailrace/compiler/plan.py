@@ -1,9 +1,11 @@
 """Pipeline -> Plan: validate, choose how each stage runs, fuse chains, bound every edge.
 
 A ``PlanStage`` is what the runtime schedules: one or more operators (``PlanOp``)
-fused into one loop, its replicas, its execution mode and the bound of its input
-channel. Fusion joins a chain of stateless single-replica inline operators where each
-link has one producer and one consumer: records then cross no channel between them.
+fused into one loop, its replicas, the bound of its input channel and its
+``Execution``: how the stage is called, decided here once (``tailrace plan`` prints it)
+and never derived again by a runtime. Fusion joins a chain of stateless single-replica
+inline operators where each link has one producer and one consumer: records then cross
+no channel between them.
 """
 
 from __future__ import annotations
@@ -18,6 +20,19 @@ from .validate import check_contract, check_fields, check_graph, check_op, check
 
 #: Default bound (records) of a stage's input channel when its contract sets none.
 DEFAULT_QUEUE = 1024
+#: Largest micro-batch a source emits or a stage takes at once.
+MAX_MICROBATCH = 1024
+#: Most records in one push between Ray actors. A push costs ~0.5-1 ms of Ray overhead,
+#: so pushes should be large; but an edge's window (its bound) is shared by every push in
+#: flight downstream of it (acks are end to end), so it must hold several.
+MAX_PUSH = 256
+#: Pushes that fit in an edge's window (measured: 4 in flight left a 3-stage chain
+#: waiting on Ray latency; 8 gave 1.35x the throughput, 16 no more).
+PUSHES_IN_FLIGHT = 8
+#: Most attempts of one stage worker still running after their timeout. A blocking call
+#: cannot be killed; past this many, new calls fail at once instead of queueing behind
+#: hung threads (so a timed blocking worker gets 1 + ABANDON_CAP threads).
+ABANDON_CAP = 4
 
 
 @dataclass(frozen=True)
@@ -32,11 +47,57 @@ class PlanOp:
 
 
 @dataclass(frozen=True)
+class Execution:
+    """How a stage is called, for every runtime (local, Ray, serving).
+
+    call:      ``chain`` (each micro-batch through the fused operators' batch functions),
+               ``per_record`` (the one operator record by record, under its timeout and
+               retries, or a coroutine operator), ``collect`` (one call for a whole
+               group: a ``batch`` stage or a batch contract).
+    mode:      ``inline`` (on the event loop), ``thread`` (blocking code in the worker's
+               own threads), ``async`` (coroutines awaited on the loop).
+    max_batch: most records per call (a micro-batch, a group, an engine's batch).
+    max_wait_ms: ``collect``: how long a group waits to fill after its first record.
+    push:      records per push into the stage between Ray actors.
+    timeout_ms, retries: per attempt / extra attempts (``per_record`` and ``collect``).
+    cancel:    what a timeout does: ``none``, ``cancel`` (the coroutine is cancelled) or
+               ``abandon`` (a blocking call's ``_cancel`` is set, its thread left to end).
+    threads:   worker threads per stage replica (0: none; 1 + ``ABANDON_CAP`` when a
+               blocking call may be abandoned).
+    """
+
+    call: str
+    mode: str
+    max_batch: int
+    max_wait_ms: float
+    push: int
+    timeout_ms: float | None
+    retries: int
+    cancel: str
+    threads: int
+
+    def describe(self) -> str:
+        """One line for ``tailrace plan``."""
+        parts = [self.call, self.mode, f"batch<={self.max_batch}"]
+        if self.call == "collect":
+            parts.append(f"wait={self.max_wait_ms:g}ms")
+        parts.append(f"push={self.push}")
+        if self.timeout_ms is not None:
+            parts.append(f"timeout={self.timeout_ms:g}ms ({self.cancel})")
+        if self.retries:
+            parts.append(f"retries={self.retries}")
+        if self.threads:
+            parts.append(f"threads={self.threads}")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
 class PlanStage:
-    """A schedulable unit: fused operators, replicas, mode and input bound.
+    """A schedulable unit: fused operators, replicas, mode, input bound, execution.
 
     mode: ``inline`` (runs on the event loop), ``thread`` (blocking code: worker
     threads), ``async`` (coroutine operators awaited on the loop).
+    execution: how the stage is called (``Execution``); None for a source.
     """
 
     id: str
@@ -45,6 +106,7 @@ class PlanStage:
     replicas: int
     mode: str
     queue: int
+    execution: Execution | None = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +159,44 @@ def _mode(op: PlanOp) -> str:
     if c.blocking or op.op.blocking or c.replicas > 1 or c.timeout_ms is not None:
         return "thread"
     return "inline"
+
+
+def call_cap(op: PlanOp) -> int | None:
+    """The most records the operator takes in one call (an engine's batch, an ordered
+    memory read's 1), from its definition; None: no limit of its own."""
+    cap = op.op.max_batch(op.params) if op.op.max_batch is not None \
+        else op.params.get("max_batch")
+    return cap if isinstance(cap, int) and not isinstance(cap, bool) and cap > 0 else None
+
+
+def execution(ops: tuple[PlanOp, ...], replicas: int, queue: int, mode: str) -> Execution:
+    """Decide how a (non-source) stage is called; see ``Execution``."""
+    first = ops[0]
+    c = first.contract
+    cap = call_cap(first)
+    if first.op.kind == "collect" or c.batch is not None:
+        call = "collect"
+        max_n = c.batch.max_size if c.batch is not None else first.params["max_size"]
+        wait = c.batch.max_wait_ms if c.batch is not None else first.params["max_wait_ms"]
+        if cap is not None and c.batch is None:
+            max_n = min(max_n, cap)
+    else:
+        call = "per_record" if (mode == "async" or c.retries > 0
+                                or c.timeout_ms is not None) else "chain"
+        max_n = max(1, min(MAX_MICROBATCH, queue) // replicas)
+        wait = 0.0
+        if cap is not None:
+            max_n = min(max_n, cap)
+    push = max(1, min(MAX_PUSH, queue // (PUSHES_IN_FLIGHT * replicas)))
+    hint = c.batch.max_size if c.batch is not None \
+        else cap if cap is not None else first.params.get("max_size")
+    if isinstance(hint, int) and not isinstance(hint, bool) and 0 < hint < push:
+        push = hint
+    timed = c.timeout_ms is not None
+    cancel = "none" if not timed else "cancel" if mode == "async" else "abandon"
+    threads = 0 if mode != "thread" else 1 + (ABANDON_CAP if timed else 0)
+    return Execution(call, mode, max_n, float(wait), push, c.timeout_ms, c.retries, cancel,
+                     threads)
 
 
 def _fusable(op: PlanOp) -> bool:
@@ -152,8 +252,10 @@ def compile_pipeline(p: Pipeline, *, fuse: bool = True,
         sid = stage_of[chain[0]]
         queue = first.contract.queue or default_queue
         ups = tuple(_remap(ref, stage_of) for ref in first.spec.upstream)
-        stages.append(PlanStage(sid, tuple(ops[c] for c in chain), ups,
-                                first.contract.replicas, _mode(first), queue))
+        stage_ops = tuple(ops[c] for c in chain)
+        mode, replicas = _mode(first), first.contract.replicas
+        exe = None if first.op.kind == "source" else execution(stage_ops, replicas, queue, mode)
+        stages.append(PlanStage(sid, stage_ops, ups, replicas, mode, queue, exe))
         edges += [Edge(u, sid, queue) for u in ups]
     return Plan(p.name, tuple(stages), tuple(edges), fuse, p)
 

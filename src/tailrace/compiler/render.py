@@ -34,7 +34,8 @@ def plan_to_dict(plan: Any) -> dict[str, Any]:
             ops.append({"id": o.id, "op": o.op.name, "state": o.op.state,
                         "params": params, "contract": contract})
         stages.append({"id": s.id, "ops": ops, "upstream": list(s.upstream),
-                       "replicas": s.replicas, "mode": s.mode, "queue": s.queue})
+                       "replicas": s.replicas, "mode": s.mode, "queue": s.queue,
+                       "execution": asdict(s.execution) if s.execution else None})
     edges = [{"from": e.src, "to": e.dst, "bound": e.bound} for e in plan.edges]
     return {"pipeline": plan.name, "fused": plan.fused, "stages": stages, "edges": edges}
 
@@ -48,6 +49,8 @@ def _text(plan: Any) -> str:
         if s.replicas > 1:
             extra.append(f"replicas={s.replicas}")
         lines.append(f"  {s.id}  [{', '.join(extra)}]")
+        if s.execution is not None:
+            lines.append(f"    runs: {s.execution.describe()}")
         for o in s.ops:
             params = ", ".join(f"{k}={_param(k, v)}" for k, v in o.params.items()
                                if v is not None and k not in ("data", "target")

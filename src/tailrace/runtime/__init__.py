@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any
 
@@ -12,7 +12,11 @@ from ..api.pipeline import Pipeline
 from ..api.records import ErrorRecord
 from ..compiler import Plan, compile_pipeline
 from ..errors import PlanError, RunInterrupted
-from ..observability import RunStats, StageMeter, StageStats
+from ..observability import RunStats
+from .stats import live_stats, local_stats, sum_counters
+
+__all__ = ["RUNTIMES", "RunResult", "bind_io", "live_stats", "local_stats", "run",
+           "sum_counters"]
 
 RUNTIMES = ("local", "ray")
 
@@ -30,39 +34,6 @@ class RunResult:
     stats: RunStats
     errors: list[ErrorRecord] = field(default_factory=list)
     outputs: list[Any] | None = None
-
-
-def sum_counters(counted: list[dict[str, float]]) -> dict[str, float]:
-    """Operator counters of several replicas, added up by name."""
-    total: dict[str, float] = {}
-    for c in counted:
-        for k, v in c.items():
-            total[k] = total.get(k, 0) + v
-    return total
-
-
-def _merge(meters: list[StageMeter]) -> StageStats:
-    if len(meters) == 1:
-        return meters[0].statistics()
-    return StageMeter.combined(meters).statistics()
-
-
-def _stats(run: Any, wall: float, interrupted: bool) -> RunStats:
-    stages: list[StageStats] = []
-    for s in run.plan.stages:
-        if s.id in run.source_meters:
-            stages.append(run.source_meters[s.id].statistics())
-            continue
-        reps = run.replicas[s.id]
-        reps[0].meters[0].max_queue_depth = run.channels[s.id].max_depth
-        for i in range(len(s.ops)):
-            st = _merge([r.meters[i] for r in reps])
-            counted = [r.rts[i].counters() for r in reps if r.rts[i].counters is not None]
-            if counted:
-                st = replace(st, counters=sum_counters(counted))
-            stages.append(st)
-    return RunStats(tuple(stages), run.records_in, run.records_out, run.errors, wall,
-                    run.latency.statistics(), interrupted, run.scheduling.statistics())
 
 
 def run(pipeline: Pipeline | Plan, *, runtime: str = "local",
@@ -95,7 +66,7 @@ def run(pipeline: Pipeline | Plan, *, runtime: str = "local",
     plan = pipeline if isinstance(pipeline, Plan) else compile_pipeline(pipeline, fuse=fuse)
     from .local import LocalRun
 
-    inputs, outputs, collected = _bind(plan, input, output)
+    inputs, outputs, collected = bind_io(plan, input, output)
     error_list: list[ErrorRecord] = []
     if errors is None:
         on_error: Callable[[ErrorRecord], None] = error_list.append
@@ -119,14 +90,14 @@ def run(pipeline: Pipeline | Plan, *, runtime: str = "local",
     try:
         asyncio.run(lr.execute())
     except (KeyboardInterrupt, asyncio.CancelledError):
-        result = RunResult(plan, _stats(lr, perf_counter() - t0, True), error_list, collected)
+        result = RunResult(plan, local_stats(lr, perf_counter() - t0, True), error_list, collected)
         raise RunInterrupted("run interrupted", result) from None
     except BaseExceptionGroup as eg:  # a bug or a fatal error inside the runtime
         raise eg.exceptions[0] from None
-    return RunResult(plan, _stats(lr, perf_counter() - t0, False), error_list, collected)
+    return RunResult(plan, local_stats(lr, perf_counter() - t0, False), error_list, collected)
 
 
-def _bind(plan: Plan, input: Any, output: Any) -> tuple[dict, dict, list | None]:
+def bind_io(plan: Plan, input: Any, output: Any) -> tuple[dict, dict, list | None]:
     """Attach run-time input/output to the sources/sinks declared without them."""
     inputs: dict[str, Any] = {}
     outputs: dict[str, Any] = {}

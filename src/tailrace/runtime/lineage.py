@@ -10,10 +10,10 @@ a ``batch`` stage's group keeps its first member's id), and the outputs and erro
 by positions in micro-batches, so a replay that keeps, drops or fans out records
 differently is still delivered once per id (``ledger.py``).
 
-``run_chain`` is the stage's fused chain with lineage: the same batch functions and
-meters as the local runtime's ``Replica.run_chain``; when every operator kept every
-record (the common case) it costs one length check per operator, and only a batch with
-errors, drops or branches pays a walk to attribute them (by object identity: filters and
+The stage worker (``stage.py``) tracks lineage when it is given a ``Trace`` (the Ray
+runtime does; the local one does not need it): when every operator kept every record
+(the common case) it costs one length check per operator, and only a batch with errors,
+drops or branches pays a walk to attribute them (by object identity: filters and
 branches pass their input objects on, errors name their inputs; identical objects are
 interchangeable, so any consistent attribution among them is right).
 """
@@ -21,17 +21,29 @@ interchangeable, so any consistent attribution among them is right).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from time import perf_counter
 from typing import Any
 
-from ...api.records import ErrorRecord
-from ...compiler import PlanOp
-from ...observability import StageMeter
-from ...operators import OpRuntime
-from ..local.stage import Replica, call_careful, call_collect
+from ..api.records import ErrorRecord
 
 #: Positions of a step's records within the stage's input batch (None: 0, 1, ... n-1).
 Src = list[int] | None
+
+
+class Trace:
+    """The lineage of one stage call, filled by the stage worker.
+
+    src:    port -> positions in the call's input of each output's input (None: one to
+            one).
+    esrc:   positions of the inputs of the error records, in the order they were added.
+    fanned: some input gave several records.
+    """
+
+    __slots__ = ("src", "esrc", "fanned")
+
+    def __init__(self) -> None:
+        self.src: dict[str | None, Src] = {}
+        self.esrc: list[int] = []
+        self.fanned = False
 
 
 def is_fan_out(op_name: str) -> bool:
@@ -116,101 +128,7 @@ def split_branch(before: list, t: list, f: list, failed: list[int]) -> tuple[lis
     return pt, pf
 
 
-def run_chain(rep: Replica, fans: tuple[bool, ...], batch: list, errors: list,
-              esrc: list) -> tuple[dict[str | None, tuple[list, Src]], bool]:
-    """One micro-batch through the stage's fused operators, tracking lineage.
-
-    Returns (port -> (records, positions of their inputs in ``batch``: None when one to
-    one), whether some input gave several records). Failed records become
-    ``ErrorRecord``s in ``errors`` and their input positions go to ``esrc`` (same order).
-
-    rep:   the replica (operator runtimes and meters).
-    fans:  per operator, whether it is a fan-out (``is_fan_out``): run record by record.
-    """
-    src: Src = None
-    fanned = False
-    for i, rt in enumerate(rep.rts):
-        m = rep.meters[i]
-        n = len(batch)
-        m.records_in += n
-        if not n:
-            continue
-        t0 = perf_counter()
-        errs: list = []
-        kind = rt.kind
-        fn = rt.batch_fn
-        if kind == "map":
-            if fans[i]:
-                batch, src = _fan_out(rt.record_fn, batch, src, errs, esrc)
-                fanned = True
-            elif fn is not None:
-                before = batch
-                try:
-                    batch = fn(batch, errs)
-                except Exception as e:  # noqa: BLE001 - a whole-batch call failed
-                    errs = [(x, e) for x in batch]
-                    batch = []
-                if errs or len(batch) != n:
-                    failed = error_positions(before, errs)
-                    esrc.extend(compose(src, failed))
-                    src = compose(src, kept_positions(before, batch, failed))
-                    fanned = fanned or len(batch) > n - len(errs)
-        elif kind == "branch":
-            t, f = fn(batch, errs)  # type: ignore[misc]
-            failed = error_positions(batch, errs)
-            esrc.extend(compose(src, failed))
-            pt, pf = split_branch(batch, t, f, failed)
-            _done(rep, m, t0, n, len(t) + len(f), errs, errors, i)
-            return {"true": (t, compose(src, pt)), "false": (f, compose(src, pf))}, fanned
-        else:  # pragma: no cover - sinks run in the driver, the compiler allows no other
-            raise RuntimeError(f"operator kind {kind!r} cannot run in a chain")
-        _done(rep, m, t0, n, len(batch), errs, errors, i)
-    return {None: (batch, src)}, fanned
-
-
-async def run_careful(op: PlanOp, rt: OpRuntime, m: StageMeter, batch: list,
-                      run_blocking: Any, errors: list, esrc: list
-                      ) -> tuple[dict[str | None, tuple[list, Src]], bool]:
-    """``call_careful`` (timeouts, retries; one operator) record by record, so that each
-    output and error is known by its input. Returns as ``run_chain``."""
-    ports: dict[str | None, tuple[list, list]] = {}
-    fanned = False
-    for j, x in enumerate(batch):
-        ne = len(errors)
-        out = await call_careful(op, rt, m, [x], run_blocking, errors)
-        if len(errors) > ne:
-            esrc.extend([j] * (len(errors) - ne))
-        for port, recs in out.items():
-            if port not in ports:
-                ports[port] = ([], [])
-            if recs:
-                ports[port][0].extend(recs)
-                ports[port][1].extend([j] * len(recs))
-                fanned = fanned or len(recs) > 1
-    return {p: (recs, pos) for p, (recs, pos) in ports.items()}, fanned
-
-
-async def run_collect(op: PlanOp, rt: OpRuntime, m: StageMeter, batch: list,
-                      run_blocking: Any, errors: list, esrc: list
-                      ) -> tuple[dict[str | None, tuple[list, Src]], bool]:
-    """``call_collect`` (a batch contract or a ``batch`` stage), attributed: a group
-    takes its first member's lineage, a batch-contract map is one to one. Returns as
-    ``run_chain``."""
-    ne = len(errors)
-    out = await call_collect(op, rt, m, batch, run_blocking, errors)
-    failed = error_positions(batch, errors[ne:])
-    esrc.extend(failed)
-    if rt.kind == "collect":
-        bad = set(failed)
-        first = next((j for j in range(len(batch)) if j not in bad), 0)
-        return {None: (out, [first] * len(out))}, len(out) > 1
-    if not failed and len(out) == len(batch):
-        return {None: (out, None)}, False
-    return {None: (out, kept_positions(batch, out, failed))}, \
-        len(out) > len(batch) - len(failed)
-
-
-def _fan_out(record_fn: Any, batch: list, src: Src, errs: list,
+def fan_out(record_fn: Any, batch: list, src: Src, errs: list,
              esrc: list) -> tuple[list, list[int]]:
     """A fan-out operator record by record: its outputs and their input positions."""
     out: list = []
@@ -226,17 +144,6 @@ def _fan_out(record_fn: Any, batch: list, src: Src, errs: list,
             out.extend(r)
             pos.extend([j if src is None else src[j]] * len(r))
     return out, pos
-
-
-def _done(rep: Replica, m: StageMeter, t0: float, n_in: int, n_out: int, errs: list,
-          errors: list, i: int) -> None:
-    m.records_out += n_out
-    m.service.record((perf_counter() - t0) * 1e6 / n_in, n_in)
-    m.batch_size.record(n_in)
-    if errs:
-        m.errors += len(errs)
-        sid = rep.ops[i].id
-        errors.extend(ErrorRecord.from_exception(sid, x, e) for x, e in errs)
 
 
 def ids(lin: Sequence, src: Src, fan: bool, errors: bool = False,

@@ -1,18 +1,23 @@
-"""The run's statistics from every actor, in the local runtime's table and JSON format.
+"""A run's statistics, built one way for both runtimes.
 
-Stage replicas send cumulative meter snapshots (per incarnation: an actor restart starts
-a new one) while they run and a final one when the run ends; the driver adds up the
-latest snapshot of every incarnation. ``RayStageStats`` and ``RayRunStats`` are the local
-types plus what only a cluster has: restarts and the nodes replicas ran on.
+Every stage replica meters its operators (``StageWorker.meters``); a run's statistics
+add up, per operator, the meters of its replicas. Locally they are read in place (a
+live snapshot for a served pipeline: ``live_stats``); on Ray, stage replicas send
+cumulative meter snapshots (per incarnation: an actor restart starts a new one) while
+they run and a final one when the run ends, and the driver adds up the latest snapshot
+of every incarnation. ``RayStageStats`` and ``RayRunStats`` are the local types plus
+what only a cluster has: restarts and the nodes replicas ran on.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
+from time import perf_counter
+from typing import Any
 
-from ...compiler import Plan
-from ...observability import Histogram, RunStats, StageMeter, StageStats
-from .messages import MeterReport
+from ..compiler import Plan
+from ..observability import Histogram, RunStats, StageMeter, StageStats
+from .stage import stage_meter as _label
 
 
 @dataclass(frozen=True)
@@ -38,30 +43,67 @@ def _extend(base: StageStats, **extra: object) -> RayStageStats:
                          **extra)  # type: ignore[arg-type]
 
 
-def merge_meters(meters: list[StageMeter], template: StageMeter) -> StageMeter:
-    """The sum of several replicas' (or incarnations') meters of one operator.
+def sum_counters(counted: list[dict[str, float]]) -> dict[str, float]:
+    """Operator counters of several replicas, added up by name."""
+    total: dict[str, float] = {}
+    for c in counted:
+        for k, v in c.items():
+            total[k] = total.get(k, 0) + v
+    return total
 
-    meters:   the meters to add up.
-    template: gives the labels (stage, op, replicas, bound, fusion) of the result.
+
+def merged(meters: list[StageMeter], template: StageMeter | None = None) -> StageStats:
+    """The statistics of one operator from its replicas' (or incarnations') meters.
+
+    template: gives the labels (stage, op, replicas, bound, fusion) of the result
+              (default: the first meter's).
     """
-    return StageMeter.combined(meters, template)
+    if len(meters) == 1 and template is None:
+        return meters[0].statistics()
+    return StageMeter.combined(meters, template).statistics()
 
 
 def stage_meter(plan: Plan, i: int, j: int) -> StageMeter:
-    """A fresh meter for operator ``j`` of stage ``i``, labelled as the local runtime does.
+    """A fresh meter for operator ``j`` of stage ``i`` (labelled as every worker's)."""
+    return _label(plan.stages[i], j)
 
-    plan: the compiled plan.
-    i:    the stage's index.
-    j:    the operator's index within the stage.
+
+def local_stats(run: Any, wall: float, interrupted: bool) -> RunStats:
+    """The statistics of a local run (``LocalRun``), read in place."""
+    stages: list[StageStats] = []
+    for s in run.plan.stages:
+        if s.id in run.source_meters:
+            stages.append(run.source_meters[s.id].statistics())
+            continue
+        workers = run.replicas[s.id]
+        workers[0].meters[0].max_queue_depth = run.channels[s.id].max_depth
+        for i in range(len(s.ops)):
+            st = merged([w.meters[i] for w in workers])
+            counted = [w.rts[i].counters() for w in workers if w.rts[i].counters is not None]
+            if counted:
+                st = replace(st, counters=sum_counters(counted))
+            stages.append(st)
+    return RunStats(tuple(stages), run.records_in, run.records_out, run.errors, wall,
+                    run.latency.statistics(), interrupted, run.scheduling.statistics())
+
+
+def live_stats(run: Any, started: float) -> RunStats:
+    """A live snapshot of a local run that is still going (a served pipeline): counters
+    are read without stopping the stages, and a source's records count in as they
+    arrive (the runtime counts them when the source ends, which a service's never does).
+
+    started: the run's start (``perf_counter()``).
     """
-    s = plan.stages[i]
-    o = s.ops[j]
-    return StageMeter(o.id, o.op.name, replicas=s.replicas,
-                      queue_bound=s.queue if j == 0 else 0,
-                      fused_into=s.id if len(s.ops) > 1 else None)
+    if run is None:
+        return RunStats((), 0, 0, 0, 0.0)
+    stats = local_stats(run, perf_counter() - started, False)
+    arrived = {sid: m.records_out for sid, m in run.source_meters.items()}
+    stages = tuple(replace(s, records_in=arrived[s.stage]) if s.stage in arrived else s
+                   for s in stats.stages)
+    return replace(stats, stages=stages, records_in=sum(arrived.values()))
 
 
-def build_stats(plan: Plan, reports: dict[tuple, MeterReport], *,
+def build_stats(plan: Plan, reports: dict[tuple, Any], *,
                 source_meters: dict[int, StageMeter], sink_meters: dict[int, StageMeter],
                 sink_depth: dict[int, int], totals: tuple[int, int, int], wall: float,
                 latency: Histogram, scheduling: Histogram, interrupted: bool,
@@ -69,14 +111,14 @@ def build_stats(plan: Plan, reports: dict[tuple, MeterReport], *,
                 incarnations: dict[tuple[int, int], set[str]]) -> RayRunStats:
     """One ``RayRunStats`` from the latest report of every replica incarnation.
 
-    reports:       ``(stage, replica, incarnation) -> MeterReport``.
+    reports:       ``(stage, replica, incarnation) -> MeterReport`` (Ray's messages).
     source_meters: the driver's meters of source stages, by stage index.
     sink_meters:   the driver's meters of sink operators, by stage index.
     sink_depth:    peak records in flight to each sink stage on one edge (all producers).
     totals:        records in, records out, errors of the whole run.
     incarnations:  ``(stage, replica) -> incarnations seen``: more than one is a restart.
     """
-    by_stage: dict[int, list[MeterReport]] = {}
+    by_stage: dict[int, list[Any]] = {}
     for rep in reports.values():
         by_stage.setdefault(rep.stage, []).append(rep)
     sched = Histogram()
@@ -97,8 +139,8 @@ def build_stats(plan: Plan, reports: dict[tuple, MeterReport], *,
         nodes = tuple(latest[r] for r in sorted(latest))
         n_host = sum(1 for o in s.ops if o.op.kind != "sink")
         for j in range(n_host):
-            m = merge_meters([r.meters[j] for r in reps], stage_meter(plan, i, j))
-            stages.append(_extend(m.statistics(), restarts=restarts, nodes=nodes))
+            st = merged([r.meters[j] for r in reps], stage_meter(plan, i, j))
+            stages.append(_extend(st, restarts=restarts, nodes=nodes))
         if s.ops[-1].op.kind == "sink":
             m = sink_meters[i]
             if n_host == 0:

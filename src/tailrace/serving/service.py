@@ -30,7 +30,6 @@ import contextlib
 import itertools
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import replace
 from time import perf_counter
 from typing import Any
 
@@ -236,10 +235,10 @@ class PipelineService:
             self._fail_waiting(ServiceUnavailable(f"pipeline '{self.name}' stopped{why}"))
 
     async def _serve(self) -> None:
-        from ..runtime import _bind
+        from ..runtime import bind_io
         from ..runtime.local import LocalRun
 
-        inputs, outputs, _ = _bind(self.plan, self._feed(), self._on_output)
+        inputs, outputs, _ = bind_io(self.plan, self._feed(), self._on_output)
         door = _Door(self.gate, self) if self.gate is not None else None
         self._run = LocalRun(self.plan, inputs=inputs, outputs=outputs,
                              on_error=self._on_error, admission=door,
@@ -383,17 +382,9 @@ class PipelineService:
     def stats(self) -> RunStats:
         """A live snapshot of the run's statistics (approximate while records flow:
         counters are read without stopping the stages)."""
-        from ..runtime import _stats
+        from ..runtime import live_stats
 
-        lr = self._run
-        if lr is None:
-            return RunStats((), 0, 0, 0, 0.0)
-        stats = _stats(lr, perf_counter() - self._t0, False)
-        # the runtime counts a source's records in when it ends; a service's never does
-        arrived = {sid: m.records_out for sid, m in lr.source_meters.items()}
-        stages = tuple(replace(s, records_in=arrived[s.stage]) if s.stage in arrived else s
-                       for s in stats.stages)
-        return replace(stats, stages=stages, records_in=sum(arrived.values()))
+        return live_stats(self._run, self._t0)
 
     def queue_depths(self) -> dict[str, int]:
         """Records buffered now in each stage's input channel, by stage id."""

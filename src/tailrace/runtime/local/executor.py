@@ -1,9 +1,10 @@
 """The local runtime: a Plan on one asyncio event loop.
 
 Each stage is one task per replica reading micro-batches from its bounded input
-channel. ``inline`` stages run operator code on the loop; ``thread`` stages (blocking
-code, replicas, timeouts) run it in worker threads; ``async`` stages await it. When a
-stage's replicas have all seen the end of their input, it closes its downstream
+channel and handing them to its ``StageWorker`` (``runtime/stage.py``), which calls the
+operators as the compiler decided (``Execution``). The runtime only moves batches:
+sources are read by ``runtime/ingress.py``, results go to the downstream channels. When
+a stage's replicas have all seen the end of their input, it closes its downstream
 channels, so end-of-input propagates through branches, merges and replicas.
 """
 
@@ -11,23 +12,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
-from itertools import islice
 from time import perf_counter
 from typing import Any
 
 from ...api.records import ErrorRecord
-from ...compiler import Plan, PlanStage
-from ...errors import PlanError
+from ...compiler import MAX_MICROBATCH, Plan, PlanStage
 from ...observability import Histogram, StageMeter
 from ...observability.tracing import STATE as TRACING
 from ...observability.tracing import stage_spans
+from ..ingress import input_failed, read, read_admitted
+from ..stage import StageWorker, sink_runtime, sink_target
 from .channel import Channel
-from .stage import ABANDON_CAP, Replica, call_careful, call_collect, sink_runtime
-
-#: Largest micro-batch a source emits or a stage takes at once.
-MAX_MICROBATCH = 1024
 
 
 class LocalRun:
@@ -64,17 +59,15 @@ class LocalRun:
         self.records_out = 0
         self.errors = 0
         self.channels: dict[str, Channel] = {}
-        self.replicas: dict[str, list[Replica]] = {}
+        self.replicas: dict[str, list[StageWorker]] = {}
         self.source_meters: dict[str, StageMeter] = {}
         self.inputs = inputs
-        # the blocking replicas' threads, with the runtime of the operator they call
-        self.pools: list[tuple[ThreadPoolExecutor, Any]] = []
         for s in plan.stages:
             if s.ops[0].op.kind == "source":
                 self.source_meters[s.id] = StageMeter(s.id, "source")
                 continue
             self.channels[s.id] = Channel(s.queue, producers=len(s.upstream))
-            self.replicas[s.id] = [Replica(s, self._build(s, outputs), on_drop, drop_key)
+            self.replicas[s.id] = [StageWorker(s, self._build(s, outputs), on_drop, drop_key)
                                    for _ in range(s.replicas)]
         self.down: dict[str, dict[str | None, list[Channel]]] = {s.id: {} for s in plan.stages}
         sources = {s.id for s in plan.stages if s.ops[0].op.kind == "source"}
@@ -90,12 +83,7 @@ class LocalRun:
         rts = []
         for o in s.ops:
             if o.op.kind == "sink":
-                target = o.params.get("target")
-                if target is None:
-                    target = outputs.get(o.id)
-                if target is None:
-                    raise PlanError("sink has no target: pass a list or callable to "
-                                    ".sink(...) or tr.run(p, output=...)", stage=o.id)
+                target = sink_target(o, outputs)
                 if self.admission is not None:
                     target = _without_ticket(target)
                 rts.append(sink_runtime(target))
@@ -115,10 +103,11 @@ class LocalRun:
                         tg.create_task(self._stage(s))
             finished = True
         finally:
-            for pool, rt in self.pools:
+            for workers in self.replicas.values():
                 # a finished run leaves no thread behind, except one running an abandoned
                 # timed-out call (it cannot be stopped); an interrupted run does not wait
-                pool.shutdown(wait=finished and rt.abandoned == 0, cancel_futures=True)
+                for w in workers:
+                    w.stop(wait=finished)
             if self.admission is not None:  # an interrupted run: free what is left
                 for ticket, _ in list(self.tickets.values()):
                     self.admission.done(ticket)
@@ -160,48 +149,23 @@ class LocalRun:
                 del tickets[key]
                 self.admission.done(entry[0])
 
-    async def _admit(self, x: Any, born: float, down: list[Channel],
-                     window: asyncio.Semaphore) -> None:
-        """One arriving record through the admission gate, then into the plan."""
-        try:
-            if not isinstance(x, dict):  # the ticket rides in the record: it must be a dict
-                self.errors += 1
-                self.on_error(ErrorRecord.from_exception("admission", x, TypeError(
-                    f"admission needs records that are dicts (JSON objects) to carry their "
-                    f"ticket; got {type(x).__name__}: wrap it, e.g. {{'value': x}}")))
-                return
-            try:
-                ticket = await self.admission.admit(self.plan.name, x)
-            except Exception as e:  # noqa: BLE001 - AdmissionRejected (or a gate failure)
-                self.errors += 1
-                self.on_error(ErrorRecord.from_exception("admission", x, e))
-                return
+    async def _admitted(self, data: Any, down: list[Channel], meter: StageMeter) -> None:
+        """Admission at the source (``ingress.read_admitted``); an admitted record enters
+        the plan carrying its ticket."""
+        async def send(x: Any, ticket: Any) -> None:
             self.tickets[id(ticket)] = [ticket, len(down)]
             rec = [{**x, "_admission": ticket}]
+            born = perf_counter()
             for ch in down:
                 if not ch.put_nowait(rec, born):
                     await ch.put(rec, born)
-        finally:
-            window.release()
 
-    async def _admitted_source(self, data: Any, down: list[Channel],
-                               meter: StageMeter) -> None:
-        """Open-loop ingress: each record waits for admission in its own task, so a
-        queued record does not delay the arrival of the next one — up to
-        ``admission_window`` records waiting at once; past that the source stops reading
-        (memory stays flat whatever the input size)."""
-        window = asyncio.Semaphore(self.admission_window)
-        async with asyncio.TaskGroup() as tg:
-            if hasattr(data, "__aiter__"):
-                async for x in data:
-                    await window.acquire()
-                    meter.records_out += 1
-                    tg.create_task(self._admit(x, perf_counter(), down, window))
-            else:
-                for x in data:
-                    await window.acquire()
-                    meter.records_out += 1
-                    tg.create_task(self._admit(x, perf_counter(), down, window))
+        def refuse(x: Any, e: BaseException) -> None:
+            self.errors += 1
+            self.on_error(ErrorRecord.from_exception("admission", x, e))
+
+        await read_admitted(data, self.admission, self.plan.name, self.admission_window,
+                            meter, send, refuse, _not_a_dict)
 
     async def _emit(self, sid: str, ports: dict[str | None, list], born: float) -> None:
         down = self.down[sid]
@@ -223,39 +187,20 @@ class LocalRun:
             data = self.inputs[op.id]
         meter = self.source_meters[s.id]
         down = self.down[s.id].get(None, [])
+        async def send(chunk: list) -> None:
+            born = perf_counter()
+            for ch in down:
+                if not ch.put_nowait(chunk, born):
+                    await ch.put(chunk, born)
+
         try:
             if self.admission is not None:
-                await self._admitted_source(data, down, meter)
-            elif hasattr(data, "__aiter__"):
-                async for x in data:
-                    born = perf_counter()
-                    meter.records_out += 1
-                    for ch in down:
-                        if not ch.put_nowait([x], born):
-                            await ch.put([x], born)
+                await self._admitted(data, down, meter)
             else:
-                n = min([MAX_MICROBATCH] + [ch.bound for ch in down])
-                it = iter(data)
-                failure = None
-                while failure is None:
-                    chunk: list = []
-                    try:
-                        chunk.extend(islice(it, n))  # keeps what was read before a failure
-                    except Exception as e:  # noqa: BLE001 - the input itself failed
-                        failure = e
-                    if not chunk:
-                        break
-                    born = perf_counter()
-                    meter.records_out += len(chunk)
-                    for ch in down:
-                        if not ch.put_nowait(chunk, born):
-                            await ch.put(chunk, born)
-                if failure is not None:
-                    raise failure
+                await read(data, min([MAX_MICROBATCH] + [ch.bound for ch in down]), meter,
+                           send)
         except Exception as e:  # the input itself failed: report it, end the stream
-            meter.errors += 1
-            self._error([ErrorRecord.from_exception(
-                op.id, f"<after record {meter.records_out}>", e)])
+            self._error([input_failed(op.id, meter, e)])
         finally:
             meter.records_in = meter.records_out
             self.records_in += meter.records_out
@@ -269,41 +214,15 @@ class LocalRun:
         finally:
             self._close(s.id)
 
-    async def _worker(self, s: PlanStage, rep: Replica) -> None:
+    async def _worker(self, s: PlanStage, w: StageWorker) -> None:
+        """One replica's loop: take a micro-batch, run it, hand the results on."""
+        x = w.execution
+        w.start(f"{s.id}-{self.replicas[s.id].index(w)}")
         ch = self.channels[s.id]
-        first = s.ops[0]
-        rt = rep.rts[0]
-        meter = rep.meters[0]
-        batch_spec = first.contract.batch
-        collect = rt.kind == "collect" or batch_spec is not None
-        if collect:
-            max_n = batch_spec.max_size if batch_spec else first.params["max_size"]
-            max_wait = (batch_spec.max_wait_ms if batch_spec else first.params["max_wait_ms"])
-            max_wait /= 1000.0
-        else:
-            max_n = max(1, min(MAX_MICROBATCH, s.queue) // s.replicas)
-            max_wait = 0.0
-        if rt.max_batch is not None and not (collect and batch_spec):
-            max_n = min(max_n, rt.max_batch)
-        careful = (rt.is_async or first.contract.retries > 0
-                   or first.contract.timeout_ms is not None)
-        run_blocking = None
-        if s.mode == "thread":
-            # One dedicated thread per blocking replica (native libraries such as llama.cpp
-            # keep per-thread state: OpenMP teams, caches); under a timeout, spare threads
-            # for up to ABANDON_CAP abandoned calls, so one never blocks the replica.
-            i = self.replicas[s.id].index(rep)
-            n = 1 + (ABANDON_CAP if first.contract.timeout_ms is not None else 0)
-            pool = ThreadPoolExecutor(n, thread_name_prefix=f"tailrace-{s.id}-{i}")
-            self.pools.append((pool, rt))
-            run_blocking = partial(asyncio.get_running_loop().run_in_executor, pool)
-        await self._serve(s, rep, ch, first, rt, meter, max_n, max_wait, collect, careful,
-                          run_blocking)
-
-    async def _serve(self, s: PlanStage, rep: Replica, ch: Channel, first: Any, rt: Any,
-                     meter: StageMeter, max_n: int, max_wait: float, collect: bool,
-                     careful: bool, run_blocking: Any) -> None:
-        """The replica's loop: take a micro-batch, run it, hand the results on."""
+        max_n, collect = x.max_batch, x.call == "collect"
+        max_wait = x.max_wait_ms / 1000.0
+        strip = collect and w.rts[0].kind == "collect"  # a group ends its records' tickets
+        meter = w.meters[0]
         is_sink = s.ops[-1].op.kind == "sink"
         first_stage = s.id in self.first_stages
         errors: list[ErrorRecord] = []
@@ -322,24 +241,12 @@ class LocalRun:
             meter.queue_wait.record((now - enq) * 1e6, n)
             if first_stage:
                 self.scheduling.record((now - born) * 1e6, n)
-            ports: dict[str | None, list]
-            if collect:
-                # a batch window ends its records' tickets: its list holds them without
-                took = batch if not (self.tickets and rt.kind == "collect") else \
-                    [_strip_ticket(r) for r in batch]
-                ports = {None: await call_collect(s.ops[0], rep.rts[0], rep.meters[0], took,
-                                                  run_blocking, errors)}
-            elif careful:
-                ports = await call_careful(s.ops[0], rep.rts[0], rep.meters[0], batch,
-                                           run_blocking, errors, self.on_drop)
-            elif run_blocking is not None:
-                ports = await run_blocking(rep.run_chain, batch, errors)
-            else:
-                ports = rep.run_chain(batch, errors)
+            took = [_strip_ticket(r) for r in batch] if strip and self.tickets else batch
+            ports = await w.process(took, errors)
             if TRACING.tracer is not None:  # tracing off: this check is all it costs
                 stage_spans(TRACING.tracer, s, batch, ports, errors, enq, now, perf_counter())
             if is_sink:
-                sm = rep.meters[-1]
+                sm = w.meters[-1]
                 delivered = sm.records_out - counted
                 counted = sm.records_out
                 self.records_out += delivered
@@ -351,7 +258,6 @@ class LocalRun:
                 self._account(s.id, batch, ports)
             if not is_sink:
                 await self._emit(s.id, ports, born)
-
 
 
 async def collect_batch(ch: Channel, max_n: int, max_wait: float,
@@ -380,6 +286,14 @@ async def collect_batch(ch: Channel, max_n: int, max_wait: float,
             break
         await ch.wait_readable(remaining)
     return enq, born, recs
+
+
+def _not_a_dict(x: Any) -> BaseException | None:
+    """The ticket rides in the record: under admission a record must be a dict."""
+    if isinstance(x, dict):
+        return None
+    return TypeError(f"admission needs records that are dicts (JSON objects) to carry their "
+                     f"ticket; got {type(x).__name__}: wrap it, e.g. {{'value': x}}")
 
 
 def _strip_ticket(r: Any) -> Any:

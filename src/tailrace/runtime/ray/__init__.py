@@ -25,8 +25,8 @@ from typing import Any
 
 from ...api.records import ErrorRecord
 from ...compiler import Plan
+from ..stats import RayRunStats, RayStageStats
 from .connect import RayUnavailable, connect, import_ray
-from .stats import RayRunStats, RayStageStats
 
 __all__ = ["RayRunStats", "RayStageStats", "RayUnavailable", "active_runs", "run_on_ray"]
 

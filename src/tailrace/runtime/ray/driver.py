@@ -26,15 +26,16 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import replace
-from itertools import count, islice
-from time import perf_counter
+from itertools import count
 from typing import Any
 
 from ...api.records import ErrorRecord
 from ...compiler import Plan, PlanOp, PlanStage
 from ...errors import PlanError
 from ...observability import Histogram, StageMeter
-from ..local.stage import sink_runtime
+from ..ingress import input_failed, read, read_admitted
+from ..stage import sink_runtime, sink_target, write_sink
+from ..stats import RayRunStats, build_stats, stage_meter
 from .credits import Link, cause, gather_acks, ray_errors
 from .ledger import Ledger
 from .messages import (
@@ -49,33 +50,16 @@ from .messages import (
     Route,
 )
 from .placement import Host, StagePlacement, host_pool
-from .stats import RayRunStats, build_stats, stage_meter
 
-#: Most records in one push between actors. A push costs ~0.5-1 ms of Ray overhead
-#: here, so pushes should be large; but an edge's window (its bound) is shared by every
-#: push in flight downstream of it (acks are end to end), so it must hold several.
-MAX_PUSH = 256
-#: Pushes that fit in an edge's window (measured: 4 in flight left a 3-stage chain
-#: waiting on Ray latency; 8 gave 1.35x the throughput, 16 no more).
-PUSHES_IN_FLIGHT = 8
 #: Most source records waiting for admission (or for credits right after it) at once,
 #: per source; fewer when the first edge's window is smaller.
 ADMISSION_WAITS = 64
 
 
 def chunk_size(s: PlanStage) -> int:
-    """Records per push into stage ``s``: several pushes fit its bound, and a batched or
-    replicated stage gets pushes no larger than its batch (spread over its replicas).
-
-    s: the consuming stage.
-    """
-    n = max(1, min(MAX_PUSH, s.queue // (PUSHES_IN_FLIGHT * s.replicas)))
-    first = s.ops[0]
-    hint = (first.contract.batch.max_size if first.contract.batch is not None
-            else first.params.get("max_batch") or first.params.get("max_size"))
-    if isinstance(hint, int) and not isinstance(hint, bool) and 0 < hint < n:
-        n = hint
-    return n
+    """Records per push into stage ``s`` (the compiler's ``Execution.push``)."""
+    assert s.execution is not None
+    return s.execution.push
 
 
 def shipped(stage: PlanStage) -> PlanStage:
@@ -180,12 +164,7 @@ class RayRun:
                 self.source_meters[i] = StageMeter(s.id, "source")
             elif s.ops[-1].op.kind == "sink":
                 o = s.ops[-1]
-                target = o.params.get("target")
-                if target is None:
-                    target = outputs.get(o.id)
-                if target is None:
-                    raise PlanError("sink has no target: pass a list or callable to "
-                                    ".sink(...) or tr.run(p, output=...)", stage=o.id)
+                target = sink_target(o, outputs)
                 j = len(s.ops) - 1
                 self.sinks[i] = _Sink(o.id, sink_runtime(target), stage_meter(plan, i, j),
                                       queued=j == 0, first=i in self.first)
@@ -349,32 +328,12 @@ class RayRun:
 
         try:
             if self.admission is not None:
-                await self._admitted(i, data, links, meter, pending)
-            elif hasattr(data, "__aiter__"):
-                async for x in data:
-                    meter.records_out += 1
-                    await send([x])
+                await self._admitted(i, data, links, meter)
             else:
-                n = max([1] + [link.chunk for link in links])
-                it = iter(data)
-                failure = None
-                while failure is None:
-                    chunk: list = []
-                    try:
-                        chunk.extend(islice(it, n))
-                    except Exception as e:  # noqa: BLE001 - the input itself failed
-                        failure = e
-                    if not chunk:
-                        break
-                    meter.records_out += len(chunk)
-                    await send(chunk)
-                if failure is not None:
-                    raise failure
+                await read(data, max([1] + [link.chunk for link in links]), meter, send)
         except Exception as e:  # the input itself failed: report it, end the stream
-            meter.errors += 1
             self.errors += 1
-            self.on_error(ErrorRecord.from_exception(
-                op.id, f"<after record {meter.records_out}>", e))
+            self.on_error(input_failed(op.id, meter, e))
         finally:
             meter.records_in = meter.records_out
             self.records_in += meter.records_out
@@ -391,57 +350,33 @@ class RayRun:
         for link in links:  # each consumer gets a copy: a hop of its own
             await link.send(key + (link.route.target,), records, lin, born, acks)
 
-    async def _admitted(self, i: int, data: Any, links: list[Link], meter: StageMeter,
-                        pending: set) -> None:
-        """Open-loop ingress, bounded: each record waits for admission in its own task,
-        at most ``ADMISSION_WAITS`` (or the first edge's window) at once, and the source
-        reads the next record only when one of them is admitted and sent. A record's
-        ticket is released once, when its one-record source batch is acknowledged end to
-        end (output, error or drop) or the run ends."""
+    async def _admitted(self, i: int, data: Any, links: list[Link],
+                        meter: StageMeter) -> None:
+        """Admission at the source (``ingress.read_admitted``), at most
+        ``ADMISSION_WAITS`` (or the first edge's window) records waiting at once. An
+        admitted record is sent as a one-record source batch; its ticket is released
+        once, when that batch is acknowledged end to end (output, error or drop) or the
+        run ends."""
         counter = count()
         gate = self.admission
         k = max(1, min([ADMISSION_WAITS] + [link.window.size for link in links]))
-        slots = asyncio.Semaphore(k)
 
-        async def admit(x: Any) -> None:
+        async def send(x: Any, ticket: Any) -> Any:
+            key = (i, next(counter))
+            acks: list = []
             try:
-                try:
-                    ticket = await gate.admit(self.plan.name, x)
-                except Exception as e:  # noqa: BLE001 - AdmissionRejected (or a gate failure)
-                    self.errors += 1
-                    self.on_error(ErrorRecord.from_exception("admission", x, e))
-                    return
-                key = (i, next(counter))
-                acks: list = []
-                try:
-                    await self._send(links, key, [x], time.time(), acks)
-                except BaseException:
-                    self.ledger.settle(key)
-                    gate.done(ticket)
-                    raise
-            finally:
-                slots.release()
-            await self._settle(key, acks, ticket)
-
-        def start(x: Any) -> None:
-            meter.records_out += 1
-            t = asyncio.ensure_future(admit(x))
-            pending.add(t)
-            t.add_done_callback(pending.discard)
-
-        aio = hasattr(data, "__aiter__")
-        it = data.__aiter__() if aio else iter(data)
-        while True:
-            await slots.acquire()  # read on only while fewer than k records wait
-            try:
-                x = await it.__anext__() if aio else next(it)
-            except (StopIteration, StopAsyncIteration):
-                slots.release()
-                return
+                await self._send(links, key, [x], time.time(), acks)
             except BaseException:
-                slots.release()
+                self.ledger.settle(key)
+                gate.done(ticket)
                 raise
-            start(x)
+            return self._settle(key, acks, ticket)
+
+        def refuse(x: Any, e: BaseException) -> None:
+            self.errors += 1
+            self.on_error(ErrorRecord.from_exception("admission", x, e))
+
+        await read_admitted(data, gate, self.plan.name, k, meter, send, refuse)
 
     async def _settle(self, key: BatchKey, acks: list, ticket: Any) -> None:
         """A source batch is acknowledged end to end (or the run ends): forget its
@@ -475,18 +410,9 @@ class RayRun:
         if st.first:
             self.scheduling.record(max(0.0, now - born) * 1e6, n)
         m.records_in += n
-        errs: list = []
-        t0 = perf_counter()
-        st.rt.batch_fn(records, errs)
-        m.service.record((perf_counter() - t0) * 1e6 / n, n)
-        m.batch_size.record(n)
-        ok = n - len(errs)
-        m.records_out += ok
-        if errs:
-            m.errors += len(errs)
-            for x, e in errs:
-                self.errors += 1
-                self.on_error(ErrorRecord.from_exception(st.op_id, x, e))
+        errors: list[ErrorRecord] = []
+        ok = write_sink(st.op_id, st.rt, m, records, errors)
+        self._errors(errors)
         self.records_out += ok
         self.latency.record(max(0.0, time.time() - born) * 1e6, ok)
 

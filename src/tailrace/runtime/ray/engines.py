@@ -21,8 +21,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...engines.base import Generation, GenerationRequest, TokenCallback
-from ...engines.registry import open_engine, token_counter
+from ...engines.opener import open_engine
+from ...engines.tokens import token_counter
 from ...errors import EngineError
+from ...registry import Registry
 
 NAMESPACE = "tailrace"
 #: calls one engine actor serves at once (a continuous-batching engine merges them)
@@ -110,16 +112,12 @@ class ClusterEngine:
         """The actor is the cluster's: stages do not stop it (``shutdown_engines`` does)."""
 
 
-_HANDLES: dict[str, ClusterEngine] = {}
+_HANDLES: Registry[ClusterEngine] = Registry("cluster engine handles")
 
 
 def open_cluster_engine(name: str, spec: dict[str, Any]) -> ClusterEngine:
     """The stage process's handle on engine ``name`` (one per name and spec)."""
-    key = actor_name(name, spec)
-    handle = _HANDLES.get(key)
-    if handle is None:
-        handle = _HANDLES[key] = ClusterEngine(name, spec)
-    return handle
+    return _HANDLES.get(actor_name(name, spec), lambda: ClusterEngine(name, spec))
 
 
 def shutdown_engines() -> int:

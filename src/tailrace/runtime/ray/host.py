@@ -1,6 +1,6 @@
 """``StageHost``: the Ray actor that runs stage replicas, and its outbox to the driver.
 
-A host is an asyncio actor. It runs any number of stage replicas (``StageInstance``s),
+A host is an asyncio actor. It runs any number of stage replicas (``HostedWorker``s),
 of one run or of several, each with its own queue and loop; hosts are kept by the driver
 and reused across runs, so a run costs a few calls instead of an actor start (~1 s) per
 stage. Results for the driver's sinks, error records and meter snapshots go to the run's
@@ -23,7 +23,7 @@ from functools import cache
 from typing import Any
 
 from .credits import picklable
-from .instance import StageInstance
+from .instance import HostedWorker
 from .messages import (
     NEED_INSTALL,
     PUSH_OK,
@@ -55,7 +55,7 @@ class Outbox:
         self.pending: deque = deque()  # (seq, future) awaiting the driver's ack
         self.wake = asyncio.Event()
         self.closed = False
-        self.instances: dict[tuple[int, int], StageInstance] = {}
+        self.instances: dict[tuple[int, int], HostedWorker] = {}
         self.flusher = asyncio.ensure_future(self._flush())
 
     def _put(self, entry: Any) -> asyncio.Future:
@@ -133,7 +133,7 @@ class StageHost:
 
         import ray
 
-        from ...engines.registry import set_remote_opener
+        from ...engines.opener import set_remote_opener
         from .engines import open_cluster_engine
 
         set_remote_opener(open_cluster_engine)  # stages share the cluster's engine actors
@@ -159,7 +159,7 @@ class StageHost:
             for p in spec.sys_path:
                 if p not in sys.path:
                     sys.path.append(p)
-            box.instances[(spec.index, replica)] = StageInstance(
+            box.instances[(spec.index, replica)] = HostedWorker(
                 spec, replica, box, self.node)
         inst = box.instances.get((spec.index, replica)) if box is not None else None
         return Installed(self.incarnation, self.node, os.getpid(),
@@ -170,7 +170,7 @@ class StageHost:
 
         msg: pickled ``(instance key, route, records, lineage ids, born, order)``;
              ``order`` is ``(link, seq, prev, low)`` of the producer's link (see
-             ``StageInstance.push``).
+             ``HostedWorker.push``).
         """
         key: InstanceKey
         batch_key: BatchKey

@@ -2,9 +2,9 @@
 
 Pushes from producers wait for room in the replica's bounded input queue (the stage's
 ``queue`` bound, in records), one loop takes them in order and runs the fused operators
-on each micro-batch with the local runtime's batch functions and meters (the fused chain,
-timeouts and retries through ``call_careful``, ``batch`` contracts in groups), tracking
-which input each output and error came from (``lineage.py``), then hands the results to
+on each micro-batch with the shared ``StageWorker`` (``runtime/stage.py``: the call the
+compiler chose, the same as locally), tracking which input each output and error came
+from (a ``Trace``, ``runtime/lineage.py``), then hands the results to
 the consumer stages through credit-bounded ``Link``s. A push returns only when its
 results are acknowledged downstream: that is the acknowledgement its producer waits for
 before forgetting the batch. A fan-out stage (a ``flat_map``) then also commits the push
@@ -18,18 +18,15 @@ import random
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from time import perf_counter
 from typing import Any
 
 from ...api.records import ErrorRecord
 from ...observability import Histogram, StageMeter
 from ...operators import OpRuntime
-from ..local.stage import ABANDON_CAP, Replica
+from ..lineage import Trace, ids
+from ..stage import StageWorker
 from .credits import Link, gather_acks
-from .lineage import ids, is_fan_out, run_careful, run_chain, run_collect
 from .messages import BatchKey, InstallSpec, Lineage, MeterReport
 
 
@@ -119,7 +116,7 @@ class Stream:
         self.waiting.clear()
 
 
-class StageInstance:
+class HostedWorker:
     """A stage replica on a host: bounded input queue, operator loop, output links.
 
     spec:    the stage, its routes and the run (see ``InstallSpec``).
@@ -137,33 +134,14 @@ class StageInstance:
         self.node = node
         self.first = spec.first
         self.outbox = outbox
-        ops = [o for o in s.ops if o.op.kind != "sink"]
+        ops = [o for o in s.ops if o.op.kind != "sink"]  # the driver runs sinks
         rts: list[OpRuntime] = [o.op.build(o.params, o.contract) for o in ops]
-        self.rep = Replica(s, rts)
-        self.meters: list[StageMeter] = self.rep.meters[:len(rts)]
-        self.fans = tuple(is_fan_out(o.op.name) for o in ops)
-        self.fan = any(self.fans)
+        self.worker = w = StageWorker(s, rts)
+        self.meters: list[StageMeter] = w.meters[:len(rts)]
+        self.fan = any(w.fans)
         self.scheduling = Histogram()
-        first, rt = s.ops[0], rts[0]
-        self.op, self.rt = first, rt
-        batch_spec = first.contract.batch
-        self.collect = rt.kind == "collect" or batch_spec is not None
-        max_n: int | None = rt.max_batch
-        if self.collect:
-            max_n = batch_spec.max_size if batch_spec else first.params["max_size"]
-            if rt.max_batch is not None and batch_spec is None:
-                max_n = min(max_n, rt.max_batch)
-        self.max_n = max_n
-        self.careful = (rt.is_async or first.contract.retries > 0
-                        or first.contract.timeout_ms is not None)
-        self.own_pool: ThreadPoolExecutor | None = None
-        self.run_blocking: Callable | None = None
-        if s.mode == "thread":  # as locally: one dedicated thread, plus, under a timeout,
-            # spare ones for up to ABANDON_CAP abandoned calls (never the host's threads)
-            n = 1 + (ABANDON_CAP if first.contract.timeout_ms is not None else 0)
-            pool = self.own_pool = ThreadPoolExecutor(
-                n, thread_name_prefix=f"tailrace-{s.id}-{replica}")
-            self.run_blocking = partial(asyncio.get_running_loop().run_in_executor, pool)
+        self.max_n = w.execution.max_batch
+        w.start(f"{s.id}-{replica}")  # its own threads, never the host's
         self.links: dict[str | None, list[Link]] = {
             port: [Link(r, spec.run_id, outbox.deliver if r.sink else None, self._unsendable)
                    for r in routes]
@@ -264,9 +242,10 @@ class StageInstance:
             part = records if step >= n else records[i:i + step]
             part_ids = lin if step >= n else lin[i:i + step]
             errors: list[ErrorRecord] = []
-            esrc: list[int] = []
-            ports, fanned = await self._process(part, errors, esrc)
-            fan = self.fan or fanned
+            trace = Trace()
+            ports = await self.worker.process(part, errors, trace)
+            esrc = trace.esrc
+            fan = self.fan or trace.fanned
             out_key = key
             if fan:  # outputs are (parent, ordinal), delivered once this push commits
                 if token is None:
@@ -278,8 +257,9 @@ class StageInstance:
                 acks.append(self.outbox.fail(self.index, out_key, errors,
                                              ids(part_ids, esrc, fan, errors=True)))
             counts: dict[int, int] = {}  # ordinals per input, across ports
-            for port, (recs, src) in ports.items():
+            for port, recs in ports.items():
                 if recs:
+                    src = trace.src.get(port)
                     links = self.links.get(port)
                     if links:
                         out_ids = ids(part_ids, src, fan, counts=counts)
@@ -293,26 +273,10 @@ class StageInstance:
             return acks, None
         return acks, (self.index, key, token, fanned_ids)
 
-    async def _process(self, batch: list, errors: list,
-                       esrc: list) -> tuple[dict[str | None, tuple[list, Any]], bool]:
-        if self.collect:
-            return await run_collect(self.op, self.rt, self.meters[0], batch,
-                                     self.run_blocking, errors, esrc)
-        if self.careful:
-            return await run_careful(self.op, self.rt, self.meters[0], batch,
-                                     self.run_blocking, errors, esrc)
-        if self.run_blocking is not None:
-            return await self.run_blocking(self._chain, batch, errors, esrc)
-        return run_chain(self.rep, self.fans, batch, errors, esrc)
-
-    def _chain(self, batch: list, errors: list,
-               esrc: list) -> tuple[dict[str | None, tuple[list, Any]], bool]:
-        return run_chain(self.rep, self.fans, batch, errors, esrc)
-
     def _unsendable(self, key: BatchKey, records: list, lin: Lineage,
                     exc: BaseException) -> asyncio.Future:
         """Records that cannot be serialised for the next stage become error records here."""
-        sid = self.rep.ops[len(self.meters) - 1].id
+        sid = self.worker.ops[len(self.meters) - 1].id
         errs = [ErrorRecord.from_exception(sid, x, TypeError(
             f"record cannot be sent to the next Ray actor: {exc}")) for x in records]
         return self.outbox.fail(self.index, key, errs, lin)
@@ -337,5 +301,4 @@ class StageInstance:
                 item[-1].cancel()
         for stream in self._streams.values():
             stream.close()
-        if self.own_pool is not None:
-            self.own_pool.shutdown(wait=False)
+        self.worker.stop(wait=False)

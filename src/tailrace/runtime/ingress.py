@@ -1,0 +1,113 @@
+"""Reading a run's input: bounded chunks, admission at the source, failed inputs.
+
+Every runtime reads its sources here (the local runtime, the Ray driver and, through
+the local runtime, a served pipeline's feed). Without admission a source is read in
+chunks of at most the first stage's micro-batch; with admission each record waits for
+the gate in a task of its own (open loop: a queued record does not delay the next
+arrival), at most ``window`` records at once, and the source reads on only while fewer
+wait, so memory stays flat whatever the input size. A source that fails ends its stream
+with one error record (``<after record N>``); what it read before is kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from itertools import islice
+from typing import Any
+
+from ..api.records import ErrorRecord
+from ..observability import StageMeter
+
+
+async def chunks(data: Any, n: int) -> AsyncIterator[list]:
+    """``data`` (an iterable, or an async iterable: one record at a time) in lists of at
+    most ``n`` records; an exception of the input is raised after what it gave before."""
+    if hasattr(data, "__aiter__"):
+        async for x in data:
+            yield [x]
+        return
+    it = iter(data)
+    while True:
+        chunk: list = []
+        try:
+            chunk.extend(islice(it, n))  # keeps what was read before a failure
+        except Exception:
+            if chunk:
+                yield chunk
+            raise
+        if not chunk:
+            return
+        yield chunk
+
+
+def input_failed(op_id: str, meter: StageMeter, e: BaseException) -> ErrorRecord:
+    """The error record that ends a source whose input raised ``e``."""
+    meter.errors += 1
+    return ErrorRecord.from_exception(op_id, f"<after record {meter.records_out}>", e)
+
+
+async def read(data: Any, n: int, meter: StageMeter,
+               send: Callable[[list], Awaitable[None]]) -> None:
+    """Send the input in chunks of at most ``n`` records (counted on ``meter``)."""
+    async for chunk in chunks(data, n):
+        meter.records_out += len(chunk)
+        await send(chunk)
+
+
+async def read_admitted(data: Any, gate: Any, pipeline: str, window: int, meter: StageMeter,
+                        send: Callable[[Any, Any], Awaitable[Awaitable[None] | None]],
+                        refuse: Callable[[Any, BaseException], None],
+                        check: Callable[[Any], BaseException | None] | None = None) -> None:
+    """Admit the input record by record, at most ``window`` waiting at once.
+
+    gate:   the admission gate (``admit(pipeline, record) -> ticket``, ``done(ticket)``).
+    send:   ``send(record, ticket)`` hands an admitted record on; the caller owns the
+            ticket from then on (it gives it back when the record ends). It may return an
+            awaitable to finish after the record's window slot is freed (e.g. an end to
+            end acknowledgement).
+    refuse: ``refuse(record, exc)`` for a record that was not admitted (rejected, or
+            refused by ``check``): it becomes an error record there.
+    check:  an exception for a record that cannot be admitted at all, else None.
+    A failing input ends the stream after every record read before it has been admitted
+    or refused; its exception is raised then.
+    """
+    slots = asyncio.Semaphore(window)
+
+    async def admit(x: Any) -> None:
+        after = None
+        try:
+            problem = check(x) if check is not None else None
+            if problem is not None:
+                refuse(x, problem)
+                return
+            try:
+                ticket = await gate.admit(pipeline, x)
+            except Exception as e:  # noqa: BLE001 - AdmissionRejected (or a gate failure)
+                refuse(x, e)
+                return
+            after = await send(x, ticket)
+        finally:
+            slots.release()
+        if after is not None:
+            await after
+
+    failure: BaseException | None = None
+    async with asyncio.TaskGroup() as tg:
+        aio = hasattr(data, "__aiter__")
+        it = data.__aiter__() if aio else iter(data)
+        while True:
+            await slots.acquire()  # read on only while fewer than ``window`` records wait
+            try:
+                x = await it.__anext__() if aio else next(it)
+            except (StopIteration, StopAsyncIteration):
+                slots.release()
+                break
+            except Exception as e:  # noqa: BLE001 - the input failed: finish the others
+                slots.release()
+                failure = e
+                break
+            meter.records_out += 1
+            tg.create_task(admit(x))
+    if failure is not None:
+        raise failure

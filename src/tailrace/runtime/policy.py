@@ -1,0 +1,173 @@
+"""One call of an operator under its stage's timeout and retries.
+
+A stage worker calls ``call_with_policy`` for each record of a ``per_record`` stage and
+for each group of a ``collect`` stage; the ``Execution`` the compiler chose says the
+timeout, the retries and what a timeout does (docs/design.md, "Timeouts").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ..compiler import ABANDON_CAP, Execution
+from ..errors import StageTimeout
+from ..observability import StageMeter
+from ..operators import OpRuntime
+
+
+class AttemptCancel:
+    """The ``_cancel`` an attempt under a timeout sees: set when the attempt is
+    abandoned, and set whenever the caller's own event is (``is_set`` reads both)."""
+
+    __slots__ = ("_own", "caller")
+
+    def __init__(self, caller: Any) -> None:
+        self._own = threading.Event()
+        self.caller = caller  # the record's own ``_cancel`` (None: it had none)
+
+    def is_set(self) -> bool:
+        c = self.caller
+        return self._own.is_set() or (c is not None and bool(c.is_set()))
+
+    def set(self) -> None:
+        self._own.set()
+
+
+def _cancellable(r: dict, cancels: list) -> dict:
+    c = r.get("_cancel")
+    c = AttemptCancel(c if callable(getattr(c, "is_set", None)) else None)
+    cancels.append(c)
+    return {**r, "_cancel": c}
+
+
+def _with_cancel(arg: Any) -> tuple[Any, list[AttemptCancel]]:
+    """``arg`` (a record or a list of them) with a fresh attempt cancel in each dict."""
+    cancels: list[AttemptCancel] = []
+    if isinstance(arg, dict):
+        return _cancellable(arg, cancels), cancels
+    if isinstance(arg, list):
+        return [_cancellable(r, cancels) if isinstance(r, dict) else r for r in arg], cancels
+    return arg, cancels
+
+
+def _restore_cancel(result: Any) -> Any:
+    """Give outputs that carry an attempt's cancel back the caller's own ``_cancel``."""
+    for r in result if isinstance(result, list) else ():
+        if isinstance(r, dict):
+            c = r.get("_cancel")
+            if isinstance(c, AttemptCancel):
+                if c.caller is None:
+                    del r["_cancel"]
+                else:
+                    r["_cancel"] = c.caller
+    return result
+
+
+def per_record_fn(rt: OpRuntime) -> Callable[[Any], Any]:
+    """One record -> its outputs; a batch-only operator's failure for that record is
+    raised (so timeouts and retries apply to it), never dropped."""
+    if rt.record_fn is not None:
+        return rt.record_fn
+    batch_fn = rt.batch_fn
+    if batch_fn is None:  # identity
+        return lambda x: [x]
+
+    def one(x: Any) -> Any:
+        errs: list = []
+        out = batch_fn([x], errs)
+        if errs:
+            raise errs[0][1]
+        return out
+
+    return one
+
+
+async def call_with_policy(x: Execution, rt: OpRuntime, meter: StageMeter, arg: Any,
+                           run_blocking: Callable | None,
+                           fn: Callable[[Any], Any] | None = None) -> Any:
+    """Call the operator on ``arg`` honouring the stage's timeout and retries (``x``).
+
+    Returns the result, or raises the last exception with ``attempts`` set on it.
+    ``run_blocking(fn, arg)`` runs sync code in a worker thread (None: inline).
+    ``fn``: a synchronous call to make instead of the operator's own (a whole batch).
+
+    Timeouts (docs/design.md, "Timeouts"): an async attempt is cancelled. A blocking
+    attempt cannot be killed: it is abandoned, its ``_cancel`` is set (operators that
+    honour it, like ``generate``, stop at the next token) and its result is discarded.
+    A retry never overlaps its abandoned attempt: it waits up to one more timeout for
+    it to return, else the record fails. A replica with ``ABANDON_CAP`` abandoned
+    attempts still running fails new calls at once with a clear ``StageTimeout``.
+    """
+    timeout = x.timeout_ms / 1000.0 if x.timeout_ms is not None else None
+    is_async = rt.is_async and fn is None
+    call = fn if fn is not None else per_record_fn(rt)
+    attempts = 0
+    running: asyncio.Future | None = None  # an abandoned attempt still in its thread
+    while True:
+        attempts += 1
+        try:
+            if is_async:
+                if timeout is None:
+                    return await call(arg)
+                # not asyncio.wait_for: on 3.11 it can swallow a cancellation (Ctrl-C)
+                # that arrives as the awaited call completes
+                async with asyncio.timeout(timeout):
+                    return await call(arg)
+            if run_blocking is None:
+                return call(arg)
+            if timeout is None:
+                return await run_blocking(call, arg)
+            if running is not None and not running.done():
+                await asyncio.wait({running}, timeout=timeout)
+                if not running.done():
+                    raise StageTimeout(
+                        f"an earlier attempt is still running {2 * timeout * 1000:g} ms after "
+                        "it started; not retried, so two attempts never overlap")
+            abandoned = rt.abandoned
+            if abandoned >= ABANDON_CAP:
+                raise StageTimeout(
+                    f"{abandoned} earlier calls of this replica are still running past "
+                    f"timeout_ms={x.timeout_ms:g} (the operator ignores cancellation); "
+                    "refusing new calls until one returns")
+            # a map or branch call gets a cancel of its own per attempt; a batch window's
+            # records are handed over untouched
+            call_arg, cancels = _with_cancel(arg) if rt.kind != "collect" else (arg, [])
+            fut = asyncio.ensure_future(run_blocking(call, call_arg))
+            try:
+                done, _ = await asyncio.wait({fut}, timeout=timeout)
+            except asyncio.CancelledError:  # the run is ending (Ctrl-C): stop the call too
+                for ev in cancels:
+                    ev.set()
+                raise
+            if fut in done:
+                return _restore_cancel(fut.result())
+            for ev in cancels:
+                ev.set()
+            rt.abandoned = abandoned + 1
+            fut.add_done_callback(lambda f, rt=rt: _returned(rt, f))
+            running = fut
+            raise TimeoutError
+        except TimeoutError as e:
+            meter.timeouts += 1
+            last: BaseException = StageTimeout(
+                f"operator took longer than timeout_ms={x.timeout_ms:g}") \
+                if not isinstance(e, StageTimeout) else e
+        except StageTimeout as e:  # refused: retrying now would not help
+            e.attempts = attempts  # type: ignore[attr-defined]
+            raise
+        except Exception as e:  # noqa: BLE001 - operator code may raise anything
+            last = e
+        if attempts > x.retries:
+            last.attempts = attempts  # type: ignore[attr-defined]
+            raise last
+        meter.retries += 1
+
+
+def _returned(rt: OpRuntime, fut: asyncio.Future) -> None:
+    """An abandoned attempt came back: it no longer counts against the cap."""
+    rt.abandoned -= 1
+    if not fut.cancelled():
+        fut.exception()  # retrieved: its late failure is not "never retrieved"
