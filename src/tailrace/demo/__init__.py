@@ -1,1 +1,3 @@
-"""The bundled demo pipeline (text statistics) used by ``tailrace demo``."""
+"""The bundled pipelines: ``wiki-qa.yaml`` (RAG over Wikipedia, run by ``tailrace demo``
+and the default of ``tailrace eval``) and ``text-stats.yaml`` (text statistics over
+``sample.jsonl`` with the functions of ``textops``; no model needed)."""

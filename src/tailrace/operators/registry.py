@@ -2,8 +2,9 @@
 
 An ``OpDef`` declares the operator's parameters (checked at compile time), its state
 kind, whether it can be fused, the record fields it reads and writes, and ``build``,
-which makes fresh runtime callables for one run (one per replica). Heavy operators
-(later: embed, generate) import their backends inside ``build``, never at import time.
+which makes fresh runtime callables for one run (one per replica). Operators backed by
+models or indexes (embed, retrieve, generate, memory, ...) open them inside ``build``, so
+their heavy libraries load when a run starts, never at import time.
 """
 
 from __future__ import annotations
