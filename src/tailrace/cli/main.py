@@ -115,9 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
-def _load(args: argparse.Namespace) -> Any:
-    """Compile the pipeline file; dotted paths resolve from the current directory and
-    the file's own directory, as ``python -m`` would."""
+def load_plan(args: argparse.Namespace) -> Any:
+    """Compile the pipeline file ``args.pipeline`` (fused unless ``args.no_fuse``); dotted
+    paths resolve from the current directory and the file's own directory, as ``python -m``
+    would."""
     import os
 
     for d in (os.path.dirname(os.path.abspath(args.pipeline)), os.getcwd()):
@@ -176,7 +177,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    plan = _load(args)
+    plan = load_plan(args)
     print(plan.render(args.format))
     return 0
 
@@ -186,7 +187,7 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.address and args.runtime != "ray":
         raise TailraceError("--address names a Ray cluster: add --runtime ray")
-    plan = _load(args)
+    plan = load_plan(args)
     writer = JsonlWriter(args.output)
     reader = JsonlReader(args.input, writer.write_error)
     n_errors = 0

@@ -131,7 +131,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from ..serving import PipelineService, ServingHub
     from ..serving.app import create_app
-    from .main import _load
+    from .main import load_plan as _load
 
     if not 0 <= args.port <= 65535:
         raise TailraceError(f"--port must be 0..65535, got {args.port}")
