@@ -1,10 +1,18 @@
-"""The exception taxonomy. Each class says who caused the failure.
+"""The exception taxonomy. Each class says who caused the failure; all derive from
+``TailraceError``.
 
 - ``PlanError``: the pipeline definition is invalid (raised at build/compile time,
   never at run time). The message names the file:line or stage id and the fix.
 - ``InputError``: a run input (file, JSONL line) is unreadable or malformed.
 - ``StageTimeout``: an operator exceeded its stage's ``timeout_ms``.
 - ``RunInterrupted``: the run was stopped by the caller (Ctrl-C / cancellation).
+- ``EngineError``: a model engine is misconfigured, missing its model, or failed a call;
+  ``ContextOverflow``, one of them: a prompt does not fit in the model's context.
+- ``StoreError``: an index or memory store is missing, corrupt or incompatible.
+
+Errors that belong to one layer live beside it: ``operators.common.FieldError`` (a
+record lacks a field), ``control.admission.AdmissionRejected`` (over budget),
+``serving.errors.ServiceError`` (an HTTP request failed).
 """
 
 from __future__ import annotations
@@ -61,4 +69,5 @@ class ContextOverflow(EngineError):
 
 
 class StoreError(TailraceError):
-    """A vector index is missing, corrupt, or incompatible with the query embedder."""
+    """A store (vector or live index, memory store, corpus) is missing, corrupt, or
+    incompatible with what uses it (e.g. the query embedder)."""
