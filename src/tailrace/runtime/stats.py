@@ -75,7 +75,7 @@ def local_stats(run: Any, wall: float, interrupted: bool) -> RunStats:
         if s.id in run.source_meters:
             stages.append(run.source_meters[s.id].statistics())
             continue
-        workers = run.replicas[s.id]
+        workers = run.workers[s.id]
         workers[0].meters[0].max_queue_depth = run.channels[s.id].max_depth
         for i in range(len(s.ops)):
             st = merged([w.meters[i] for w in workers])

@@ -59,7 +59,7 @@ class LocalRun:
         self.records_out = 0
         self.errors = 0
         self.channels: dict[str, Channel] = {}
-        self.replicas: dict[str, list[StageWorker]] = {}
+        self.workers: dict[str, list[StageWorker]] = {}
         self.source_meters: dict[str, StageMeter] = {}
         self.inputs = inputs
         for s in plan.stages:
@@ -67,7 +67,7 @@ class LocalRun:
                 self.source_meters[s.id] = StageMeter(s.id, "source")
                 continue
             self.channels[s.id] = Channel(s.queue, producers=len(s.upstream))
-            self.replicas[s.id] = [StageWorker(s, self._build(s, outputs), on_drop, drop_key)
+            self.workers[s.id] = [StageWorker(s, self._build(s, outputs), on_drop, drop_key)
                                    for _ in range(s.replicas)]
         self.down: dict[str, dict[str | None, list[Channel]]] = {s.id: {} for s in plan.stages}
         sources = {s.id for s in plan.stages if s.ops[0].op.kind == "source"}
@@ -103,7 +103,7 @@ class LocalRun:
                         tg.create_task(self._stage(s))
             finished = True
         finally:
-            for workers in self.replicas.values():
+            for workers in self.workers.values():
                 # a finished run leaves no thread behind, except one running an abandoned
                 # timed-out call (it cannot be stopped); an interrupted run does not wait
                 for w in workers:
@@ -209,15 +209,15 @@ class LocalRun:
     async def _stage(self, s: PlanStage) -> None:
         try:
             async with asyncio.TaskGroup() as tg:
-                for rep in self.replicas[s.id]:
-                    tg.create_task(self._worker(s, rep))
+                for w in self.workers[s.id]:
+                    tg.create_task(self._worker(s, w))
         finally:
             self._close(s.id)
 
     async def _worker(self, s: PlanStage, w: StageWorker) -> None:
         """One replica's loop: take a micro-batch, run it, hand the results on."""
         x = w.execution
-        w.start(f"{s.id}-{self.replicas[s.id].index(w)}")
+        w.start(f"{s.id}-{self.workers[s.id].index(w)}")
         ch = self.channels[s.id]
         max_n, collect = x.max_batch, x.call == "collect"
         max_wait = x.max_wait_ms / 1000.0

@@ -49,7 +49,7 @@ from .messages import (
     MeterReport,
     Route,
 )
-from .placement import Host, StagePlacement, host_pool
+from .placement import HostHandle, StagePlacement, host_pool
 
 #: Most source records waiting for admission (or for credits right after it) at once,
 #: per source; fewer when the first edge's window is smaller.
@@ -172,8 +172,8 @@ class RayRun:
                             if i not in sources and any(o.op.kind != "sink" for o in s.ops)]
         self.stages = preflight(plan, self.host_stages)
         self.source_links: dict[int, list[Link]] = {}
-        self.hosts: list[Host] = []
-        self.assignment: dict[tuple[int, int], Host] = {}
+        self.hosts: list[HostHandle] = []
+        self.assignment: dict[tuple[int, int], HostHandle] = {}
         self.incarnations: dict[int, str] = {}  # id(host) -> incarnation seen
         self.replica_incarnations: dict[tuple[int, int], set[str]] = {}
 
@@ -208,7 +208,7 @@ class RayRun:
             self.source_links[i] = [
                 Link(self._route(c, assignment, holders), self.run_id, self._deliver,
                      self._unsendable) for c in self.consumers[i].get(None, [])]
-        seen: dict[int, Host] = {}
+        seen: dict[int, HostHandle] = {}
         for h in assignment.values():
             seen.setdefault(id(h), h)
         self.hosts = list(seen.values())
@@ -277,7 +277,7 @@ class RayRun:
             return
         self.reports[key] = rep
 
-    async def _drain(self, host: Host) -> None:
+    async def _drain(self, host: HostHandle) -> None:
         ack = 0
         delay = 0.02
         while True:

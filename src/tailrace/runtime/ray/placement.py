@@ -83,8 +83,8 @@ def parse_placement(plan: Plan, placement: dict | None) -> dict[int, StagePlacem
 
 
 @dataclass
-class Host:
-    """One ``StageHost`` actor the pool keeps."""
+class HostHandle:
+    """The driver's handle on one ``StageHost`` actor the pool keeps."""
 
     handle: Any
     name: str
@@ -97,24 +97,24 @@ class HostPool:
     """The hosts of this process on the current Ray session, by placement key."""
 
     session: str
-    hosts: dict[tuple, list[Host]] = field(default_factory=dict)
+    hosts: dict[tuple, list[HostHandle]] = field(default_factory=dict)
     created: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def assign(self, plan: Plan, stages: list[int],
-               placements: dict[int, StagePlacement]) -> dict[tuple[int, int], Host]:
+               placements: dict[int, StagePlacement]) -> dict[tuple[int, int], HostHandle]:
         """(stage index, replica) -> host for one run; creates the hosts it lacks."""
         with self.lock:  # runs may start from several threads at once
             return self._assign(plan, stages, placements)
 
     def _assign(self, plan: Plan, stages: list[int],
-                placements: dict[int, StagePlacement]) -> dict[tuple[int, int], Host]:
+                placements: dict[int, StagePlacement]) -> dict[tuple[int, int], HostHandle]:
         import ray
 
         nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
         cap = max(1, int(ray.cluster_resources().get("CPU", 1)))
         load: dict[int, int] = {}  # id(host) -> replicas assigned in this run
-        out: dict[tuple[int, int], Host] = {}
+        out: dict[tuple[int, int], HostHandle] = {}
         for i in stages:
             s = plan.stages[i]
             pl = placements.get(i, StagePlacement())
@@ -137,7 +137,7 @@ class HostPool:
                 out[(i, r)] = host
         return out
 
-    def _create(self, key: tuple, pl: StagePlacement, node: str | None) -> Host:
+    def _create(self, key: tuple, pl: StagePlacement, node: str | None) -> HostHandle:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         self.created += 1
@@ -154,9 +154,9 @@ class HostPool:
         if node is not None:
             # hard affinity: soft affinity spilled replicas to busy nodes here (measured)
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
-        return Host(actor_class().options(**options).remote(), name, key)
+        return HostHandle(actor_class().options(**options).remote(), name, key)
 
-    def all(self) -> list[Host]:
+    def all(self) -> list[HostHandle]:
         return [h for pool in self.hosts.values() for h in pool]
 
 
