@@ -106,7 +106,8 @@ def _contract(kw: dict[str, Any]) -> Contract:
 class Pipeline:
     """A named dataflow under construction. Building runs nothing; ``tr.run`` does.
 
-    name:    the pipeline's name (used in stats, plans and, later, serving).
+    name:    the pipeline's name (used in stats, plans, and as the served pipeline's
+             name under ``tailrace serve``).
     slo:     optional ``{"p99_ms": ..., "priority": ...}`` (read by the control plane).
     engines: optional engine declarations (read by engine-backed operators).
     """
@@ -160,6 +161,11 @@ class Pipeline:
                fields: list[str] | None = None, **contract: Any) -> Stream:
         """Start a stream from an iterable or async iterable.
 
+        >>> p = tr.Pipeline("ex")
+        >>> p.source(fields=["q"]).map(lambda r: r["q"].upper()).sink()
+        >>> tr.run(p, input=[{"q": "hi"}, {"q": "yo"}]).outputs
+        ['HI', 'YO']
+
         data:   the records; ``None`` to bind them at run time (``tr.run(p, input=...)``).
         fields: the record fields the source provides (lets the compiler check fields).
         """
@@ -169,7 +175,15 @@ class Pipeline:
         return Stream(self, self._add("source", (), params, contract, id))
 
     def merge(self, *streams: Stream, id: str | None = None, **contract: Any) -> Stream:
-        """Interleave several streams into one (no ordering across inputs)."""
+        """Interleave several streams into one (no ordering across inputs).
+
+        >>> p = tr.Pipeline("ex")
+        >>> p.merge(p.source([1, 2]), p.source([10])).sink(out := [])
+        >>> _ = tr.run(p); sorted(out)
+        [1, 2, 10]
+
+        streams: the streams to interleave.
+        """
         ups = tuple(s._ref for s in streams)
         return Stream(self, self._add("merge", ups, {}, contract, id))
 
@@ -278,7 +292,16 @@ class Stream:
         return Stream(self.pipeline, sid, "true"), Stream(self.pipeline, sid, "false")
 
     def merge(self, *others: Stream, id: str | None = None, **contract: Any) -> Stream:
-        """Interleave this stream with others."""
+        """Interleave this stream with others (no ordering across inputs).
+
+        >>> p = tr.Pipeline("ex")
+        >>> odd, even = p.source([1, 2, 3]).branch(lambda x: x % 2)
+        >>> odd.map(lambda x: -x).merge(even).sink(out := [])
+        >>> _ = tr.run(p); sorted(out)
+        [-3, -1, 2]
+
+        others: the streams to interleave with this one.
+        """
         ups = (self._ref,) + tuple(s._ref for s in others)
         return Stream(self.pipeline, self.pipeline._add("merge", ups, {}, contract, id))
 
@@ -320,7 +343,7 @@ class Stream:
         return Stream(self.pipeline, self._then("stateful", params, contract, id))
 
     def apply(self, op: str | type, *, id: str | None = None, **kwargs: Any) -> Stream:
-        """Add a stage running any operator: a registered name (``"map"``, later
+        """Add a stage running any operator: a registered name (``"map"``, ``"retrieve"``,
         ``"generate"``...) or a ``tailrace.Operator`` subclass, with its parameters and
         contract keys as keywords — exactly what a YAML stage would say.
 
@@ -337,6 +360,13 @@ class Stream:
              **contract: Any) -> None:
         """End the stream: append records to a list, or call ``target(record)``.
 
-        target: a list, a callable, or None to bind at run time (``output=``).
+        >>> p = tr.Pipeline("ex")
+        >>> p.source(["a", "b"]).sink(print)
+        >>> _ = tr.run(p)
+        a
+        b
+
+        target: a list, a callable, or None to bind at run time (``output=``, else
+                ``tr.run(p).outputs``).
         """
         self._then("sink", {"target": target}, contract, id)
