@@ -1,6 +1,16 @@
 """The built-in dataflow operators: map, filter, flat_map, key_by, branch, merge,
 batch, stateful, source and sink.
 
+Python pipelines add them with the ``Stream`` methods of the same names (examples
+there); YAML pipelines name them in ``op:``, functions by dotted path:
+
+>>> from tailrace.api.yaml_loader import loads_pipeline
+>>> p = loads_pipeline('''{version: 1, pipeline: ex, source: {fields: [text]}, stages: [
+...     {id: n, op: map, fn: builtins.len, input: text, output: n},
+...     {id: some, op: filter, fn: builtins.bool, input: n}]}''')
+>>> tr.run(p, input=[{"text": "ab"}, {"text": ""}]).outputs
+[{'text': 'ab', 'n': 2}]
+
 Each ``_build_*`` returns fresh runtime callables. Batch functions use one loop per
 micro-batch and isolate failures per record without re-running the records that
 succeeded: on an exception the failing record is noted and the same iterator resumes.
@@ -46,7 +56,15 @@ def _fn(params: dict) -> Callable:
 def per_record(f: Callable[[Any], Any], *, many: bool = False) -> Callable[[list, list], list]:
     """A batch function applying ``f`` to each record (one output each, or each item of
     the iterable it returns when ``many``); a record whose call raises goes to ``errors``
-    and the loop resumes with the next one."""
+    and the loop resumes with the next one.
+
+    >>> errors = []
+    >>> per_record(lambda x: 10 // x)([1, 0, 5], errors), errors
+    ([10, 2], [(0, ZeroDivisionError('integer division or modulo by zero'))])
+
+    f:    the function of one record.
+    many: ``f`` returns an iterable of outputs (flat_map).
+    """
 
     def batch_fn(batch: list, errors: list) -> list:
         out: list = []
