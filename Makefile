@@ -42,7 +42,10 @@ test: $(STAMP) $(CHROMIUM)  ## set up and run the tests
 chaos: $(STAMP)
 	TAILRACE_FAULT_PROFILE=chaos $(BIN)/python -m pytest tests/fault -x
 
-bench: $(STAMP)  ## run the benchmarks and print their figures (~35 minutes)
+bench: $(STAMP)  ## run the benchmarks and print their figures (~37 minutes)
+	command -v wrk >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq wrk >/dev/null; } || \
+		echo "warning: could not install wrk; serve_load.py skips its side-by-side run"
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/backpressure.py
 	$(BIN)/python bench/scheduling.py
@@ -56,6 +59,7 @@ bench: $(STAMP)  ## run the benchmarks and print their figures (~35 minutes)
 	$(BIN)/python bench/memory.py
 	$(BIN)/python bench/cascade.py
 	$(BIN)/python bench/vs_sage.py
+	$(BIN)/python bench/vs_peers.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples

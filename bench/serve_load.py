@@ -21,6 +21,17 @@ drives it from this process over HTTP:
    sweep. /healthz is probed every 50 ms from a separate process (target < 100 ms),
    excess requests must get 429 quickly rather than queue without bound, and the
    server's RSS is sampled every second.
+4. Side by side with a bare FastAPI app: `tailrace serve` on a one-`map` pipeline (an
+   identity function; ``POST /v1/pipelines/echo/runs``, no admission) against a bare
+   FastAPI app whose one route parses the same JSON body and answers it back
+   (``json.loads`` / ``json.dumps``, as tailrace does), each in its own child process on
+   the same uvicorn settings (one worker, ``uvicorn.Config`` defaults as `tailrace serve`
+   passes them: loop and http ``auto``, which this venv resolves the same way for both;
+   the same listening socket options). Both are driven by `wrk` (Debian's package,
+   ``apt-get install -y wrk``; one wrk thread, 32 connections, the POST body from a Lua
+   script written to a temp file): a 2 s warm-up of each, then alternating rounds;
+   req/s, latency p50/p99 (wrk's), the server's CPU use, and tailrace / bare per round.
+   Skipped with a message when wrk is not installed.
 
 The load generator is a small HTTP/1.1 client on asyncio streams (keep-alive, one write
 per request), so the client is not what saturates first on a small machine.
@@ -28,19 +39,28 @@ per request), so the client is not what saturates first on a small machine.
 Bounded and self-stopping (every phase has a fixed duration; stragglers are cut off);
 about 2 minutes:
 
-    python bench/serve_load.py            # prints the tables
-    python bench/serve_load.py --quick    # shorter phases (~1 minute)
+    python bench/serve_load.py            # prints the tables (+ ~1 minute for part 4)
+    python bench/serve_load.py --quick    # shorter phases (~1.5 minutes)
+    python bench/serve_load.py --vs-bare  # part 4 only (~1 minute; --quick: ~25 s)
     python bench/serve_load.py --json out.json
+
+What part 4 cannot show on a 2-core machine: wrk and the server share the two cores
+(wrk takes a good part of one), so both servers are measured CPU-bound on about one
+core each; the ratio, not the absolute req/s, is the figure to compare across machines.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import random
 import re
+import resource
+import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -92,12 +112,15 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def start_serve(files: list[Path], log: Path) -> tuple[subprocess.Popen, str]:
-    """`tailrace serve FILES --port 0 --admission slo`; returns (process, base URL)."""
-    cmd = [sys.executable, "-m", "tailrace.cli.main", "serve", *map(str, files), "--port", "0",
-           "--admission", "slo", "--max-in-flight", str(MAX_IN_FLIGHT)]
+def start_serve(files: list[Path], log: Path, admission: bool = True,
+                env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """`tailrace serve FILES --port 0 [--admission slo]`; returns (process, base URL)."""
+    cmd = [sys.executable, "-m", "tailrace.cli.main", "serve", *map(str, files), "--port", "0"]
+    if admission:
+        cmd += ["--admission", "slo", "--max-in-flight", str(MAX_IN_FLIGHT)]
     err = open(log, "wb")  # noqa: SIM115 - the child writes to it while it lives
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,
+                            env=env)
     assert proc.stdout is not None
     line = proc.stdout.readline().decode()
     m = re.search(r"on (http://\S+)/v1", line)
@@ -466,15 +489,193 @@ def report(o: dict, sweep: list[dict], ov: dict, capacity: float) -> None:
     print(f"   server RSS MiB: {series}  (first->last {growth:+.1f}%)")
 
 
+# -- 4. side by side with a bare FastAPI app, driven by wrk --------------------------------
+
+ECHO_ROUTE = "/v1/pipelines/echo/runs"
+ECHO_BODY = '{"prompt": "What is the capital of France?", "user": "bench"}'
+ECHO_MODULE = "def echo(record):\n    return record\n"
+ECHO_PIPELINE = """version: 1
+pipeline: echo
+source: {fields: [prompt, user]}
+stages:
+  - {id: echo, op: map, fn: tr_bench_echo.echo}
+"""
+#: wrk: POST the body; at the end one line "JSON {...}" with wrk's own figures (us)
+WRK_LUA = """wrk.method = "POST"
+wrk.body = 'BODY'
+wrk.headers["Content-Type"] = "application/json"
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format('JSON {"requests": %d, "duration_us": %d, "p50_us": %d, ' ..
+    '"p99_us": %d, "mean_us": %.1f, "max_us": %d, "connect": %d, "read": %d, ' ..
+    '"write": %d, "status": %d, "timeout": %d}\\n', summary.requests, summary.duration,
+    latency:percentile(50), latency:percentile(99), latency.mean, latency.max, e.connect,
+    e.read, e.write, e.status, e.timeout))
+end
+""".replace("BODY", ECHO_BODY)
+WRK_CONNECTIONS = 32
+WRK_INSTALL = "apt-get install -y wrk   (Debian/Ubuntu; `make bench` installs it)"
+
+
+def listen_like_serve() -> socket.socket:
+    """A loopback listening socket made as `tailrace serve` makes its own (cli/serve.py:
+    IPPROTO_TCP, so asyncio sets TCP_NODELAY on accepted connections; backlog 1024)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1024)
+    return sock
+
+
+def bare_server() -> None:
+    """Child mode: a bare FastAPI app answering ECHO_ROUTE with the JSON object it was
+    sent, on uvicorn with the settings `tailrace serve` uses; prints its URL."""
+    import uvicorn
+    from fastapi import FastAPI
+    from fastapi.responses import Response
+
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.post(ECHO_ROUTE)
+    async def runs(request: Request) -> Response:
+        record = json.loads(await request.body())
+        return Response(json.dumps(record), media_type="application/json")
+
+    sock = listen_like_serve()
+    print(f"http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                  lifespan="off")).run(sockets=[sock])
+
+
+def start_bare(log: Path) -> tuple[subprocess.Popen, str]:
+    err = open(log, "wb")  # noqa: SIM115 - the child writes to it while it lives
+    proc = subprocess.Popen([sys.executable, __file__, "--bare-server"], stdout=subprocess.PIPE,
+                            stderr=err, stdin=subprocess.DEVNULL)
+    assert proc.stdout is not None
+    base = proc.stdout.readline().decode().strip()
+    if not base.startswith("http://"):
+        proc.kill()
+        raise SystemExit(f"serve_load: the bare FastAPI server did not start; see {log}")
+    return proc, base
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads (from /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_wrk(url: str, lua: Path, seconds: float, pid: int) -> dict:
+    """One wrk run (1 thread, WRK_CONNECTIONS connections); wrk's figures + server CPU."""
+    cmd = ["wrk", "-t1", f"-c{WRK_CONNECTIONS}", f"-d{seconds:g}s", "--timeout", "10s",
+           "-s", str(lua), url]
+    cpu0 = cpu_seconds(pid)
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60)
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # wrk's, once it is waited for
+    cpu = cpu_seconds(pid) - cpu0
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("JSON ")), None)
+    if out.returncode != 0 or line is None:
+        raise SystemExit(f"serve_load: wrk failed ({out.returncode}): {out.stdout}{out.stderr}")
+    r = json.loads(line[5:])
+    r["req_s"] = r["requests"] / (r["duration_us"] / 1e6)
+    r["cpu"] = cpu / (r["duration_us"] / 1e6)  # cores the server used, on average
+    r["wrk_cpu"] = ((ru1.ru_utime + ru1.ru_stime - ru0.ru_utime - ru0.ru_stime)
+                    / (r["duration_us"] / 1e6))
+    r["errors"] = sum(r[k] for k in ("connect", "read", "write", "status", "timeout"))
+    return r
+
+
+def vs_bare(repeats: int, seconds: float, tmp: Path) -> dict | None:
+    """Part 4: `tailrace serve` (one map) vs a bare FastAPI app, wrk-driven, alternating."""
+    if shutil.which("wrk") is None:
+        print(f"\nserve_load: part 4 skipped: wrk is not installed; install it with\n"
+              f"    {WRK_INSTALL}", flush=True)
+        return None
+    (tmp / "tr_bench_echo.py").write_text(ECHO_MODULE)
+    (tmp / "echo.yaml").write_text(ECHO_PIPELINE)
+    lua = tmp / "post.lua"
+    lua.write_text(WRK_LUA)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(tmp)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
+    servers: dict[str, tuple[subprocess.Popen, str]] = {}
+    try:
+        servers["tailrace"] = start_serve([tmp / "echo.yaml"], tmp / "echo-serve.log",
+                                          admission=False, env=env)
+        servers["bare"] = start_bare(tmp / "bare.log")
+        bodies = {}
+        for name, (_, base) in servers.items():  # both answer the same bytes
+            req = urllib.request.Request(base + ECHO_ROUTE, data=ECHO_BODY.encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                bodies[name] = json.loads(resp.read())
+        if bodies["tailrace"] != bodies["bare"] or bodies["bare"] != json.loads(ECHO_BODY):
+            raise SystemExit(f"serve_load: the two servers answer differently: {bodies}")
+        for proc, base in servers.values():  # warm-up
+            run_wrk(base + ECHO_ROUTE, lua, 2, proc.pid)
+        rounds: dict[str, list[dict]] = {"tailrace": [], "bare": []}
+        load0 = os.getloadavg()[0]
+        for r in range(repeats):
+            for name in (("tailrace", "bare") if r % 2 == 0 else ("bare", "tailrace")):
+                proc, base = servers[name]
+                rounds[name].append(run_wrk(base + ECHO_ROUTE, lua, seconds, proc.pid))
+            print(f"serve_load: part 4 round {r + 1}/{repeats}: tailrace "
+                  f"{rounds['tailrace'][-1]['req_s']:,.0f} req/s, bare "
+                  f"{rounds['bare'][-1]['req_s']:,.0f} req/s", flush=True)
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    import uvicorn
+
+    setup = (f"uvicorn {uvicorn.__version__}, one worker, loop auto -> "
+             f"{'uvloop' if importlib.util.find_spec('uvloop') else 'asyncio'}, http auto -> "
+             f"{'httptools' if importlib.util.find_spec('httptools') else 'h11'}")
+    return {"repeats": repeats, "seconds": seconds, "connections": WRK_CONNECTIONS,
+            "setup": setup, "rounds": rounds, "load": (load0, os.getloadavg()[0]),
+            "ratio": [t["req_s"] / b["req_s"] for t, b in zip(rounds["tailrace"],
+                                                            rounds["bare"], strict=True)]}
+
+
+def report_vs_bare(v: dict) -> None:
+    def sp(xs: list[float], fmt: str) -> str:
+        return (f"{fmt.format(statistics.median(xs))} "
+                f"[{fmt.format(min(xs))} - {fmt.format(max(xs))}]")
+
+    print(f"\n4. tailrace serve (one map, POST {ECHO_ROUTE}) vs a bare FastAPI app echoing "
+          f"the same JSON;\n   wrk -t1 -c{v['connections']}, {v['repeats']} alternating "
+          f"rounds of {v['seconds']:g} s after a 2 s warm-up each; {v['setup']};")
+    print("   median [min - max] over the rounds; CPU: cores the server process / wrk used; "
+          f"load average {v['load'][0]:.2f} before, {v['load'][1]:.2f} after")
+    print(f"   {'server':<10} {'req/s':>26} {'p50 ms':>20} {'p99 ms':>22} {'server CPU':>18} "
+          f"{'wrk CPU':>18} errors")
+    for name in ("tailrace", "bare"):
+        rs = v["rounds"][name]
+        print(f"   {name:<10} {sp([r['req_s'] for r in rs], '{:,.0f}'):>26} "
+              f"{sp([r['p50_us'] / 1e3 for r in rs], '{:.2f}'):>20} "
+              f"{sp([r['p99_us'] / 1e3 for r in rs], '{:.2f}'):>22} "
+              f"{sp([r['cpu'] for r in rs], '{:.2f}'):>18} "
+              f"{sp([r['wrk_cpu'] for r in rs], '{:.2f}'):>18} {sum(r['errors'] for r in rs)}")
+    print(f"   tailrace / bare, req/s per round: {sp(v['ratio'], '{:.2f}')} (target >= 0.8)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="shorter phases (~1 minute)")
+    ap.add_argument("--quick", action="store_true", help="shorter phases (~1.5 minutes)")
+    ap.add_argument("--vs-bare", action="store_true",
+                    help="only part 4: tailrace serve vs a bare FastAPI app, under wrk")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     ap.add_argument("--probe", nargs=3, metavar=("URL", "PID", "SECONDS"),
                     help=argparse.SUPPRESS)  # internal: the /healthz prober child
     ap.add_argument("--overhead-server", metavar="YAML",
                     help=argparse.SUPPRESS)  # internal: the timed server child
+    ap.add_argument("--bare-server", action="store_true",
+                    help=argparse.SUPPRESS)  # internal: the bare FastAPI child
     args = ap.parse_args()
     if args.probe:
         probe(args.probe[0], int(args.probe[1]), float(args.probe[2]))
@@ -482,40 +683,49 @@ def main() -> int:
     if args.overhead_server:
         overhead_server(args.overhead_server)
         return 0
+    if args.bare_server:
+        bare_server()
+        return 0
     step_s, overload_s, n_overhead, rounds = ((3.0, 10.0, 100, 3) if args.quick
                                               else (6.0, 20.0, 200, 5))
+    bare_rounds, bare_s = (3, 3.0) if args.quick else (5, 5.0)
     levels = [1, 2, 4, 8, 16]
     tmp = Path(tempfile.mkdtemp(prefix="serve_load-"))
-    chat_srv, fast_srv = spawn(CHAT), spawn(FAST)
-    proc = None
-    try:
-        files = [tmp / "chat.yaml", tmp / "fast.yaml"]
-        files[0].write_text(PIPELINE.format(name="chat", p99_ms=1000, url=chat_srv.url,
-                                            max_tokens=8, replicas=2 * MAX_IN_FLIGHT))
-        files[1].write_text(PIPELINE.format(name="fast", p99_ms=1000, url=fast_srv.url,
-                                            max_tokens=1, replicas=2))
-        overhead = http_overhead(files[1], n_overhead, rounds, tmp / "overhead.log")
-        proc, base = start_serve(files, tmp / "serve.log")
-        print(f"serve_load: tailrace serve at {base} (pid {proc.pid}); engines: latency model "
-              f"at {chat_srv.url} and {fast_srv.url}", flush=True)
-        sweep = [asyncio.run(closed_loop(base, "/v1/chat/completions", chat_body, c, step_s))
-                 for c in levels]
-        capacity = max(r["throughput"] for r in sweep)
-        ov = asyncio.run(overload(base, proc.pid, 3 * capacity, overload_s, args.seed))
-        report(overhead, sweep, ov, capacity)
-        if args.json:
-            Path(args.json).write_text(json.dumps(
-                {"overhead": overhead, "sweep": sweep, "overload": ov, "capacity": capacity},
-                indent=2, default=str))
-    finally:
-        if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        for srv in (chat_srv, fast_srv):
-            srv.stop()
+    figures: dict[str, Any] = {}
+    if not args.vs_bare:
+        chat_srv, fast_srv = spawn(CHAT), spawn(FAST)
+        proc = None
+        try:
+            files = [tmp / "chat.yaml", tmp / "fast.yaml"]
+            files[0].write_text(PIPELINE.format(name="chat", p99_ms=1000, url=chat_srv.url,
+                                                max_tokens=8, replicas=2 * MAX_IN_FLIGHT))
+            files[1].write_text(PIPELINE.format(name="fast", p99_ms=1000, url=fast_srv.url,
+                                                max_tokens=1, replicas=2))
+            overhead = http_overhead(files[1], n_overhead, rounds, tmp / "overhead.log")
+            proc, base = start_serve(files, tmp / "serve.log")
+            print(f"serve_load: tailrace serve at {base} (pid {proc.pid}); engines: latency "
+                  f"model at {chat_srv.url} and {fast_srv.url}", flush=True)
+            sweep = [asyncio.run(closed_loop(base, "/v1/chat/completions", chat_body, c,
+                                             step_s)) for c in levels]
+            capacity = max(r["throughput"] for r in sweep)
+            ov = asyncio.run(overload(base, proc.pid, 3 * capacity, overload_s, args.seed))
+            report(overhead, sweep, ov, capacity)
+            figures.update(overhead=overhead, sweep=sweep, overload=ov, capacity=capacity)
+        finally:
+            if proc is not None:
+                proc.terminate()
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            for srv in (chat_srv, fast_srv):
+                srv.stop()
+    v = vs_bare(bare_rounds, bare_s, tmp)  # after the other servers are gone
+    if v is not None:
+        report_vs_bare(v)
+        figures["vs_bare"] = v
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2, default=str))
     return 0
 
 
