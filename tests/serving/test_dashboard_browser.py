@@ -14,7 +14,7 @@ httpx = pytest.importorskip("httpx")
 
 import tailrace as tr  # noqa: E402
 from tailrace.control import AdmissionGate, make_policy  # noqa: E402
-from tailrace.serving.service import PipelineService, ServingHub  # noqa: E402
+from tailrace.serving import PipelineService, ServingHub  # noqa: E402
 
 from .test_observe_metrics import live_server  # noqa: E402
 

@@ -14,8 +14,8 @@ from starlette.testclient import TestClient  # noqa: E402
 
 import tailrace as tr  # noqa: E402
 from tailrace.control import AdmissionGate, make_policy  # noqa: E402
+from tailrace.serving import PipelineService, ServingHub  # noqa: E402
 from tailrace.serving.observe import dashboard_data, install_observability  # noqa: E402
-from tailrace.serving.service import PipelineService, ServingHub  # noqa: E402
 
 from .test_observe_metrics import pool_stats  # noqa: E402
 

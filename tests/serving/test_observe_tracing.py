@@ -170,7 +170,7 @@ def test_bad_endpoint_is_one_clear_line(bad):
 def test_http_request_span_parents_the_stage_spans(spans):
     """The real app on uvicorn: one server span per request, the stage spans under it."""
     httpx = pytest.importorskip("httpx")
-    from tailrace.serving.service import PipelineService, ServingHub
+    from tailrace.serving import PipelineService, ServingHub
 
     from .test_observe_metrics import live_server
 

@@ -98,8 +98,10 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def draining_server(config: Any, hub: Any, drain_s: float = 30.0) -> Any:
-    """A ``uvicorn.Server`` that drains ``hub`` as it shuts down.
+def draining_server(config: Any, hub: Any, drain_s: float = 30.0,
+                    start_hub: bool = True) -> Any:
+    """A ``uvicorn.Server`` that starts ``hub``'s pipelines on its loop and drains them
+    as it shuts down.
 
     uvicorn's shutdown waits for every open request, and a request waits for its
     pipeline: without the drain, Ctrl-C with a record stuck in a stage would wait for
@@ -109,14 +111,22 @@ def draining_server(config: Any, hub: Any, drain_s: float = 30.0) -> Any:
     config:  the ``uvicorn.Config``.
     hub:     the ``ServingHub`` it serves.
     drain_s: most seconds each pipeline may take to finish its records.
+    start_hub: start the services not started yet on the server's loop.
     """
     import asyncio
 
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            # the pipelines run on the server's loop: a request reaches its pipeline and
+            # gets its answer with no thread hop (engines load in a worker thread)
+            if start_hub:
+                hub.start(asyncio.get_running_loop())
+            await super().startup(sockets)
+
         async def shutdown(self, sockets: Any = None) -> None:
-            await asyncio.to_thread(hub.stop, drain_s)
+            await hub.aclose(drain_s)
             await super().shutdown(sockets)
 
     return DrainingServer(config)
@@ -178,7 +188,6 @@ def serve(args: argparse.Namespace) -> int:
     if in_main:  # SIGTERM drains like Ctrl-C (uvicorn re-raises it after shutting down)
         signal.signal(signal.SIGTERM, _terminate)
     interrupted = False
-    hub.start()
     threading.Thread(target=watch, name="tailrace-serve-ready", daemon=True).start()
     try:
         server.run(sockets=[sock])

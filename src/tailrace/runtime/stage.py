@@ -104,6 +104,13 @@ def write_sink(op_id: str, rt: OpRuntime, m: StageMeter, batch: list,
 
 def dropped(before: list, after: list, errs: list, key: str) -> list:
     """The records of ``before`` whose ``key`` no record of ``after`` or ``errs`` has."""
+    if not errs and len(after) == len(before):  # one to one (a map): usually in place
+        for a, b in zip(after, before, strict=True):
+            if a is not b and (type(a) is not dict or type(b) is not dict
+                               or a.get(key) != b.get(key)):
+                break
+        else:
+            return []
     kept = {r.get(key) for r in after if isinstance(r, dict)}
     kept.update(x.get(key) for x, _ in errs if isinstance(x, dict))
     return [r for r in before if isinstance(r, dict) and r.get(key) not in kept]

@@ -18,7 +18,8 @@ from .errors import (
     ServiceTimeout,
     ServiceUnavailable,
 )
-from .service import PipelineService, ServingHub
+from .hub import ServingHub
+from .service import PipelineService
 
 __all__ = ["PipelineService", "RecordDropped", "RequestFailed", "ServiceError", "ServiceOverloaded",
            "ServiceTimeout", "ServiceUnavailable", "ServingHub", "create_app"]

@@ -27,6 +27,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .errors import RequestFailed, ServiceError
+from .hub import ServingHub
 from .openai_wire import (
     SSE_DONE,
     Binding,
@@ -45,7 +46,7 @@ from .openai_wire import (
     usage_of,
 )
 from .security import KeyCheck, Redactor, hub_redactor
-from .service import PipelineService, ServingHub
+from .service import PipelineService
 
 _END = object()  # end of a request's token stream
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -77,12 +77,12 @@ def stage_histograms(run: Any) -> dict[str, StageHistograms]:
     run: the running ``LocalRun``.
     """
     out: dict[str, StageHistograms] = {}
-    replicas = getattr(run, "replicas", None)  # another runtime: no live meters here
-    if not isinstance(replicas, dict):
+    workers = getattr(run, "workers", None)  # another runtime: no live meters here
+    if not isinstance(workers, dict):
         return out
-    for reps in list(replicas.values()):
-        for i, meter in enumerate(reps[0].meters):
-            ms = [r.meters[i] for r in reps]
+    for ws in list(workers.values()):
+        for i, meter in enumerate(ws[0].meters):
+            ms = [w.meters[i] for w in ws]
             if len(ms) == 1:
                 out[meter.stage] = StageHistograms(meter.queue_wait, meter.service,
                                                    meter.batch_size)

@@ -19,8 +19,7 @@ A caller that gives up (cancelled, timed out, disconnected) before its record is
 admitted costs nothing more:
 the feed skips the record, or admission gives the ticket straight back and the record
 ends as a ``CallerGone`` error record; once admitted, it runs on for nobody.
-A ``ServingHub`` holds the services of one process, their shared admission gate and
-the optional API key.
+``ServingHub`` (``hub.py``) holds the services of one process.
 """
 
 from __future__ import annotations
@@ -29,7 +28,8 @@ import asyncio
 import contextlib
 import itertools
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
+from functools import partial
 from time import perf_counter
 from typing import Any
 
@@ -116,7 +116,13 @@ class _Door:
 
 
 class PipelineService:
-    """Hosts one compiled pipeline continuously on its own thread; callers ``submit``.
+    """Hosts one compiled pipeline continuously; callers ``submit``.
+
+    By default the pipeline runs on a thread and event loop of its own (``start()``).
+    ``start(loop)`` runs it instead as tasks on ``loop``, the caller's running loop (the
+    HTTP server's, under ``tailrace serve``): callers on that loop then reach the
+    pipeline and get their answers with no thread hop; blocking stages still run in
+    their own threads, and the engines load in a worker thread so the loop keeps serving.
 
     plan_or_pipeline: a ``Pipeline`` (compiled here) or a compiled ``Plan``; its source
                       must be declared without data and its sink without a target.
@@ -157,6 +163,8 @@ class PipelineService:
         self._queued = 0
         self._run: Any = None  # the LocalRun, once built
         self._t0 = 0.0
+        self._task: asyncio.Task | None = None  # start(loop): the run, on the caller's loop
+        self._loop_thread: int | None = None  # the thread that runs ``_loop``
 
     # -- lifecycle ----------------------------------------------------------------------
     @property
@@ -165,19 +173,40 @@ class PipelineService:
         return self._ready.is_set() and self._state == "running"
 
     @property
+    def started(self) -> bool:
+        """True once ``start`` was called (whatever happened since)."""
+        return self._state != "new"
+
+    @property
     def failure(self) -> BaseException | None:
         """Why the service stopped on its own (engine load failure, runtime bug), or None."""
         return self._failure
 
-    def start(self) -> PipelineService:
-        """Start the run on its own thread; returns at once (see ``ready``, ``wait_ready``)."""
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> PipelineService:
+        """Start the run; returns at once (see ``ready``, ``wait_ready``).
+
+        loop: None: on a thread and event loop of its own. Else the running loop this is
+              called from: the run becomes tasks on it (stop with ``aclose``).
+        """
+        if loop is not None:
+            try:
+                here = asyncio.get_running_loop()
+            except RuntimeError:
+                here = None
+            if here is not loop:
+                raise ServiceError(f"pipeline '{self.name}': start(loop) must be called "
+                                   "from inside that running loop")
         with self._lock:
             if self._state != "new":
                 raise ServiceError(f"pipeline '{self.name}': start() called twice "
                                    f"(state {self._state}); create a new service")
-            self._loop = asyncio.new_event_loop()
+            self._loop = loop if loop is not None else asyncio.new_event_loop()
             self._queue = asyncio.Queue(maxsize=self.max_pending + 1)
             self._state = "running"
+        if loop is not None:
+            self._loop_thread = threading.get_ident()
+            self._task = loop.create_task(self._hosted(), name=f"tailrace-serve-{self.name}")
+            return self
         self._thread = threading.Thread(target=self._main, name=f"tailrace-serve-{self.name}",
                                         daemon=True)
         self._thread.start()
@@ -212,27 +241,65 @@ class PipelineService:
         assert loop is not None and queue is not None
         with contextlib.suppress(RuntimeError):  # the loop already ended (the run failed)
             loop.call_soon_threadsafe(queue.put_nowait, _STOP)
+        if self._task is not None:  # on the caller's loop: ``aclose`` waits for the drain
+            return
         if self._thread is not None:
             self._thread.join(timeout)
+        self._fail_waiting(ServiceUnavailable(
+            f"pipeline '{self.name}' stopped before answering this request"))
+
+    async def aclose(self, timeout: float = 30.0) -> None:
+        """``stop`` for a service started on the caller's loop (``start(loop)``): stop
+        taking requests, finish those in the pipeline (at most ``timeout`` seconds),
+        then end the run. On a thread of its own, it stops it in a worker thread."""
+        if self._task is None:
+            await asyncio.to_thread(self.stop, timeout)
+            return
+        self.stop(timeout)
+        task = self._task
+        if not task.done():
+            done, _ = await asyncio.wait({task}, timeout=timeout)
+            if not done:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
         self._fail_waiting(ServiceUnavailable(
             f"pipeline '{self.name}' stopped before answering this request"))
 
     def _main(self) -> None:
         loop = self._loop
         assert loop is not None
+        self._loop_thread = threading.get_ident()
         try:
             with asyncio.Runner(loop_factory=lambda: loop) as runner:
                 runner.run(self._serve())
         except BaseException as e:  # noqa: BLE001 - reported through .failure and callers
-            while isinstance(e, BaseExceptionGroup):  # the runtime's task groups
-                e = e.exceptions[0]
-            self._failure = e
+            self._failed(e)
         finally:
-            with self._lock:
-                self._state = "stopped" if self._failure is None else "failed"
-            why = (f": {type(self._failure).__name__}: {self._failure}"
-                   if self._failure is not None else "")
-            self._fail_waiting(ServiceUnavailable(f"pipeline '{self.name}' stopped{why}"))
+            self._ended()
+
+    async def _hosted(self) -> None:
+        """The run as a task on the caller's loop (``start(loop)``)."""
+        try:
+            await self._serve()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - reported through .failure and callers
+            self._failed(e)
+        finally:
+            self._ended()
+
+    def _failed(self, e: BaseException) -> None:
+        while isinstance(e, BaseExceptionGroup):  # the runtime's task groups
+            e = e.exceptions[0]
+        self._failure = e
+
+    def _ended(self) -> None:
+        with self._lock:
+            self._state = "stopped" if self._failure is None else "failed"
+        why = (f": {type(self._failure).__name__}: {self._failure}"
+               if self._failure is not None else "")
+        self._fail_waiting(ServiceUnavailable(f"pipeline '{self.name}' stopped{why}"))
 
     async def _serve(self) -> None:
         from ..runtime import bind_io
@@ -240,9 +307,11 @@ class PipelineService:
 
         inputs, outputs, _ = bind_io(self.plan, self._feed(), self._on_output)
         door = _Door(self.gate, self) if self.gate is not None else None
-        self._run = LocalRun(self.plan, inputs=inputs, outputs=outputs,
-                             on_error=self._on_error, admission=door,
-                             on_drop=self._on_drop, drop_key="_rid")  # loads engines
+        build = partial(LocalRun, self.plan, inputs=inputs, outputs=outputs,
+                        on_error=self._on_error, admission=door, on_drop=self._on_drop,
+                        drop_key="_rid")  # loads engines
+        # on a shared loop, the engines load in a worker thread: the loop keeps serving
+        self._run = build() if self._task is None else await asyncio.to_thread(build)
         self._t0 = perf_counter()
         self._ready.set()
         await self._run.execute()
@@ -292,7 +361,10 @@ class PipelineService:
             self._waiting[rid] = _Waiter(loop, fut)
             self._queued += 1
             assert self._loop is not None and self._queue is not None
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, rec)
+            if loop is self._loop:  # the caller runs on the pipeline's loop: no hop
+                self._queue.put_nowait(rec)
+            else:
+                self._loop.call_soon_threadsafe(self._queue.put_nowait, rec)
         try:
             async with asyncio.timeout(self.timeout_s):
                 return await fut
@@ -330,9 +402,12 @@ class PipelineService:
         answer is queued behind that step, so a caller that reads the statistics or the
         gate right after its answer sees its record counted and its ticket back.
         """
-        if threading.current_thread() is self._thread:
+        if threading.get_ident() == self._loop_thread:
             assert self._loop is not None
-            self._loop.call_soon(_answer, waiter, value, exc)
+            if waiter.loop is self._loop:  # the caller shares the loop: its task wakes
+                settle(waiter.future, value, exc)  # after this step anyway (call_soon)
+            else:
+                self._loop.call_soon(_answer, waiter, value, exc)
         else:  # a blocking sink's worker thread
             _answer(waiter, value, exc)
 
@@ -406,72 +481,3 @@ def _check_servable(plan: Plan) -> None:
     if not open_sinks:
         raise PlanError(f"pipeline '{plan.name}' cannot be served: no sink without a target "
                         "receives its outputs; end it with .sink() (YAML pipelines do)")
-
-
-class ServingHub:
-    """The services of one process, their shared admission gate and the API key.
-
-    services:       the services (or a mapping name -> service); names must be unique.
-    gate:           the shared ``AdmissionGate`` (None: admit everything).
-    api_key:        bearer token required on ``/v1/*``, ``/metrics`` and ``/dashboard``
-                    (None: no authentication); ``/healthz`` and ``/readyz`` stay open.
-    max_body_bytes: largest request body accepted (HTTP 413 above it).
-    metrics_public: serve ``/metrics`` without the key (for Prometheus scrapers that
-                    cannot send one); nothing else opens.
-    """
-
-    def __init__(self, services: Iterable[PipelineService] | dict[str, PipelineService], *,
-                 gate: Any = None, api_key: str | None = None,
-                 max_body_bytes: int = 1 << 20, metrics_public: bool = False) -> None:
-        items = list(services.values()) if isinstance(services, dict) else list(services)
-        self.services: dict[str, PipelineService] = {}
-        for s in items:
-            if s.name in self.services:
-                raise PlanError(f"two pipelines are named '{s.name}'; each served pipeline "
-                                "needs its own 'pipeline:' name")
-            self.services[s.name] = s
-        if type(max_body_bytes) is not int or max_body_bytes < 1:
-            raise ValueError(f"max_body_bytes must be a positive integer, got "
-                             f"{max_body_bytes!r}")
-        if api_key is not None and not api_key:
-            raise ValueError("api_key must be a non-empty string or None")
-        self.gate = gate
-        self.api_key = api_key
-        self.max_body_bytes = max_body_bytes
-        self.metrics_public = bool(metrics_public)
-
-    @property
-    def ready(self) -> bool:
-        """True when every service is ready."""
-        return all(s.ready for s in self.services.values())
-
-    def start(self) -> ServingHub:
-        """Start every service (engines load in the background)."""
-        for s in self.services.values():
-            s.start()
-        return self
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """Drain and stop every service, then close the gate.
-
-        timeout: most seconds each service may take to drain.
-        """
-        for s in self.services.values():
-            s.stop(timeout)
-        if self.gate is not None and hasattr(self.gate, "close"):
-            self.gate.close()
-
-    def pools(self) -> dict[str, Any]:
-        """``statistics()`` of the engine pools (and engines that keep statistics) in
-        this process, by name; may be empty."""
-        from ..control.pool import _POOLS
-        from ..engines.registry import _CACHE
-
-        out: dict[str, Any] = {}
-        for key, eng in list(_CACHE.items()):
-            if callable(getattr(eng, "statistics", None)):
-                out[str(getattr(eng, "name", None) or getattr(eng, "model", key))] = \
-                    eng.statistics()
-        for name, pool in list(_POOLS.items()):
-            out[name] = pool.statistics()
-        return out
