@@ -7,7 +7,7 @@ them the way batched decoding does: n calls together run at ``rate * n / (1 + be
 tokens/s in all (4 calls: 1.9x one call, as measured for llama.cpp here), so service time
 is proportional to tokens. The pool lets a replica hold ``max_in_flight`` calls (beyond its
 lanes they queue at the replica, first come first served); a call every replica refuses
-waits in the pool's queue. Both policies are the real ones from ``tailrace.control``; they
+waits in the pool's queue. Both policies are the real ones from ``tailrace.engines.pool``; they
 see what the pool sees: predicted tokens of the calls in flight, not their progress.
 
     python bench/dispatch.py [--calls 5000] [--loads 0.8 0.9 inf] [--seed 0]
@@ -19,7 +19,7 @@ import argparse
 import random
 from collections import deque
 
-from tailrace.control.dispatch import ReplicaLoad, make_dispatch
+from tailrace.engines.pool.dispatch import ReplicaLoad, make_dispatch
 
 GAIN_4 = 1.9  # throughput of 4 concurrent sequences relative to one (ARCHITECTURE.md §4)
 

@@ -6,7 +6,6 @@
     result = tr.run(p)
 """
 
-from . import control as _control  # noqa: F401  (registers engine pools with engines/)
 from .api import BatchSpec, Contract, ErrorRecord, Pipeline, StageSpec, Stream
 from .compiler import Plan, compile_pipeline
 from .errors import InputError, PlanError, RunInterrupted, StageTimeout, TailraceError

@@ -51,11 +51,11 @@ def ids(tickets):
 def test_exported_names_are_pinned():
     assert sorted(ctl.__all__) == [
         "AdmissionGate", "AdmissionPolicy", "AdmissionRejected", "AdmissionStatistics",
-        "Batcher", "CostModel", "DEADLINE_EXPIRED", "DEADLINE_UNMEETABLE", "Decision",
-        "EnginePool", "FCFSPolicy", "LeastOutstandingWork", "POLICIES", "PRIORITIES",
-        "PipelineSLO", "QUEUE_FULL", "Rejection", "Request", "RoundRobin", "SLOPolicy",
-        "SimultaneousPolicy", "Ticket", "Verdict", "close_pools", "get_pool",
-        "make_dispatch", "make_policy", "policy_options", "register_policy",
+        "CostModel", "DEADLINE_EXPIRED", "DEADLINE_UNMEETABLE", "Decision",
+        "FCFSPolicy", "POLICIES", "PRIORITIES",
+        "PipelineSLO", "QUEUE_FULL", "Rejection", "Request", "SLOPolicy",
+        "SimultaneousPolicy", "Ticket", "Verdict",
+        "make_policy", "policy_options", "register_policy",
     ]
     assert sorted(ctl.POLICIES) == ["fcfs", "simultaneous", "slo"]
 

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
+from tailrace.engines import model_info, model_path
 from tailrace.engines.base import GenerationRequest
 from tailrace.engines.openai import OpenAIEngine
-from tailrace.engines.registry import model_info, model_path
 from tailrace.errors import ContextOverflow, EngineError
 
 from .llama_server import free_port, llama_server

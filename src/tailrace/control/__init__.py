@@ -1,9 +1,9 @@
-"""The control plane: admission at pipeline ingress, engine pools, batching, dispatch.
+"""The control plane: admission at pipeline ingress.
 
 ``admission`` holds the request lifecycle and the policy interface, ``policies`` the
 built-in policies and their registry, ``slo`` pipeline SLOs and the cost model, ``gate``
-the thread-safe door the runtime awaits; ``pool`` engine pools of replica processes or
-endpoints, with ``batching`` (cross-caller batches) and ``dispatch`` (routing).
+the thread-safe door the runtime awaits. Engine pools live with the engines
+(``tailrace.engines.pool``).
 """
 
 from .admission import (
@@ -19,8 +19,6 @@ from .admission import (
     Ticket,
     Verdict,
 )
-from .batching import Batcher
-from .dispatch import LeastOutstandingWork, RoundRobin, make_dispatch
 from .gate import AdmissionGate
 from .policies import (
     POLICIES,
@@ -31,12 +29,10 @@ from .policies import (
     policy_options,
     register_policy,
 )
-from .pool import EnginePool, close_pools, get_pool
 from .slo import PRIORITIES, CostModel, PipelineSLO
 
 __all__ = [
-    "AdmissionGate", "Batcher", "EnginePool", "LeastOutstandingWork", "RoundRobin",
-    "close_pools", "get_pool", "make_dispatch",
+    "AdmissionGate",
     "DEADLINE_EXPIRED", "DEADLINE_UNMEETABLE", "POLICIES", "PRIORITIES", "QUEUE_FULL",
     "AdmissionPolicy", "AdmissionRejected", "AdmissionStatistics", "CostModel", "Decision",
     "FCFSPolicy", "PipelineSLO", "Rejection", "Request", "SLOPolicy", "SimultaneousPolicy",

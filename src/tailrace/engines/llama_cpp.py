@@ -33,7 +33,7 @@ from typing import Any
 from ..errors import ContextOverflow, EngineError
 from ._sampling import TextStream, sample
 from .base import Generation, GenerationRequest, TokenCallback
-from .registry import MODELS, model_info, model_path
+from .models import MODELS, model_info, model_path
 
 _BACKEND_LOCK = threading.Lock()
 _BACKEND_READY = False
@@ -50,7 +50,7 @@ def _on_llama_log(level: int, text: bytes | None, _user: Any) -> None:
         _LOG.error("llama.cpp: %s", text.decode("utf-8", errors="replace").rstrip())
 
 
-def _init_backend(lib: Any) -> None:
+def init_backend(lib: Any) -> None:
     """Initialise llama.cpp's backends once per process and silence its stderr logging."""
     global _BACKEND_READY, _LOG_CALLBACK
     with _BACKEND_LOCK:
@@ -166,7 +166,7 @@ class LlamaCppEngine:
         self.n_seq_max = n_seq_max
         self.n_batch = max(n_batch, n_seq_max)
 
-        _init_backend(lib)
+        init_backend(lib)
         mparams = lib.llama_model_default_params()
         mparams.n_gpu_layers = 0
         # no weight repacking into extra buffer types: the AMX one faults where the OS

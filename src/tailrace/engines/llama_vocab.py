@@ -11,7 +11,7 @@ import threading
 from typing import Any
 
 from ..errors import EngineError
-from .llama_cpp import _init_backend
+from .llama_cpp import init_backend
 
 
 class LlamaVocab:
@@ -28,7 +28,7 @@ class LlamaVocab:
                               "with: pip install llama-cpp-python") from None
         self._lib = lib
         self._lock = threading.Lock()
-        _init_backend(lib)
+        init_backend(lib)
         params = lib.llama_model_default_params()
         params.vocab_only = True
         self._model: Any = lib.llama_model_load_from_file(path.encode(), params)

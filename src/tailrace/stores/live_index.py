@@ -38,8 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..engines.registry import home
+from ..engines.models import home
 from ..errors import StoreError
+from ..registry import Registry
 from .live_store import FORMAT_VERSION, faiss, read_log, read_snapshot, write_snapshot
 
 
@@ -453,8 +454,7 @@ class LiveIndex:
 
 
 # -- the process-wide registry -------------------------------------------------------
-_OPEN: dict[str, LiveIndex] = {}
-_REG_LOCK = threading.Lock()
+_OPEN: Registry[LiveIndex] = Registry("live indexes")
 
 
 def live_dir(name: str) -> Path:
@@ -477,27 +477,19 @@ def open_live_index(name: str, *, clock: Callable[[], float] | None = None) -> L
     """
     directory = live_dir(name)
     key = str(directory.resolve())
-    with _REG_LOCK:
-        index = _OPEN.get(key)
-        if index is None:
-            index = LiveIndex(directory, name=name, clock=clock or time.time)
-            _OPEN[key] = index
-        return index
+    return _OPEN.get(key, lambda: LiveIndex(directory, name=name, clock=clock or time.time))
 
 
 def _forget(index: LiveIndex) -> None:
-    with _REG_LOCK:
-        for k, v in list(_OPEN.items()):
+    with _OPEN.lock:
+        for k, v in _OPEN.items():
             if v is index:
-                del _OPEN[k]
+                _OPEN.pop(k)
 
 
 def close_live_indexes() -> None:
     """Close every open live index (final snapshots); runs at interpreter exit too."""
-    with _REG_LOCK:
-        indexes = list(_OPEN.values())
-    for index in indexes:
-        index.close()
+    _OPEN.close_all()
 
 
 atexit.register(close_live_indexes)

@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import hashlib
 import os
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..engines.registry import home
+from ..engines.models import home
 from ..errors import StoreError
+from ..registry import Registry
 
 BACKENDS = ("sqlite", "postgres")
 _KEYS = {"sqlite": ("backend", "path"), "postgres": ("backend", "dsn", "dsn_env")}
@@ -255,8 +255,7 @@ def check_dsn(dsn: str) -> None:
             from None
 
 
-_STORES: dict[tuple[str, str], MemoryStore] = {}
-_LOCK = threading.Lock()
+_STORES: Registry[MemoryStore] = Registry("memory stores")
 
 
 def open_store(spec: dict[str, Any]) -> MemoryStore:
@@ -265,28 +264,22 @@ def open_store(spec: dict[str, Any]) -> MemoryStore:
         key = ("sqlite", spec["path"])
     else:
         key = ("postgres", spec.get("dsn") or os.environ.get(spec["dsn_env"], ""))
-    with _LOCK:
-        store = _STORES.get(key)
-        if store is None:
-            if key[0] == "sqlite":
-                from .memory_sqlite import SqliteMemory
 
-                store = SqliteMemory(key[1])
-            else:
-                from .memory_pg import PostgresMemory
+    def make() -> MemoryStore:
+        if key[0] == "sqlite":
+            from .memory_sqlite import SqliteMemory
 
-                store = PostgresMemory(key[1])
-            _STORES[key] = store
-        return store
+            return SqliteMemory(key[1])
+        from .memory_pg import PostgresMemory
+
+        return PostgresMemory(key[1])
+
+    return _STORES.get(key, make)
 
 
 def close_stores() -> None:
     """Close every store ``open_store`` opened (tests; a process about to exit)."""
-    with _LOCK:
-        stores = list(_STORES.values())
-        _STORES.clear()
-    for s in stores:
-        s.close()
+    _STORES.close_all()
 
 
 def unit_vector(vector: Any) -> Any:

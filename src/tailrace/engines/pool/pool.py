@@ -28,28 +28,28 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..engines.base import Generation, GenerationRequest, TokenCallback
-from ..engines.registry import BACKENDS, PoolHooks, set_pool_hooks, token_counter
-from ..engines.tokens import approx_tokens
-from ..errors import ContextOverflow, EngineError
-from ._pool_state import Batch, Call, Item, PoolStatistics, ReplicaState, ReplicaStatistics
+from ...errors import ContextOverflow, EngineError
+from ...registry import Registry
+from ..base import Generation, GenerationRequest, TokenCallback
+from ..models import backend
+from ..tokens import approx_tokens, token_counter
 from .batching import Batcher
 from .dispatch import make_dispatch
-from .replica_worker import (
+from .messages import (
     BatchResult,
     EmbedBatch,
     Exited,
     FromReplica,
     GenerateBatch,
-    ProcessReplica,
     Ready,
     StartFailed,
-    ThreadReplica,
     TokenPiece,
 )
+from .replicas import ProcessReplica, ThreadReplica
+from .state import Batch, Call, Item, PoolStatistics, ReplicaState, ReplicaStatistics
 
-__all__ = ["EnginePool", "PoolStatistics", "ReplicaStatistics", "close_pools", "get_pool",
-           "predicted_tokens"]
+__all__ = ["EnginePool", "PoolStatistics", "ReplicaStatistics", "check_options",
+           "close_pools", "get_pool", "pool_statistics", "predicted_tokens"]
 
 #: errors that are the request's own fault: failing on another replica would fail again
 NOT_RETRIED: dict[str, type[EngineError]] = {"ContextOverflow": ContextOverflow}
@@ -111,10 +111,7 @@ class EnginePool:
         if isolation not in ("process", "thread"):
             raise EngineError(f"{where}: isolation must be 'process' or 'thread', "
                               f"got {isolation!r}")
-        backend = spec.get("backend")
-        if backend not in BACKENDS:
-            raise EngineError(f"{where}: unknown backend '{backend}'; known: "
-                              f"{', '.join(sorted(BACKENDS))}")
+        kinds = backend(spec.get("backend"), where)[2]
         if max_retries < 0 or max_restarts < 0 or health_timeout_s <= 0:
             raise EngineError(f"{where}: max_retries and max_restarts must be >= 0 and "
                               f"health_timeout_s > 0 (got {max_retries}, {max_restarts}, "
@@ -125,7 +122,7 @@ class EnginePool:
         except ValueError as e:
             raise EngineError(f"{where}: {e}") from None
         self.name, self.spec = name, dict(spec)
-        self.kind = str(spec.get("kind") or BACKENDS[backend][2][0])
+        self.kind = str(spec.get("kind") or kinds[0])
         self.model: str = str(spec.get("model", ""))
         self.context_length: int | None = None
         self.dim: int | None = None
@@ -136,8 +133,8 @@ class EnginePool:
         self.health_timeout_s = float(health_timeout_s)
         self._isolation = "thread" if endpoints is not None else isolation
         # remote servers and llama.cpp (continuous batching) decode several calls together
-        in_flight = max_in_flight or (4 if endpoints is not None or backend == "llama_cpp"
-                                      else 1)
+        in_flight = max_in_flight or (4 if endpoints is not None
+                                      or spec["backend"] == "llama_cpp" else 1)
         self._replicas = [ReplicaState(i, (self.endpoints or [None] * count)[i], in_flight)
                           for i in range(count)]
         self._clock = clock
@@ -517,8 +514,7 @@ class EnginePool:
             r.restart_at = now + min(0.1 * 2 ** r.failed_starts, 2.0)
 
 
-_POOLS: dict[str, EnginePool] = {}
-_POOLS_LOCK = threading.Lock()
+_POOLS: Registry[EnginePool] = Registry("engine pools")
 
 
 def get_pool(name: str, spec: dict[str, Any], **options: Any) -> EnginePool:
@@ -528,21 +524,17 @@ def get_pool(name: str, spec: dict[str, Any], **options: Any) -> EnginePool:
     spec:    its engine spec; a different spec under the same name is an error.
     options: ``EnginePool`` keyword arguments, used when the pool is created.
     """
-    with _POOLS_LOCK:
-        pool = _POOLS.get(name)
-        if pool is not None and not pool._stopped:
-            if pool.spec != dict(spec):
-                raise EngineError(f"engine pool '{name}' already runs {pool.spec}, not "
-                                  f"{dict(spec)}; give the other engine another name")
-            return pool
-        if "replicas" not in options and "endpoints" not in options:
-            options["replicas"] = 1
-        pool = EnginePool(name, spec, **options).start()
-        _POOLS[name] = pool
-        return pool
+    if "replicas" not in options and "endpoints" not in options:
+        options["replicas"] = 1
+    pool = _POOLS.get(name, lambda: EnginePool(name, spec, **options).start(),
+                      reuse=lambda p: not p._stopped)
+    if pool.spec != dict(spec):
+        raise EngineError(f"engine pool '{name}' already runs {pool.spec}, not "
+                          f"{dict(spec)}; give the other engine another name")
+    return pool
 
 
-def _check_options(name: str, spec: dict[str, Any], options: dict[str, Any]) -> None:
+def check_options(name: str, spec: dict[str, Any], options: dict[str, Any]) -> None:
     """EngineError for bad pool options (builds the pool object, starts nothing)."""
     try:
         EnginePool(name, spec, **options)
@@ -550,15 +542,14 @@ def _check_options(name: str, spec: dict[str, Any], options: dict[str, Any]) -> 
         raise EngineError(f"engine pool '{name}': bad option ({e})") from None
 
 
+def pool_statistics() -> dict[str, PoolStatistics]:
+    """``statistics()`` of every pool ``get_pool`` started, by engine name."""
+    return {str(name): pool.statistics() for name, pool in _POOLS.items()}
+
+
 def close_pools() -> None:
     """Stop every pool ``get_pool`` created (tests, shutdown)."""
-    with _POOLS_LOCK:
-        pools = list(_POOLS.values())
-        _POOLS.clear()
-    for pool in pools:
-        pool.stop()
+    _POOLS.close_all()
 
 
 atexit.register(close_pools)
-set_pool_hooks(PoolHooks(check=_check_options, open=lambda name, spec, options: get_pool(
-    name, spec, **options), close=close_pools))

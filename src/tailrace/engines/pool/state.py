@@ -10,9 +10,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engines.base import TokenCallback
+from ..base import TokenCallback
 from .dispatch import ReplicaLoad
-from .replica_worker import Cancel, Replica, TokenPiece
+from .messages import Cancel, TokenPiece
+from .replicas import Replica
 
 _EMPTY = object()
 

@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from tailrace.control.pool import EnginePool, close_pools, get_pool
+from tailrace.engines import BACKENDS
 from tailrace.engines.base import Generation, GenerationRequest
-from tailrace.engines.registry import BACKENDS
+from tailrace.engines.pool import EnginePool, close_pools, get_pool
 from tailrace.errors import ContextOverflow, EngineError
 
 

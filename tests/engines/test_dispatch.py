@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from tailrace.control.dispatch import (
+from tailrace.engines.pool.dispatch import (
     LeastOutstandingWork,
     ReplicaLoad,
     RoundRobin,

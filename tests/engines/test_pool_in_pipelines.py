@@ -14,9 +14,8 @@ import time
 import pytest
 
 import tailrace as tr
-from tailrace.control import close_pools
-from tailrace.engines import open_engine
-from tailrace.engines.registry import BACKENDS
+from tailrace.engines import BACKENDS, open_engine
+from tailrace.engines.pool import close_pools
 from tailrace.errors import PlanError
 
 from .test_pool import FakeEngine, chat
@@ -167,7 +166,7 @@ def test_two_pipelines_share_llama_replica_processes():
 @pytest.mark.engine
 def test_a_caller_that_goes_away_frees_its_sequence_in_a_replica_process():
     pytest.importorskip("llama_cpp")
-    from tailrace.control import EnginePool
+    from tailrace.engines.pool import EnginePool
 
     spec = {k: v for k, v in LLAMA_POOL.items() if k not in ("replicas", "max_wait_ms")}
     count = chat("Count from 1 to 100, separated by commas.", max_tokens=120)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tailrace.control.batching import Batcher
+from tailrace.engines.pool.batching import Batcher
 
 
 def test_a_full_batch_is_ready_at_once():

@@ -1,0 +1,117 @@
+"""A replica's own engine: open it, describe it, run one batch on it.
+
+The same code runs in a replica process (``worker.worker_main``) and on the threads of a
+thread replica (``replicas.ThreadReplica``); each replica creates its own engine
+(``create_engine``), never the process's shared one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..models import create_engine
+from .messages import (
+    BatchResult,
+    Deliver,
+    EmbedBatch,
+    GenerateBatch,
+    ItemError,
+    Ready,
+    StartFailed,
+    TokenPiece,
+)
+
+
+def one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def describe(engine: Any, kind: str) -> Ready:
+    """The ``Ready`` message for an open engine.
+
+    engine: the engine just opened.
+    kind:   ``"generate"`` or ``"embed"`` (only an embedder is asked its ``dim``).
+    """
+    dim = int(engine.dim) if kind == "embed" else None
+    chat = getattr(engine, "chat", None) if kind == "generate" else None
+    return Ready(os.getpid(), str(getattr(engine, "model", "")),
+                 getattr(engine, "context_length", None), dim, chat)
+
+
+def serve(engine: Any, msg: GenerateBatch | EmbedBatch, send: Deliver,
+          cancelled: dict[int, set[int]] | None = None) -> BatchResult:
+    """Run one batch on ``engine``; a failing batch is rerun one request at a time.
+
+    engine:    an open generation or embedding engine.
+    msg:       the batch to run.
+    send:      where ``TokenPiece`` messages go while the batch runs.
+    cancelled: batch id -> indexes of requests whose callers went away (filled in while
+               the batch runs): the engine is told to stop them at their next token.
+
+    Rerunning singly isolates the request at fault (say one that overflows the context),
+    so the other callers merged into the same batch still get their results.
+    """
+    bid = msg.batch_id
+    items: Sequence[Any]
+    delivered: dict[int, int] = {}  # request index -> characters sent (reruns skip them)
+    seen: dict[int, int] = {}
+    on_token: Callable[[int, str], bool] | None = None
+    if isinstance(msg, GenerateBatch):
+        items, wanted = msg.requests, frozenset(msg.stream)
+
+        def on_token(i: int, text: str) -> bool:
+            if i not in wanted:
+                return True
+            start, end = seen.get(i, 0), seen.get(i, 0) + len(text)
+            seen[i] = end
+            if end > delivered.get(i, 0):
+                send(TokenPiece(bid, i, text[max(delivered.get(i, 0) - start, 0):]))
+                delivered[i] = end
+            return cancelled is None or i not in cancelled.get(bid, ())
+
+        def run(batch: Sequence[Any], cb: Any) -> Any:
+            return engine.generate(batch, cb)
+        stream_cb = on_token if wanted else None
+    else:
+        items, stream_cb = msg.texts, None
+
+        def run(batch: Sequence[Any], cb: Any) -> Any:
+            return engine.embed(batch)
+    try:
+        return BatchResult(bid, run(items, stream_cb))
+    except Exception as e:
+        if len(items) == 1:
+            return BatchResult(bid, [None], (ItemError(0, type(e).__name__, one_line(e)),))
+    outputs: list[Any] = []
+    errors: list[ItemError] = []
+    for i, item in enumerate(items):
+        seen.pop(i, None)
+        cb = None if stream_cb is None else (lambda _j, t, i=i: stream_cb(i, t))
+        try:
+            outputs.append(run([item], cb)[0])
+        except Exception as e:
+            outputs.append(None)
+            errors.append(ItemError(i, type(e).__name__, one_line(e)))
+    return BatchResult(bid, outputs, tuple(errors))
+
+
+def start_engine(spec: dict[str, Any], kind: str,
+                 base_url: str | None = None) -> tuple[Any, Ready | StartFailed]:
+    """Create a replica's engine: (engine, ``Ready``), or (None, ``StartFailed``) saying why.
+
+    spec:     the engine spec.
+    kind:     ``"generate"`` or ``"embed"``.
+    base_url: the endpoint of a remote replica (overrides the spec's ``base_url``).
+    """
+    engine = None
+    try:
+        engine = create_engine(spec, base_url)
+        return engine, describe(engine, kind)
+    except Exception as e:
+        if engine is not None:
+            with contextlib.suppress(Exception):
+                engine.close()
+        return None, StartFailed(one_line(e))
