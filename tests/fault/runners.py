@@ -358,8 +358,12 @@ def run_in_child(sc: Scenario, timeout: float = 30.0) -> Report:
 SERVICE_TIMEOUT_S = 60.0  # a caller's own limit; the suite notices silence long before
 
 
-def run_service(sc: Scenario) -> Report:
-    """The scenario through a ``PipelineService``: one request per input record."""
+def run_service(sc: Scenario, *, here: bool = False) -> Report:
+    """The scenario through a ``PipelineService``: one request per input record.
+
+    here: the service runs on the callers' own loop (``start(loop)``, as under
+          ``tailrace serve``) instead of a thread of its own.
+    """
     from tailrace.serving import PipelineService
     from tailrace.serving.errors import (
         RecordDropped,
@@ -382,15 +386,25 @@ def run_service(sc: Scenario) -> Report:
             svc = PipelineService(p, admission=gate, timeout_s=SERVICE_TIMEOUT_S,
                                   max_pending=sc.max_pending or 1024)
             _observe(svc, outputs, errors, dropped)
-            svc.start()
-            if not svc.wait_ready(30):
-                report.problems.append(f"the service never became ready: {svc.failure!r}")
-                return report
+            if not here:
+                svc.start()
+                if not svc.wait_ready(30):
+                    report.problems.append(f"the service never became ready: {svc.failure!r}")
+                    return report
             answers: dict[int, Any] = {}
             stopper: list[threading.Thread] = []
 
             async def main() -> None:
                 loop = asyncio.get_running_loop()
+                if here:
+                    svc.start(loop)
+                    ready_by = time.monotonic() + 30
+                    while not svc.ready:
+                        if svc.failure is not None or time.monotonic() > ready_by:
+                            report.problems.append(
+                                f"the service never became ready: {svc.failure!r}")
+                            return
+                        await asyncio.sleep(0.01)
                 tasks = {r["lid"]: asyncio.create_task(svc.submit(r)) for r in inputs(sc.n)}
 
                 def cancel(lid: int) -> None:
@@ -427,54 +441,66 @@ def run_service(sc: Scenario) -> Report:
                     else:
                         answers[lid] = t.result()
                 await asyncio.gather(*tasks.values(), return_exceptions=True)
+                if here:  # the service lives on this loop: check it before the loop ends
+                    await checks(lambda: asyncio.sleep(0.02))
+                    for t in stopper:
+                        await asyncio.to_thread(t.join, 40)
+                    await svc.aclose(30.0)
 
-            asyncio.run(main())
-            cancelled = {lid for _, lid in sc.cancel}
-            entered = set()
-            for lid, a in sorted(answers.items()):
-                if isinstance(a, ServiceOverloaded):
-                    continue  # turned away before it entered
-                entered.add(lid)
-                if isinstance(a, dict | RequestFailed | RecordDropped):
-                    if isinstance(a, dict) and a.get("lid") != lid:
-                        report.problems.append(f"request {lid} got another's answer: {a}")
-                elif a == "cancelled" and lid in cancelled:
-                    pass
-                elif isinstance(a, str | ServiceTimeout | ServiceUnavailable):
-                    report.problems.append(f"request {lid}: {a if isinstance(a, str) else a!r}")
-                else:
-                    report.problems.append(f"request {lid} failed oddly: {a!r}")
-            def observed() -> Observed:
-                return Observed(entered, list(outputs), list(errors), ledger.entries(),
-                                cancelled=cancelled, transient=SERVING_FIELDS)
+            async def checks(pause: Any) -> None:
+                cancelled = {lid for _, lid in sc.cancel}
+                entered = set()
+                for lid, a in sorted(answers.items()):
+                    if isinstance(a, ServiceOverloaded):
+                        continue  # turned away before it entered
+                    entered.add(lid)
+                    if isinstance(a, dict | RequestFailed | RecordDropped):
+                        if isinstance(a, dict) and a.get("lid") != lid:
+                            report.problems.append(f"request {lid} got another's answer: {a}")
+                    elif a == "cancelled" and lid in cancelled:
+                        pass
+                    elif isinstance(a, str | ServiceTimeout | ServiceUnavailable):
+                        report.problems.append(f"request {lid}: {a if isinstance(a, str) else a!r}")
+                    else:
+                        report.problems.append(f"request {lid} failed oddly: {a!r}")
+                def observed() -> Observed:
+                    return Observed(entered, list(outputs), list(errors), ledger.entries(),
+                                    cancelled=cancelled, transient=SERVING_FIELDS)
 
-            end = time.monotonic() + DEADLINE_S  # records of callers who left run on
-            while time.monotonic() < end and any(
-                    "never ended" in x for x in account(sc, observed())):
-                time.sleep(0.02)
-            obs = observed()
-            report.problems += account(sc, obs)
-            hook_drops = sorted(p for r in dropped for p in lineages(r))
-            failed = {(e.stage, p) for e in errors for p in _paths(e.input)}
-            silent = sorted({path for _, stage, path in obs.ledger
-                             if (stage, path) not in failed})
-            told = sorted(set(hook_drops) - set(silent))  # a sibling's output may answer
-            if told:  # first: the service need not hear of every drop
-                report.problems.append(f"the service was told of drops {told} that no filter "
-                                       f"or flat_map made (they ended {silent} silently)")
-            if gate is not None and not sc.stop:
-                report.problems += [f"while idle: {x}" for x in gate.balance()]
-            report.problems += queue_problems(svc.stats())
+                end = time.monotonic() + DEADLINE_S  # records of callers who left run on
+                while time.monotonic() < end and any(
+                        "never ended" in x for x in account(sc, observed())):
+                    await pause()
+                obs = observed()
+                report.problems += account(sc, obs)
+                hook_drops = sorted(p for r in dropped for p in lineages(r))
+                failed = {(e.stage, p) for e in errors for p in _paths(e.input)}
+                silent = sorted({path for _, stage, path in obs.ledger
+                                 if (stage, path) not in failed})
+                told = sorted(set(hook_drops) - set(silent))  # a sibling's output may answer
+                if told:  # first: the service need not hear of every drop
+                    report.problems.append(f"the service was told of drops {told} that no filter "
+                                           f"or flat_map made (they ended {silent} silently)")
+                if gate is not None and not sc.stop:
+                    report.problems += [f"while idle: {x}" for x in gate.balance()]
+                report.problems += queue_problems(svc.stats())
+
+            if not here:
+                asyncio.run(main())
+                asyncio.run(checks(lambda: asyncio.sleep(0.02)))
+            else:
+                asyncio.run(main())
             for t in stopper:
                 t.join(40)
-            svc.stop(30.0)
+            if not here:
+                svc.stop(30.0)
             if svc.failure is not None:
                 report.problems.append(f"the service failed: {svc.failure!r}")
             if gate is not None:
                 report.problems += [f"after stop: {x}" for x in gate.balance()]
             report.problems += leaks.problems()
     finally:
-        if svc is not None:
+        if svc is not None and not here:
             svc.stop(5.0)
         if gate is not None:
             gate.close()

@@ -17,3 +17,12 @@ from .strategies import scenarios
 def test_served_requests_keep_the_record_lifecycle(policy, data):
     sc = data.draw(scenarios("service", policy=policy), label="scenario")
     run_service(sc).check(sc)
+
+
+@pytest.mark.parametrize("policy", ["simultaneous", "fcfs"])
+@fault_settings("service")
+@given(data=st.data())
+def test_requests_on_the_services_own_loop_keep_the_record_lifecycle(policy, data):
+    # as under ``tailrace serve``: the pipeline runs on its callers' loop (start(loop))
+    sc = data.draw(scenarios("service", policy=policy), label="scenario")
+    run_service(sc, here=True).check(sc)

@@ -23,8 +23,8 @@ from tailrace.control import AdmissionGate, make_policy  # noqa: E402
 from tailrace.engines.pool import PoolStatistics, ReplicaStatistics  # noqa: E402
 from tailrace.observability import Histogram  # noqa: E402
 from tailrace.observability.prometheus import BATCH_EXPONENTS, prom_buckets  # noqa: E402
+from tailrace.serving import PipelineService, ServingHub  # noqa: E402
 from tailrace.serving.observe import install_observability  # noqa: E402
-from tailrace.serving.service import PipelineService, ServingHub  # noqa: E402
 
 
 @contextlib.contextmanager
