@@ -5,13 +5,14 @@ Layout, one responsibility per module:
 - ``connect``: import Ray lazily, reach the cluster or fail in one line.
 - ``messages``: what crosses actors (install specs, routes, outbox entries).
 - ``credits``: per-edge credit windows and at-least-once pushes with replay.
-- ``lineage``: which input each output and error came from, inside a replica.
-- ``instance``: one stage replica (bounded queue, operator loop) inside a host.
+- ``instance``: one stage replica (bounded queue, the shared ``StageWorker`` with a
+  lineage ``Trace``, ``runtime/lineage.py``) inside a host.
 - ``host``: the ``StageHost`` actor and its outbox to the driver.
 - ``placement``: placement options and the pool of hosts.
 - ``ledger``: the driver's de-duplication by lineage (exactly once across replays).
 - ``driver``: sources, admission, sinks, the run's life cycle.
-- ``stats``: per-actor meters merged into the local runtime's stats format.
+
+Statistics are built by ``runtime/stats.py`` (per-actor meters in the local format).
 
 Nothing here imports Ray at module import time.
 """
