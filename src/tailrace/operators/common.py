@@ -17,7 +17,7 @@ from typing import Any
 from ..engines import check_spec, open_engine
 from ..engines.tokens import approx_tokens
 from ..errors import TailraceError
-from .registry import LinkContext
+from .registry import LinkContext, Param
 
 ENGINE_HINT = "a name declared under 'engines:'"
 
@@ -51,6 +51,17 @@ def positive_int(v: Any) -> bool:
 def non_negative(v: Any) -> bool:
     """True for a number >= 0 (not a bool)."""
     return not isinstance(v, bool) and v >= 0
+
+
+def positive(v: Any) -> bool:
+    """True for a number > 0 (not a bool)."""
+    return not isinstance(v, bool) and v > 0
+
+
+def count_param(name: str, default: int | None = None, *, required: bool = False) -> Param:
+    """An integer parameter >= 1: a batch size, a token budget, a number of rounds."""
+    return Param(name, (int,), required=required, default=default, want="a positive integer",
+                 check=positive_int)
 
 
 def link_engine(params: dict, ctx: LinkContext, kind: str, *, key: str = "engine",

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..api.pipeline import Contract
-from .common import FieldError, get_field, non_negative, positive_int
+from .common import FieldError, count_param, get_field, non_negative
 from .registry import OpDef, OpRuntime, Param, is_async_callable, register, resolve
 
 FN = Param("fn", (str,), required=True, doc="callable or dotted path 'pkg.module.function'",
@@ -123,21 +123,8 @@ def _build_filter(params: dict, contract: Contract) -> OpRuntime:
     raw = _fn(params)
     inp = params.get("input")
     pred = raw if inp is None else (lambda r: raw(get_field(r, inp)))
-
-    def batch_fn(batch: list, errors: list) -> list:
-        out: list = []
-        append = out.append
-        it = iter(batch)
-        while True:
-            try:
-                for x in it:
-                    if pred(x):
-                        append(x)
-                return out
-            except Exception as e:
-                errors.append((x, e))
-
-    return OpRuntime("map", batch_fn=batch_fn, record_fn=lambda x: [x] if pred(x) else [])
+    return OpRuntime("map", batch_fn=per_record(lambda x: (x,) if pred(x) else (), many=True),
+                     record_fn=lambda x: [x] if pred(x) else [])
 
 
 # -- flat_map -------------------------------------------------------------------------
@@ -159,8 +146,7 @@ def _build_flat_map(params: dict, contract: Contract) -> OpRuntime:
 # -- key_by ---------------------------------------------------------------------------
 def _build_key_by(params: dict, contract: Contract) -> OpRuntime:
     kf = _fn(params)
-    m = _build_map({"fn": lambda x: (kf(x), x)}, contract)
-    return m
+    return _build_map({"fn": lambda x: (kf(x), x)}, contract)
 
 
 # -- branch ---------------------------------------------------------------------------
@@ -259,8 +245,7 @@ register(OpDef("stateful", "map", _build_stateful,
                (FN, INPUT, OUTPUT, Param("key", (str,), doc="key field", want="a field name")),
                state="keyed", fields=_stateful_fields, doc="keyed state per record key"))
 register(OpDef("batch", "collect", _build_batch,
-               (Param("max_size", (int,), required=True, want="a positive integer",
-                      check=positive_int),
+               (count_param("max_size", required=True),
                 Param("max_wait_ms", (int, float), default=0.0, check=non_negative,
                       want="a non-negative number of milliseconds"),
                 OUTPUT),

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..engines import GenerationRequest, open_engine
 from ..errors import ContextOverflow
-from .common import ENGINE_HINT, FieldError, link_engine, positive_int
+from .common import ENGINE_HINT, FieldError, count_param, link_engine, non_negative
 from .core import per_record
 from .registry import OpDef, OpRuntime, Param, register
 
@@ -51,6 +51,37 @@ def _check_template(params: dict, ctx: Any) -> dict:
     return params
 
 
+# what generate, route and tool_call share: the prompt is a template or a field's text
+PROMPT_PARAMS = (Param("prompt", (str,), want="a template with {field} placeholders"),
+                 Param("input", (str,), want="a field holding the prompt text"))
+TEMPERATURE = Param("temperature", (int, float), default=0.0, want="a number >= 0",
+                    check=non_negative)
+
+
+def check_prompt_source(params: dict, op: str) -> None:
+    """ValueError unless exactly one of 'prompt' and 'input' is set; checks the template."""
+    if (params.get("prompt") is None) == (params.get("input") is None):
+        raise ValueError(f"{op} needs exactly one of 'prompt' (a template with {{fields}}) "
+                         "or 'input' (a field holding the prompt text)")
+    if params.get("prompt") is not None:
+        template_fields(params["prompt"])
+
+
+def prompt_reads(params: dict) -> tuple[str, ...]:
+    """The fields the prompt is made of."""
+    return template_fields(params["prompt"]) if params.get("prompt") else (params["input"],)
+
+
+def prompt_text(template: str | None, inp: str | None, record: Any) -> str:
+    """The prompt of ``record``: ``template`` filled in, else the text of field ``inp``."""
+    if template is not None:
+        return render(template, record)
+    value = record.get(inp) if isinstance(record, dict) else None
+    if not isinstance(value, str):
+        raise FieldError(f"field '{inp}' must hold the prompt text")
+    return value
+
+
 def _build_prompt(params: dict, contract: Any) -> OpRuntime:
     template, out = params["template"], params["output"]
     f = lambda r: {**r, out: render(template, r)}  # noqa: E731
@@ -66,11 +97,7 @@ register(OpDef(
 
 
 def _prepare_generate(params: dict, ctx: Any) -> dict:
-    if (params.get("prompt") is None) == (params.get("input") is None):
-        raise ValueError("generate needs exactly one of 'prompt' (a template with {fields}) "
-                         "or 'input' (a field holding the prompt text)")
-    if params.get("prompt") is not None:
-        template_fields(params["prompt"])
+    check_prompt_source(params, "generate")
     return link_engine(params, ctx, "generate")
 
 
@@ -85,13 +112,7 @@ def _build_generate(params: dict, contract: Any) -> OpRuntime:
     limit = engine.context_length - max_tokens
 
     def request(record: Any) -> GenerationRequest:
-        if template is not None:
-            text = render(template, record)
-        else:
-            value = record.get(inp) if isinstance(record, dict) else None
-            if not isinstance(value, str):
-                raise FieldError(f"field '{inp}' must hold the prompt text")
-            text = value
+        text = prompt_text(template, inp, record)
         n = engine.count_tokens(text)
         if n > limit:
             raise ContextOverflow(
@@ -152,19 +173,14 @@ def _build_generate(params: dict, contract: Any) -> OpRuntime:
 register(OpDef(
     "generate", "map", _build_generate,
     (Param("engine", (str,), required=True, want=ENGINE_HINT),
-     Param("prompt", (str,), want="a template with {field} placeholders"),
-     Param("input", (str,), want="a field holding the prompt text"),
+     *PROMPT_PARAMS,
      Param("output", (str,), default="answer", want="a field name"),
      Param("system", (str,), want="a system message (chat models)"),
-     Param("max_tokens", (int,), default=64, want="a positive integer",
-           check=positive_int),
-     Param("temperature", (int, float), default=0.0, want="a number >= 0",
-           check=lambda v: v >= 0),
+     count_param("max_tokens", 64),
+     TEMPERATURE,
      Param("stop", (list,), want="a list of stop strings"),
-     Param("max_batch", (int,), default=8, want="a positive integer",
-           check=positive_int),
+     count_param("max_batch", 8),
      Param("usage", (str,), want="a field for {prompt_tokens, completion_tokens}")),
     batchable=True, blocking=True,
-    fields=lambda p: ((template_fields(p["prompt"]) if p.get("prompt") else (p["input"],)),
-                      (p["output"],) + ((p["usage"],) if p.get("usage") else ())),
+    fields=lambda p: (prompt_reads(p), (p["output"],) + ((p["usage"],) if p.get("usage") else ())),
     prepare=_prepare_generate, doc="generate text with an LLM engine"))

@@ -35,24 +35,18 @@ from ..stores.memory import Fact, FactHit, Turn, check_store_spec, open_store
 from .common import (
     ENGINE_HINT,
     FieldError,
+    count_param,
     get_field,
     link_engine,
     link_token_counter,
-    positive_int,
+    non_negative,
+    positive,
     token_counter,
 )
 from .registry import LinkContext, OpDef, OpRuntime, Param, register
 
 FACTS_HEADER = "Known facts about the user:"
 TURNS_HEADER = "Conversation so far:"
-
-
-def _non_negative_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
-def _positive_num(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and v > 0
 
 
 def _common_params() -> tuple[Param, ...]:
@@ -221,21 +215,19 @@ register(OpDef(
     _common_params() + (
         Param("query", (str,), want="a text field (or vector field) to rank facts by"),
         Param("turns", (int,), default=6, want="a number of turns >= 0",
-              check=_non_negative_int),
-        Param("k", (int,), want="a number of facts >= 0", check=_non_negative_int),
+              check=non_negative),
+        Param("k", (int,), want="a number of facts >= 0", check=non_negative),
         Param("min_score", (int, float), want="a cosine similarity from -1 to 1",
               check=lambda v: -1 <= v <= 1),
-        Param("max_tokens", (int,), default=256, want="a positive integer",
-              check=positive_int),
+        count_param("max_tokens", 256),
         Param("engine", (str,), want="a generation engine (its tokenizer counts tokens)"),
         Param("output", (str,), default="memory", want="a field name"),
         Param("detail", (str,), want="a field name for the kept turns and facts"),
         Param("ordered", (object,), default=False, want="true or false",
               check=lambda v: isinstance(v, bool)),
         Param("wait_ms", (int, float), default=30000, want="a positive number",
-              check=_positive_num),
-        Param("max_batch", (int,), default=64, want="a positive integer",
-              check=positive_int)),
+              check=positive),
+        count_param("max_batch", 64)),
     state="shared", blocking=True,
     fields=lambda p: ((p["user"], p["session"]) + ((p["query"],) if p.get("query") else ()),
                       (p["output"],) + ((p["detail"],) if p.get("detail") else ())),
@@ -324,11 +316,10 @@ register(OpDef(
                                   for k, f in v.items())),
         Param("facts", (str,), want="a field holding a fact text (or a list) to remember"),
         Param("metadata", (str,), want="a field holding a JSON object stored with the facts"),
-        Param("ttl_s", (int, float), want="a positive number of seconds", check=_positive_num),
+        Param("ttl_s", (int, float), want="a positive number of seconds", check=positive),
         Param("turn_ttl_s", (int, float), want="a positive number of seconds",
-              check=_positive_num),
-        Param("max_batch", (int,), default=64, want="a positive integer",
-              check=positive_int)),
+              check=positive),
+        count_param("max_batch", 64)),
     state="shared", blocking=True,
     fields=lambda p: ((p["user"], p["session"]) + tuple(dict(p["turns"]).values()), ()),
     prepare=_prepare_write,

@@ -24,8 +24,15 @@ from typing import Any
 from ..engines import GenerationRequest, open_engine
 from ..errors import ContextOverflow, EngineError
 from ..registry import Registry
-from .common import FieldError, link_engine, positive_int
-from .llm import render, template_fields
+from .common import count_param, link_engine
+from .llm import (
+    PROMPT_PARAMS,
+    TEMPERATURE,
+    check_prompt_source,
+    prompt_reads,
+    prompt_text,
+    template_fields,
+)
 from .registry import LinkContext, OpDef, OpRuntime, Param, register
 
 _LOGPROBS = "logprobs" in {f.name for f in fields(GenerationRequest)}
@@ -119,12 +126,7 @@ class _Target:
         self.max_tokens, self.temperature = opts["max_tokens"], float(opts["temperature"])
 
     def text(self, r: Any) -> str:
-        if self.template is not None:
-            return render(self.template, r)
-        v = r.get(self.inp) if isinstance(r, dict) else None
-        if not isinstance(v, str):
-            raise FieldError(f"field '{self.inp}' must hold the prompt text")
-        return v
+        return prompt_text(self.template, self.inp, r)
 
     def request(self, r: Any) -> GenerationRequest:
         text, eng = self.text(r), self.engine
@@ -248,9 +250,7 @@ def _build_route(params: dict, contract: Any) -> OpRuntime:
 
 
 def _prepare_route(params: dict, ctx: LinkContext) -> dict:
-    if (params.get("prompt") is None) == (params.get("input") is None):
-        raise ValueError("route needs exactly one of 'prompt' (a template with {fields}) or "
-                         "'input' (a field holding the prompt text)")
+    check_prompt_source(params, "route")
     rules, cascade = params.get("rules"), params.get("cascade")
     if (rules is None) == (cascade is None):
         raise ValueError("route needs exactly one of 'rules' (with 'default') or 'cascade' "
@@ -281,8 +281,6 @@ def _prepare_route(params: dict, ctx: LinkContext) -> dict:
         if isinstance(t, list) and len(t) != len(cascade) - 1:
             raise ValueError(f"'threshold' needs one value per escalation ({len(cascade) - 1}),"
                              f" got {len(t)}")
-    if params.get("prompt") is not None:
-        template_fields(params["prompt"])
     per = params.get("per_engine") or {}
     for name, opts in per.items():
         if name not in names or not isinstance(opts, dict) or set(opts) - _OPTION_KEYS:
@@ -304,19 +302,16 @@ register(OpDef(
      Param("threshold", (int, float, list), default=-1.0,
            want="a mean token log-probability (or one per escalation)"),
      Param("per_engine", (dict,), want="engine -> {prompt, system, stop, max_tokens}"),
-     Param("prompt", (str,), want="a template with {field} placeholders"),
-     Param("input", (str,), want="a field holding the prompt text"),
+     *PROMPT_PARAMS,
      Param("system", (str,), want="a system message (chat models)"),
      Param("output", (str,), default="answer", want="a field name"),
      Param("route", (str,), default="route", want="a field for the routing decision"),
      Param("cost", (str,), default="cost", want="a field for tokens per engine"),
      Param("label", (str,), want="the name of this stage's cost totals"),
-     Param("max_tokens", (int,), default=64, want="a positive integer", check=positive_int),
-     Param("temperature", (int, float), default=0.0, want="a number >= 0",
-           check=lambda v: v >= 0),
+     count_param("max_tokens", 64),
+     TEMPERATURE,
      Param("stop", (list,), want="a list of stop strings"),
-     Param("max_batch", (int,), default=8, want="a positive integer", check=positive_int)),
+     count_param("max_batch", 8)),
     batchable=True, blocking=True, fusable=False,
-    fields=lambda p: ((template_fields(p["prompt"]) if p.get("prompt") else (p["input"],)),
-                      (p["output"], p["route"], p["cost"])),
+    fields=lambda p: (prompt_reads(p), (p["output"], p["route"], p["cost"])),
     prepare=_prepare_route, doc="choose an engine per request by rule or cascade"))

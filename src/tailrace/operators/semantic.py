@@ -28,7 +28,7 @@ from typing import Any
 
 from ..engines import open_engine
 from ..errors import TailraceError
-from .common import ENGINE_HINT, FieldError, get_field, link_engine, positive_int
+from .common import ENGINE_HINT, FieldError, count_param, get_field, link_engine, positive
 from .follow import start_feeder
 from .registry import LinkContext, OpDef, OpRuntime, Param, register
 
@@ -190,10 +190,6 @@ def _fields(p: dict) -> tuple:
     return reads, ((p["output"],) if p.get("output") else ())
 
 
-def _positive(v: Any) -> bool:
-    return not isinstance(v, bool) and v > 0
-
-
 register(OpDef(
     "semantic_state", "map", _build_semantic,
     (Param("index", (str,), required=True, want="a live index name (retrieve reads it as "
@@ -204,13 +200,13 @@ register(OpDef(
      Param("text", (str,), default="text", want="the document text field"),
      Param("time", (str,), want="a field with the document time (epoch seconds or ISO 8601)"),
      Param("delete", (str,), default="deleted", want="a field that, when true, deletes the id"),
-     Param("ttl_s", (int, float), want="a positive number of seconds", check=_positive),
+     Param("ttl_s", (int, float), want="a positive number of seconds", check=positive),
      Param("snapshot_every_s", (int, float), default=30, want="a positive number of seconds",
-           check=_positive),
+           check=positive),
      Param("follow", (str,), want="a JSONL file to tail into the index"),
      Param("poll_ms", (int, float), default=50, want="a positive number of milliseconds",
-           check=_positive),
+           check=positive),
      Param("output", (str,), want="a field for the change's summary"),
-     Param("max_batch", (int,), default=64, want="a positive integer", check=positive_int)),
+     count_param("max_batch", 64)),
     state="shared", batchable=True, blocking=True, fusable=False, fields=_fields,
     prepare=_prepare_semantic, doc="keep a live vector index up to date from a document stream"))

@@ -26,8 +26,8 @@ from typing import Any
 
 from ..engines import GenerationRequest, open_engine
 from ..errors import EngineError
-from .common import ENGINE_HINT, FieldError, link_engine, positive_int
-from .llm import render, template_fields
+from .common import ENGINE_HINT, FieldError, count_param, link_engine, positive
+from .llm import PROMPT_PARAMS, TEMPERATURE, check_prompt_source, prompt_reads, prompt_text
 from .registry import LinkContext, OpDef, OpRuntime, Param, register, resolve
 from .tool_schema import ToolError, check_schema, parse_json_call, validate
 
@@ -237,12 +237,8 @@ def _build_tool_call(params: dict, contract: Any) -> OpRuntime:
             tools=runner.describe())
 
     def start(r: Any) -> Conversation:
-        text: Any = render(template, r) if template is not None else (
-            r.get(inp) if isinstance(r, dict) else None)
-        if not isinstance(text, str):
-            raise FieldError(f"field '{inp}' must hold the prompt text")
         msgs = [{"role": "system", "content": system}] if system else []
-        return Conversation(r, msgs + [{"role": "user", "content": text}])
+        return Conversation(r, msgs + [{"role": "user", "content": prompt_text(template, inp, r)}])
 
     def batch_fn(batch: list, errors: list) -> list:
         convs: list[Conversation] = []
@@ -295,11 +291,7 @@ def _build_tool_call(params: dict, contract: Any) -> OpRuntime:
 
 
 def _prepare_tool_call(params: dict, ctx: LinkContext) -> dict:
-    if (params.get("prompt") is None) == (params.get("input") is None):
-        raise ValueError("tool_call needs exactly one of 'prompt' (a template with {fields}) "
-                         "or 'input' (a field holding the prompt text)")
-    if params.get("prompt") is not None:
-        template_fields(params["prompt"])
+    check_prompt_source(params, "tool_call")
     tools = params["tools"]
     if not tools:
         raise ValueError("'tools' is empty; register at least one {name, fn, schema}")
@@ -338,23 +330,20 @@ register(OpDef(
     "tool_call", "map", _build_tool_call,
     (Param("engine", (str,), required=True, want=ENGINE_HINT),
      Param("tools", (list,), required=True, want="a list of {name, fn, schema} mappings"),
-     Param("prompt", (str,), want="a template with {field} placeholders"),
-     Param("input", (str,), want="a field holding the prompt text"),
+     *PROMPT_PARAMS,
      Param("system", (str,), want="a system message"),
      Param("output", (str,), default="answer", want="a field name"),
      Param("calls", (str,), default="tool_calls", want="a field for the calls made"),
      Param("format", (str,), default="auto", want="auto, openai or json",
            check=lambda v: v in ("auto", "openai", "json")),
-     Param("max_rounds", (int,), default=3, want="a positive integer", check=positive_int),
+     count_param("max_rounds", 3),
      Param("tool_timeout_ms", (int, float), default=5000, want="a positive number",
-           check=lambda v: not isinstance(v, bool) and v > 0),
+           check=positive),
      Param("on_error", (str,), default="record", want="record or model",
            check=lambda v: v in ("record", "model")),
-     Param("max_tokens", (int,), default=128, want="a positive integer", check=positive_int),
-     Param("temperature", (int, float), default=0.0, want="a number >= 0",
-           check=lambda v: v >= 0),
-     Param("max_batch", (int,), default=8, want="a positive integer", check=positive_int)),
+     count_param("max_tokens", 128),
+     TEMPERATURE,
+     count_param("max_batch", 8)),
     batchable=True, blocking=True, fusable=False,
-    fields=lambda p: ((template_fields(p["prompt"]) if p.get("prompt") else (p["input"],)),
-                      (p["output"], p["calls"])),
+    fields=lambda p: (prompt_reads(p), (p["output"], p["calls"])),
     prepare=_prepare_tool_call, doc="let a model call registered tools, then answer"))
