@@ -84,23 +84,15 @@ def _caller_location() -> str:
     return f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
-def _contract(kw: dict[str, Any]) -> Contract:
-    batch = kw.pop("batch", None)
-    if isinstance(batch, dict):
-        batch = BatchSpec(**batch)
-    c = Contract(
-        replicas=kw.pop("replicas", 1),
-        batch=batch,
-        timeout_ms=kw.pop("timeout_ms", None),
-        retries=kw.pop("retries", 0),
-        queue=kw.pop("queue", None),
-        blocking=kw.pop("blocking", False),
-        placement=kw.pop("placement", None),
-    )
+def make_contract(kw: dict[str, Any]) -> Contract:
+    """The ``Contract`` of a stage's contract keys (popped from ``kw``); TypeError for others."""
+    given = {k: kw.pop(k) for k in CONTRACT_KEYS if k in kw}
+    if isinstance(given.get("batch"), dict):
+        given["batch"] = BatchSpec(**given["batch"])
     if kw:
         raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(kw))}; "
                         f"contract keys are: {', '.join(CONTRACT_KEYS)}")
-    return c
+    return Contract(**given)
 
 
 class Pipeline:
@@ -151,7 +143,7 @@ class Pipeline:
         where = _caller_location()
         sid = self._new_id(op, id)
         try:
-            contract = _contract(kw)
+            contract = make_contract(kw)
         except TypeError as e:
             raise PlanError(str(e), where=where, stage=sid) from None
         self.add_stage(StageSpec(sid, op, upstream, params, contract, where))

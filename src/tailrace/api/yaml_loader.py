@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from ..errors import PlanError
-from .pipeline import CONTRACT_KEYS, BatchSpec, Contract, Pipeline, StageSpec
+from .pipeline import CONTRACT_KEYS, Contract, Pipeline, StageSpec, make_contract
 
 TOP_KEYS = ("version", "pipeline", "slo", "engines", "source", "stages")
 STAGE_KEYS = ("id", "op", "after")
@@ -119,7 +119,7 @@ def loads_pipeline(text: str, path: str = "<string>") -> Pipeline:
         prev = spec.id
     terminals = _terminals(p.stages, consumed)
     if terminals:  # none only when stages form a cycle, which the compiler reports
-            p.add_stage(StageSpec("sink", "sink", tuple(terminals), {"target": None}, Contract(),
+        p.add_stage(StageSpec("sink", "sink", tuple(terminals), {"target": None}, Contract(),
                               at(doc)))
     return p
 
@@ -165,26 +165,9 @@ def _stage(raw: Any, prev: str, where: str) -> StageSpec:
         if k in STAGE_KEYS:
             continue
         (contract_kw if k in CONTRACT_KEYS else params)[k] = v
-    contract = _yaml_contract(contract_kw, where, sid)
-    return StageSpec(sid, op, tuple(after), params, contract, where)
-
-
-def _yaml_contract(kw: dict[str, Any], where: str, sid: str) -> Contract:
-    def bad(key: str, want: str) -> PlanError:
-        return PlanError(f"'{key}' must be {want}, got {kw[key]!r}", where=where, stage=sid)
-
-    batch = kw.get("batch")
-    if batch is not None:
-        if not isinstance(batch, dict) or set(batch) - {"max_size", "max_wait_ms"} \
-                or "max_size" not in batch:
-            raise bad("batch", "a mapping like {max_size: 8, max_wait_ms: 5}")
-        batch = BatchSpec(max_size=batch["max_size"], max_wait_ms=batch.get("max_wait_ms", 0.0))
-    return Contract(
-        replicas=kw.get("replicas", 1),
-        batch=batch,
-        timeout_ms=kw.get("timeout_ms"),
-        retries=kw.get("retries", 0),
-        queue=kw.get("queue"),
-        blocking=kw.get("blocking", False),
-        placement=kw.get("placement"),
-    )
+    batch = contract_kw.get("batch")
+    if batch is not None and (not isinstance(batch, dict) or "max_size" not in batch
+                              or set(batch) - {"max_size", "max_wait_ms"}):
+        raise PlanError(f"'batch' must be a mapping like {{max_size: 8, max_wait_ms: 5}}, got "
+                        f"{batch!r}", where=where, stage=sid)
+    return StageSpec(sid, op, tuple(after), params, make_contract(contract_kw), where)
