@@ -316,12 +316,15 @@ class LiveIndex:
         self._next_key += len(keep)
         self._index.add_with_ids(np.ascontiguousarray(rows[keep]), keys)
         for key, i in zip(keys.tolist(), keep, strict=True):
-            ln = lines[i]
-            self._docs[key] = ln["doc"]
-            self._meta[key] = (ln["id"], ln["t"], ln["exp"])
-            self._keys[ln["id"]] = key
-            if ln["exp"] is not None:
-                heapq.heappush(self._expiry, (ln["exp"], key))
+            self._track(key, lines[i])
+
+    def _track(self, key: int, d: dict) -> None:
+        """Index document ``d`` (``id``, ``t``, ``exp``, ``doc``) under ``key``."""
+        self._docs[key] = d["doc"]
+        self._meta[key] = (d["id"], d["t"], d["exp"])
+        self._keys[d["id"]] = key
+        if d["exp"] is not None:
+            heapq.heappush(self._expiry, (d["exp"], key))
 
     def _remove(self, keys: list[int], counter: str | None) -> None:
         if not keys:
@@ -343,13 +346,6 @@ class LiveIndex:
             if meta is not None and meta[2] == exp:  # still the current version
                 gone.append(key)
         self._remove(gone, "expired")
-
-    def expire(self) -> int:
-        """Drop documents past their TTL now; returns how many (searches do this too)."""
-        with self._lock:
-            before = len(self._docs)
-            self._expire(self._clock())
-            return before - len(self._docs)
 
     def _check_model(self, model: str | None) -> None:
         if model is None:
@@ -418,11 +414,7 @@ class LiveIndex:
             self._model, self._seq = meta["model"], meta["seq"]
             self._next_key, self.cursor = meta["next_key"], meta.get("cursor") or {}
             for d in docs:
-                self._docs[d["key"]] = d["doc"]
-                self._meta[d["key"]] = (d["id"], d["t"], d["exp"])
-                self._keys[d["id"]] = d["key"]
-                if d["exp"] is not None:
-                    heapq.heappush(self._expiry, (d["exp"], d["key"]))
+                self._track(d["key"], d)
             self._expire(self._clock())
             # a crash after the snapshot's switch left the logs it covers (read-only disk:
             # keep them, replaying them skips their changes anyway)

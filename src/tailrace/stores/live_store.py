@@ -27,7 +27,7 @@ def faiss() -> Any:
     try:
         import faiss as module
     except ImportError:
-        raise StoreError("the live index needs faiss; install it with: pip install faiss-cpu") \
+        raise StoreError("vector indexes need faiss; install it with: pip install faiss-cpu") \
             from None
     return module
 

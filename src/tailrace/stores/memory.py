@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from ..engines.models import home
 from ..errors import StoreError
@@ -95,44 +95,9 @@ class MemoryStats:
     claims_timed_out: int
 
 
-class MemoryStore(Protocol):
-    """What memory_read and memory_write need from a store (thread-safe)."""
-
-    backend: str
-
-    def add(self, turns: Sequence[Turn], facts: Sequence[Fact], now: float,
-            release: Sequence[tuple[str, str]] = ()) -> None:
-        """Append turns (in order), insert facts (the same user, model and text again
-        replaces the old fact) and release session claims, all in one transaction."""
-
-    def add_turns(self, turns: Sequence[Turn], now: float) -> None:
-        """``add(turns, (), now)``."""
-
-    def add_facts(self, facts: Sequence[Fact], now: float) -> None:
-        """``add((), facts, now)``."""
-
-    def last_turns(self, user: str, session: str, n: int, now: float) -> list[tuple[str, str]]:
-        """The last ``n`` unexpired ``(role, text)`` of a session, oldest first."""
-
-    def top_facts(self, user: str, model: str, vector: Any, k: int,
-                  now: float) -> list[FactHit]:
-        """The ``k`` unexpired facts of ``user`` most similar to ``vector``, best first."""
-
-    def claim_session(self, user: str, session: str, timeout_s: float) -> bool:
-        """Wait until no turn of the session is in flight, then mark one; False on timeout."""
-
-    def purge(self, now: float) -> int:
-        """Delete expired turns and facts; returns how many rows went."""
-
-    def statistics(self) -> MemoryStats:
-        """Counters since the store was opened."""
-
-    def close(self) -> None:
-        """Close the connection."""
-
-
-class BaseMemory:
-    """What every backend shares: counters, the add wrappers and session claims."""
+class MemoryStore:
+    """What memory_read and memory_write need from a store (thread-safe). The backends
+    subclass it; the counters, the add wrappers and session claims are shared here."""
 
     backend = ""
 
@@ -141,17 +106,39 @@ class BaseMemory:
                    "purged": 0, "claims_waited": 0, "claims_timed_out": 0}
 
     def statistics(self) -> MemoryStats:
+        """Counters since the store was opened."""
         return MemoryStats(self.backend, **self._n)
 
     def add(self, turns: Sequence[Turn], facts: Sequence[Fact], now: float,
             release: Sequence[tuple[str, str]] = ()) -> None:
+        """Append turns (in order), insert facts (the same user, model and text again
+        replaces the old fact) and release session claims, all in one transaction."""
         raise NotImplementedError
 
     def add_turns(self, turns: Sequence[Turn], now: float) -> None:
+        """``add(turns, (), now)``."""
         self.add(turns, (), now)
 
     def add_facts(self, facts: Sequence[Fact], now: float) -> None:
+        """``add((), facts, now)``."""
         self.add((), facts, now)
+
+    def last_turns(self, user: str, session: str, n: int, now: float) -> list[tuple[str, str]]:
+        """The last ``n`` unexpired ``(role, text)`` of a session, oldest first."""
+        raise NotImplementedError
+
+    def top_facts(self, user: str, model: str, vector: Any, k: int,
+                  now: float) -> list[FactHit]:
+        """The ``k`` unexpired facts of ``user`` most similar to ``vector``, best first."""
+        raise NotImplementedError
+
+    def purge(self, now: float) -> int:
+        """Delete expired turns and facts; returns how many rows went."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Close the connection."""
+        raise NotImplementedError
 
     def _try_claim(self, user: str, session: str, now: float, stale_before: float) -> bool:
         """Mark the session unless a mark newer than ``stale_before`` exists."""
@@ -240,13 +227,21 @@ def _pg_dsn(spec: dict[str, Any]) -> dict[str, Any]:
     return {"dsn": dsn}
 
 
-def check_dsn(dsn: str) -> None:
-    """Parse a PostgreSQL connection string without connecting; StoreError if malformed."""
+def psycopg() -> Any:
+    """The psycopg module; StoreError with the install command if missing."""
     try:
-        from psycopg.conninfo import conninfo_to_dict
+        import psycopg
     except ImportError:
         raise StoreError("the postgres store needs psycopg 3; install it with: "
                          "pip install 'psycopg[binary]'") from None
+    return psycopg
+
+
+def check_dsn(dsn: str) -> None:
+    """Parse a PostgreSQL connection string without connecting; StoreError if malformed."""
+    psycopg()  # StoreError if it is missing
+    from psycopg.conninfo import conninfo_to_dict
+
     try:
         conninfo_to_dict(dsn)
     except Exception as e:  # noqa: BLE001 - psycopg.ProgrammingError and friends
@@ -302,3 +297,8 @@ def text_hash(text: str) -> str:
 def expiry(now: float, ttl_s: float | None) -> float | None:
     """The expiry time of a row written at ``now`` with a TTL (None: never)."""
     return None if ttl_s is None else now + float(ttl_s)
+
+
+def turn_rows(turns: Sequence[Turn], now: float) -> list[tuple]:
+    """``(user, session, role, text, created, expires)`` per turn, as both backends store it."""
+    return [(t.user, t.session, t.role, t.text, now, expiry(now, t.ttl_s)) for t in turns]

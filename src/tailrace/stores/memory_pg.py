@@ -16,7 +16,17 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import StoreError
-from .memory import BaseMemory, Fact, FactHit, Turn, expiry, text_hash, unit_vector
+from .memory import (
+    Fact,
+    FactHit,
+    MemoryStore,
+    Turn,
+    expiry,
+    psycopg,
+    text_hash,
+    turn_rows,
+    unit_vector,
+)
 
 SCHEMA = (
     "CREATE TABLE IF NOT EXISTS tailrace_memory_turns ("
@@ -54,32 +64,20 @@ _TOP_FACTS = ("SELECT text, 1 - (embedding <=> %(q)s::vector), metadata, created
               "ORDER BY embedding <=> %(q)s::vector LIMIT %(k)s")
 
 
-def _psycopg() -> Any:
-    try:
-        import psycopg
-    except ImportError:
-        raise StoreError("the postgres store needs psycopg 3; install it with: "
-                         "pip install 'psycopg[binary]'") from None
-    return psycopg
-
-
 def vector_literal(vector: Any) -> str:
     """A unit vector in pgvector's text form ``[x,y,...]`` (9 digits: float32 exact)."""
     return "[" + ",".join(f"{x:.9g}" for x in unit_vector(vector).tolist()) + "]"
 
 
-class PostgresMemory(BaseMemory):
+class PostgresMemory(MemoryStore):
     """Turns and facts in a PostgreSQL database with the pgvector extension."""
 
     backend = "postgres"
 
     def __init__(self, dsn: str) -> None:
-        """Connect and create the tables if needed.
-
-        dsn: a libpq connection string or URI (``postgresql://user@host:5432/db``).
-        """
+        """Connect to ``dsn`` (libpq string or URI) and create the tables if needed."""
         super().__init__()
-        self._psycopg = _psycopg()
+        self._psycopg = psycopg()
         self._dsn = dsn
         self._lock = threading.Lock()
         self._conn = self._connect()
@@ -136,20 +134,19 @@ class PostgresMemory(BaseMemory):
             release: Sequence[tuple[str, str]] = ()) -> None:
         from psycopg.types.json import Jsonb
 
-        turn_rows = [(t.user, t.session, t.role, t.text, now, expiry(now, t.ttl_s))
-                     for t in turns]
+        turns_ = turn_rows(turns, now)
         fact_rows = [(f.user, f.model, text_hash(f.text), f.text, vector_literal(f.vector),
                       Jsonb(f.metadata), now, expiry(now, f.ttl_s)) for f in facts]
 
         def write(conn: Any) -> None:
             with conn.transaction(), conn.cursor() as cur:
-                if turn_rows:
-                    cur.executemany(_ADD_TURN, turn_rows)
+                if turns_:
+                    cur.executemany(_ADD_TURN, turns_)
                 if fact_rows:
                     cur.executemany(_ADD_FACT, fact_rows)
                 if release:
                     cur.executemany(_RELEASE, list(release))
-            self._n["turns_written"] += len(turn_rows)
+            self._n["turns_written"] += len(turns_)
             self._n["facts_written"] += len(fact_rows)
 
         self._run(write)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import StoreError
-from .memory import BaseMemory, Fact, FactHit, Turn, expiry, text_hash, unit_vector
+from .memory import Fact, FactHit, MemoryStore, Turn, expiry, text_hash, turn_rows, unit_vector
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS turns (
@@ -89,16 +89,13 @@ def _open(path: str) -> sqlite3.Connection:
             raise StoreError(f"cannot open the sqlite memory store {path!r}: {e}") from None
 
 
-class SqliteMemory(BaseMemory):
+class SqliteMemory(MemoryStore):
     """Turns and facts in one SQLite file (``:memory:`` for a private in-process one)."""
 
     backend = "sqlite"
 
     def __init__(self, path: str) -> None:
-        """Open (creating if needed) the store at ``path``.
-
-        path: the database file; its directory is created if missing.
-        """
+        """Open (creating if needed) the store at ``path``, and its directory."""
         super().__init__()
         self.path = path
         if path != ":memory:":
@@ -108,19 +105,18 @@ class SqliteMemory(BaseMemory):
 
     def add(self, turns: Sequence[Turn], facts: Sequence[Fact], now: float,
             release: Sequence[tuple[str, str]] = ()) -> None:
-        turn_rows = [(t.user, t.session, t.role, t.text, now, expiry(now, t.ttl_s))
-                     for t in turns]
+        turns_ = turn_rows(turns, now)
         fact_rows = [(f.user, f.model, text_hash(f.text), f.text,
                       unit_vector(f.vector).tobytes(), json.dumps(f.metadata), now,
                       expiry(now, f.ttl_s)) for f in facts]
         with self._lock, self._conn:
-            if turn_rows:
-                self._conn.executemany(_ADD_TURN, turn_rows)
+            if turns_:
+                self._conn.executemany(_ADD_TURN, turns_)
             if fact_rows:
                 self._conn.executemany(_ADD_FACT, fact_rows)
             if release:
                 self._conn.executemany(_RELEASE, release)
-            self._n["turns_written"] += len(turn_rows)
+            self._n["turns_written"] += len(turns_)
             self._n["facts_written"] += len(fact_rows)
 
     def last_turns(self, user: str, session: str, n: int, now: float) -> list[tuple[str, str]]:

@@ -18,18 +18,14 @@ from typing import Any
 
 from ..errors import StoreError
 from .atomic import current, replace_dir
+from .live_store import faiss as _faiss
 
 FORMAT_VERSION = 1
 KINDS = ("flat", "hnsw")
 
 
-def _faiss() -> Any:
-    try:
-        import faiss
-    except ImportError:
-        raise StoreError("the vector index needs faiss; install it with: "
-                         "pip install faiss-cpu") from None
-    return faiss
+def _corrupt(where: Path, what: str) -> StoreError:
+    return StoreError(f"index at {where} is corrupt: {what}; rebuild it with `tailrace ingest`")
 
 
 class VectorIndex:
@@ -197,18 +193,15 @@ class VectorIndex:
         if found is None or (found == where and not (found / "meta.json").is_file()):
             raise StoreError(f"no index at {where}; build it with `tailrace ingest`")
         if not (found / "meta.json").is_file():
-            raise StoreError(f"index at {where} is corrupt: no meta.json in {found}; rebuild "
-                             "it with `tailrace ingest`")
+            raise _corrupt(where, f"no meta.json in {found}")
         try:
             meta = json.loads((found / "meta.json").read_text(encoding="utf-8"))
             version, model, kind = meta["format"], meta["model"], meta["kind"]
             dim, count = int(meta["dim"]), int(meta["count"])
         except (ValueError, KeyError, TypeError) as e:
-            raise StoreError(f"index at {where} is corrupt: bad meta.json ({e}); rebuild it "
-                             "with `tailrace ingest`") from None
+            raise _corrupt(where, f"bad meta.json ({e})") from None
         if kind not in KINDS:
-            raise StoreError(f"index at {where} is corrupt: unknown kind '{kind}' in "
-                             "meta.json; rebuild it with `tailrace ingest`")
+            raise _corrupt(where, f"unknown kind '{kind}' in meta.json")
         if version != FORMAT_VERSION:
             raise StoreError(f"index at {where} has format {version}, this tailrace reads "
                              f"format {FORMAT_VERSION}; rebuild it with `tailrace ingest`")
@@ -221,8 +214,7 @@ class VectorIndex:
         try:
             index = faiss.read_index(str(found / "index.faiss"))
         except Exception as e:
-            raise StoreError(f"index at {where} is corrupt: cannot read index.faiss ({e}); "
-                             "rebuild it with `tailrace ingest`") from None
+            raise _corrupt(where, f"cannot read index.faiss ({e})") from None
         docs = _read_docs(found / "docs.jsonl", where)
         if not index.ntotal == len(docs) == count or index.d != dim:
             raise StoreError(f"index at {where} is inconsistent: meta.json says {count} x "
@@ -236,11 +228,8 @@ class VectorIndex:
 
 
 def _read_docs(path: Path, where: Path) -> list[dict]:
-    """The documents of ``docs.jsonl``; StoreError naming the first bad line.
-
-    path:  the docs.jsonl file.
-    where: the index path, for messages.
-    """
+    """The documents of ``docs.jsonl`` (``where``: the index, for messages); StoreError
+    naming the first bad line."""
     docs: list[dict] = []
     try:
         with open(path, encoding="utf-8") as f:
@@ -250,11 +239,8 @@ def _read_docs(path: Path, where: Path) -> list[dict]:
                 except ValueError:
                     doc = None
                 if not isinstance(doc, dict):
-                    raise StoreError(f"index at {where} is corrupt: docs.jsonl line "
-                                     f"{lineno} is not a JSON object; rebuild it with "
-                                     "`tailrace ingest`")
+                    raise _corrupt(where, f"docs.jsonl line {lineno} is not a JSON object")
                 docs.append(doc)
     except (OSError, UnicodeDecodeError) as e:
-        raise StoreError(f"index at {where} is corrupt: cannot read docs.jsonl ({e}); "
-                         "rebuild it with `tailrace ingest`") from None
+        raise _corrupt(where, f"cannot read docs.jsonl ({e})") from None
     return docs
