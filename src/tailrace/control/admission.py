@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ..errors import TailraceError
-from .slo import CostModel, PipelineSLO
+from .slo import CostModel, PipelineSLO, require
 from .slo import is_count as _is_count
 from .slo import is_number as _is_number
 
@@ -81,19 +81,15 @@ class Request:
 
     def __post_init__(self) -> None:
         where = f"request {self.id!r}"
-        if not isinstance(self.pipeline, str) or not self.pipeline:
-            raise ValueError(f"{where}: pipeline must be a non-empty string, "
-                             f"got {self.pipeline!r}")
-        if not _is_number(self.arrival):
-            raise ValueError(f"{where}: arrival must be a finite number of clock seconds, "
-                             f"got {self.arrival!r}")
+        require(isinstance(self.pipeline, str) and self.pipeline != "", where, "pipeline",
+                "a non-empty string", self.pipeline)
+        require(_is_number(self.arrival), where, "arrival", "a finite number of clock seconds",
+                self.arrival)
         for name in ("prompt_tokens", "max_tokens"):
-            if not _is_count(getattr(self, name)):
-                raise ValueError(f"{where}: {name} must be a non-negative integer, "
-                                 f"got {getattr(self, name)!r}")
-        if self.deadline is not None and not _is_number(self.deadline):
-            raise ValueError(f"{where}: deadline must be a finite number of clock seconds "
-                             f"or None, got {self.deadline!r}")
+            value = getattr(self, name)
+            require(_is_count(value), where, name, "a non-negative integer", value)
+        require(self.deadline is None or _is_number(self.deadline), where, "deadline",
+                "a finite number of clock seconds or None", self.deadline)
 
 
 class Verdict(enum.Enum):
@@ -211,10 +207,7 @@ class AdmissionPolicy:
         self._admitted_cost: dict[str, float] = {}
 
     def slo_for(self, pipeline: str) -> PipelineSLO:
-        """The SLO that applies to a pipeline.
-
-        pipeline: the pipeline's name.
-        """
+        """The SLO that applies to the pipeline named ``pipeline``."""
         return self.slos.get(pipeline, self.default_slo)
 
     def _pending(self, request: Request) -> Pending:
@@ -224,17 +217,12 @@ class AdmissionPolicy:
         return Pending(request, self.cost_model.predict(request), deadline, next(self._seq))
 
     def decide(self, request: Request) -> Decision:
-        """What ``try_admit`` would do with a request now; changes nothing.
-
-        request: the request to judge.
-        """
+        """What ``try_admit`` would do with ``request`` now; changes nothing."""
         return self._decide(self._pending(request), self.clock())
 
     def try_admit(self, request: Request) -> Ticket | None:
-        """Admit now if capacity allows, else queue it or reject it (``last_rejection``).
-
-        request: the arriving request.
-        """
+        """Admit ``request`` now if capacity allows, else queue or reject it
+        (``last_rejection``)."""
         now = self.clock()
         entry = self._pending(request)
         decision = self._decide(entry, now)
@@ -248,9 +236,7 @@ class AdmissionPolicy:
 
     def poll(self, now: float | None = None) -> list[Ticket]:
         """Admit waiting requests that now fit, in policy order; reject expired ones.
-
-        now: the current time; None reads the clock.
-        """
+        ``now``: the current time (None: read the clock)."""
         now = self.clock() if now is None else now
         tickets = []
         while (entry := self._next(now)) is not None:
@@ -317,10 +303,6 @@ class AdmissionPolicy:
         self.last_rejection = rejection
         if self.on_reject is not None:
             self.on_reject(rejection)
-
-    def _remaining_work(self, now: float) -> float:
-        """Predicted seconds of service left in flight (overdue work counts as zero)."""
-        return sum(max(0.0, t.admitted_at + t.cost - now) for t in self._in_flight.values())
 
     def _next_completion(self, now: float) -> float:
         """Predicted seconds until the first in-flight request finishes."""

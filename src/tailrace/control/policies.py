@@ -35,6 +35,7 @@ from .admission import (
 )
 from .slo import is_count as _is_count
 from .slo import is_number as _is_number
+from .slo import require
 
 ADMIT = Decision(Verdict.ADMIT)
 QUEUE = Decision(Verdict.QUEUE)
@@ -66,18 +67,14 @@ class _Limited(AdmissionPolicy):
                  max_queue: int = 1024, **common: Any) -> None:
         super().__init__(**common)
         where = f"admission policy {self.name!r}"
-        if max_in_flight is not None and not (_is_count(max_in_flight) and max_in_flight > 0):
-            raise ValueError(f"{where}: max_in_flight must be a positive integer or None, "
-                             f"got {max_in_flight!r}")
-        if max_cost is not None and not (_is_number(max_cost) and max_cost > 0):
-            raise ValueError(f"{where}: max_cost must be a positive number of seconds or None, "
-                             f"got {max_cost!r}")
+        require(max_in_flight is None or _is_count(max_in_flight) and max_in_flight > 0, where,
+                "max_in_flight", "a positive integer or None", max_in_flight)
+        require(max_cost is None or _is_number(max_cost) and max_cost > 0, where, "max_cost",
+                "a positive number of seconds or None", max_cost)
         if max_in_flight is None and max_cost is None:
             raise ValueError(f"{where}: set max_in_flight or max_cost "
                              f"(with neither, use 'simultaneous')")
-        if not _is_count(max_queue):
-            raise ValueError(f"{where}: max_queue must be a non-negative integer, "
-                             f"got {max_queue!r}")
+        require(_is_count(max_queue), where, "max_queue", "a non-negative integer", max_queue)
         self.max_in_flight, self.max_cost, self.max_queue = max_in_flight, max_cost, max_queue
 
     def _fits(self, cost: float) -> bool:
@@ -153,19 +150,17 @@ class SLOPolicy(_Limited):
     def __init__(self, *, max_lead: float = 2.0, reserve: int = 0,
                  reserve_window: float = 10.0, **options: Any) -> None:
         super().__init__(**options)
+        where = "admission policy 'slo'"
         if self.max_in_flight is None:
-            raise ValueError("admission policy 'slo': max_in_flight must be a positive integer "
-                             "(the parallelism behind its queueing-delay prediction), got None")
-        if not _is_number(max_lead) or max_lead < 0:
-            raise ValueError(f"admission policy 'slo': max_lead must be a non-negative number "
-                             f"of seconds, got {max_lead!r}")
+            raise ValueError(f"{where}: max_in_flight must be a positive integer (the "
+                             "parallelism behind its queueing-delay prediction), got None")
+        require(_is_number(max_lead) and max_lead >= 0, where, "max_lead",
+                "a non-negative number of seconds", max_lead)
         self.max_lead = float(max_lead)
-        if not _is_count(reserve) or reserve >= self.max_in_flight:
-            raise ValueError(f"admission policy 'slo': reserve must be a non-negative integer "
-                             f"below max_in_flight ({self.max_in_flight}), got {reserve!r}")
-        if not _is_number(reserve_window) or reserve_window < 0:
-            raise ValueError(f"admission policy 'slo': reserve_window must be a non-negative "
-                             f"number of seconds, got {reserve_window!r}")
+        require(_is_count(reserve) and reserve < self.max_in_flight, where, "reserve",
+                f"a non-negative integer below max_in_flight ({self.max_in_flight})", reserve)
+        require(_is_number(reserve_window) and reserve_window >= 0, where, "reserve_window",
+                "a non-negative number of seconds", reserve_window)
         self.reserve, self.reserve_window = reserve, float(reserve_window)
         self._seen: dict[int, float] = {}  # priority rank -> time of its latest arrival
         self._lanes: int = self.max_in_flight
@@ -284,10 +279,8 @@ POLICIES: dict[str, type[AdmissionPolicy]] = {
 
 
 def register_policy(cls: type[AdmissionPolicy]) -> type[AdmissionPolicy]:
-    """Add a policy class to the registry under its ``name`` (usable as a decorator).
-
-    cls: an ``AdmissionPolicy`` subclass with a non-empty ``name``.
-    """
+    """Add an ``AdmissionPolicy`` subclass to the registry under its (non-empty) ``name``;
+    usable as a decorator."""
     if not cls.name:
         raise ValueError(f"register_policy: {cls.__name__} needs a non-empty 'name'")
     POLICIES[cls.name] = cls
@@ -295,10 +288,7 @@ def register_policy(cls: type[AdmissionPolicy]) -> type[AdmissionPolicy]:
 
 
 def policy_options(name: str) -> list[str]:
-    """The keyword options a registered policy takes.
-
-    name: the policy's registry name.
-    """
+    """The keyword options the policy registered as ``name`` takes."""
     names: set[str] = set()
     for klass in _lookup(name).__mro__:
         if "__init__" in klass.__dict__ and klass is not object:

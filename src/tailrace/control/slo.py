@@ -23,6 +23,12 @@ def is_count(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
+def require(ok: bool, where: str, name: str, want: str, value: object) -> None:
+    """ValueError ``"{where}: {name} must be {want}, got {value!r}"`` unless ``ok``."""
+    if not ok:
+        raise ValueError(f"{where}: {name} must be {want}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class PipelineSLO:
     """A pipeline's latency objective, urgency class and fair-share weight.
@@ -40,15 +46,14 @@ class PipelineSLO:
 
     def __post_init__(self) -> None:
         where = f"slo for pipeline {self.pipeline!r}" if self.pipeline else "slo"
-        if not is_number(self.p99_ms) or self.p99_ms <= 0:
-            raise ValueError(f"{where}: p99_ms must be a positive number of milliseconds, "
-                             f"got {self.p99_ms!r}")
-        if not (self.priority in PRIORITIES
-                or isinstance(self.priority, int) and not isinstance(self.priority, bool)):
-            raise ValueError(f"{where}: priority must be 'interactive', 'standard', 'batch' "
-                             f"or an integer class (higher is more urgent), got {self.priority!r}")
-        if not is_number(self.weight) or self.weight <= 0:
-            raise ValueError(f"{where}: weight must be a positive number, got {self.weight!r}")
+        require(is_number(self.p99_ms) and self.p99_ms > 0, where, "p99_ms",
+                "a positive number of milliseconds", self.p99_ms)
+        require(self.priority in PRIORITIES or isinstance(self.priority, int)
+                and not isinstance(self.priority, bool), where, "priority",
+                "'interactive', 'standard', 'batch' or an integer class (higher is more "
+                "urgent)", self.priority)
+        require(is_number(self.weight) and self.weight > 0, where, "weight",
+                "a positive number", self.weight)
 
     @property
     def rank(self) -> int:
@@ -57,11 +62,8 @@ class PipelineSLO:
 
     @classmethod
     def from_config(cls, pipeline: str, config: Mapping[str, Any]) -> PipelineSLO:
-        """Build from a YAML ``slo:`` mapping, rejecting unknown keys.
-
-        pipeline: the pipeline's name, used in error messages.
-        config: the mapping, e.g. ``{"p99_ms": 3000, "priority": "interactive"}``.
-        """
+        """Build from the YAML ``slo:`` mapping of ``pipeline`` (e.g. ``{"p99_ms": 3000,
+        "priority": "interactive"}``), rejecting unknown keys."""
         known = ("p99_ms", "priority", "weight")
         for key in config:
             if key not in known:
@@ -84,50 +86,35 @@ class CostModel:
     def __init__(self, prefill_tps: float = 1000.0, decode_tps: float = 50.0,
                  overhead_s: float = 0.005, alpha: float = 0.2) -> None:
         for name, value in (("prefill_tps", prefill_tps), ("decode_tps", decode_tps)):
-            if not is_number(value) or value <= 0:
-                raise ValueError(f"cost model: {name} must be a positive number of tokens "
-                                 f"per second, got {value!r}")
-        if not is_number(overhead_s) or overhead_s < 0:
-            raise ValueError(f"cost model: overhead_s must be a non-negative number of "
-                             f"seconds, got {overhead_s!r}")
-        if not is_number(alpha) or not 0 < alpha <= 1:
-            raise ValueError(f"cost model: alpha must be in (0, 1], got {alpha!r}")
+            require(is_number(value) and value > 0, "cost model", name,
+                    "a positive number of tokens per second", value)
+        require(is_number(overhead_s) and overhead_s >= 0, "cost model", "overhead_s",
+                "a non-negative number of seconds", overhead_s)
+        require(is_number(alpha) and 0 < alpha <= 1, "cost model", "alpha", "in (0, 1]", alpha)
         self.prefill_tps, self.decode_tps = float(prefill_tps), float(decode_tps)
         self.overhead_s, self.alpha = float(overhead_s), float(alpha)
         self._scale: dict[str, float] = {}  # per pipeline; unseen pipelines use the global one
         self._global = 1.0
 
     def estimate(self, request: Request) -> float:
-        """Uncalibrated seconds from tokens alone.
-
-        request: the request to estimate.
-        """
+        """Uncalibrated seconds of ``request`` from tokens alone."""
         return (self.overhead_s + request.prompt_tokens / self.prefill_tps
                 + request.max_tokens / self.decode_tps)
 
     def scale(self, pipeline: str) -> float:
-        """The calibration factor (EWMA of actual / estimate) applied to a pipeline.
-
-        pipeline: the pipeline's name.
-        """
+        """The calibration factor (EWMA of actual / estimate) applied to ``pipeline``."""
         return self._scale.get(pipeline, self._global)
 
     def predict(self, request: Request) -> float:
-        """Predicted service seconds: the token estimate times the pipeline's calibration.
-
-        request: the request to predict.
-        """
+        """Predicted service seconds of ``request``: the token estimate times its
+        pipeline's calibration."""
         return self.estimate(request) * self.scale(request.pipeline)
 
     def observe(self, request: Request, seconds: float) -> None:
-        """Move the pipeline's (and the global) calibration toward an observed service time.
-
-        request: the request that was served.
-        seconds: its measured service time.
-        """
-        if not is_number(seconds) or seconds < 0:
-            raise ValueError(f"cost model: observed seconds must be a non-negative number, "
-                             f"got {seconds!r}")
+        """Move the calibration of the request's pipeline (and the global one) toward
+        ``seconds``, the measured service time of ``request``."""
+        require(is_number(seconds) and seconds >= 0, "cost model", "observed seconds",
+                "a non-negative number", seconds)
         base = self.estimate(request)
         if base <= 0:
             return  # nothing to scale: a zero estimate stays zero

@@ -114,12 +114,7 @@ def _versions(parent: Path, name: str) -> dict[int, str]:
         entries = os.listdir(parent)
     except FileNotFoundError:
         return {}
-    found = {}
-    for entry in entries:
-        n = _number(name, entry)
-        if n is not None:
-            found[n] = entry
-    return found
+    return {n: entry for entry in entries if (n := _number(name, entry)) is not None}
 
 
 def _leftover(name: str, entry: str) -> bool:
