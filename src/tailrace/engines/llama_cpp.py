@@ -50,16 +50,22 @@ def _on_llama_log(level: int, text: bytes | None, _user: Any) -> None:
         _LOG.error("llama.cpp: %s", text.decode("utf-8", errors="replace").rstrip())
 
 
-def init_backend(lib: Any) -> None:
-    """Initialise llama.cpp's backends once per process and silence its stderr logging."""
+def llama_lib() -> Any:
+    """The ``llama_cpp`` module, its backends initialised once per process and its stderr
+    logging silenced; EngineError with the install command if it is missing."""
     global _BACKEND_READY, _LOG_CALLBACK
+    try:
+        import llama_cpp as lib
+    except ImportError:
+        raise EngineError("the llama_cpp backend needs llama-cpp-python; install it "
+                          "with: pip install llama-cpp-python") from None
     with _BACKEND_LOCK:
-        if _BACKEND_READY:
-            return
-        _LOG_CALLBACK = lib.llama_log_callback(_on_llama_log)
-        lib.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
-        lib.llama_backend_init()
-        _BACKEND_READY = True
+        if not _BACKEND_READY:
+            _LOG_CALLBACK = lib.llama_log_callback(_on_llama_log)
+            lib.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+            lib.llama_backend_init()
+            _BACKEND_READY = True
+    return lib
 
 
 class _Call:
@@ -128,12 +134,9 @@ class LlamaCppEngine:
         n_batch:   most tokens per decode step (prompt prefill is chunked by it).
         seed:      seeds the sampling RNG of requests without their own ``seed``.
         """
-        try:
-            import llama_cpp as lib
-            import numpy as np
-        except ImportError:
-            raise EngineError("the llama_cpp backend needs llama-cpp-python; install it "
-                              "with: pip install llama-cpp-python") from None
+        lib = llama_lib()
+        import numpy as np  # a dependency of llama-cpp-python
+
         if n_ctx < 1 or n_seq_max < 1 or n_batch < 1:
             raise EngineError(f"n_ctx, n_seq_max and n_batch must be positive (got {n_ctx}, "
                               f"{n_seq_max}, {n_batch})")
@@ -166,7 +169,6 @@ class LlamaCppEngine:
         self.n_seq_max = n_seq_max
         self.n_batch = max(n_batch, n_seq_max)
 
-        init_backend(lib)
         mparams = lib.llama_model_default_params()
         mparams.n_gpu_layers = 0
         # no weight repacking into extra buffer types: the AMX one faults where the OS
@@ -214,10 +216,7 @@ class LlamaCppEngine:
     # -- public API -------------------------------------------------------------------
 
     def count_tokens(self, text: str) -> int:
-        """Tokens ``text`` takes in this model's tokenizer (as a raw prompt, with BOS).
-
-        text: the text to tokenize.
-        """
+        """Tokens ``text`` takes in this model's tokenizer (as a raw prompt, with BOS)."""
         if self._model is None:
             raise EngineError(f"engine '{self.model}' is closed")
         return len(self._tokenize(text, add_special=True))

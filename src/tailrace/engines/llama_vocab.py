@@ -11,7 +11,7 @@ import threading
 from typing import Any
 
 from ..errors import EngineError
-from .llama_cpp import init_backend
+from .llama_cpp import llama_lib
 
 
 class LlamaVocab:
@@ -21,14 +21,8 @@ class LlamaVocab:
     """
 
     def __init__(self, path: str):
-        try:
-            import llama_cpp as lib
-        except ImportError:
-            raise EngineError("the llama_cpp backend needs llama-cpp-python; install it "
-                              "with: pip install llama-cpp-python") from None
-        self._lib = lib
+        self._lib = lib = llama_lib()
         self._lock = threading.Lock()
-        init_backend(lib)
         params = lib.llama_model_default_params()
         params.vocab_only = True
         self._model: Any = lib.llama_model_load_from_file(path.encode(), params)
@@ -37,10 +31,7 @@ class LlamaVocab:
         self._vocab = lib.llama_model_get_vocab(self._model)
 
     def count_tokens(self, text: str) -> int:
-        """Tokens ``text`` takes as a raw prompt (with BOS), as ``LlamaCppEngine`` counts.
-
-        text: the text to tokenize.
-        """
+        """Tokens ``text`` takes as a raw prompt (with BOS), as ``LlamaCppEngine`` counts."""
         lib, data = self._lib, text.encode("utf-8")
         with self._lock:
             if self._model is None:

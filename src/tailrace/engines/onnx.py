@@ -94,8 +94,6 @@ class OnnxEmbedder:
     def _pick_output(self, model_file: str) -> tuple[str, bool]:
         """The output to read, and whether it is already pooled (2-D).
 
-        model_file: the ONNX file, for the error message.
-
         A ``sentence_embedding`` output is used as is; otherwise the (only) float 3-D
         output holds the token embeddings and is mean-pooled here. minilm-l6-int8 has
         just ``last_hidden_state``; minilm-l3 also outputs its input ids, mask and an
@@ -118,17 +116,12 @@ class OnnxEmbedder:
         return catalog_dim or int(self._run([self._tok.encode("dimension probe")]).shape[1])
 
     def count_tokens(self, text: str) -> int:
-        """Tokens ``text`` takes, special tokens included, before truncation.
-
-        text: the text to tokenize.
-        """
+        """Tokens ``text`` takes, special tokens included, before truncation."""
         return len(self._count_tok.encode(text).ids)
 
     def embed(self, texts: Sequence[str]) -> Any:
-        """A float32 ``(len(texts), dim)`` matrix of unit-norm rows, in input order.
-
-        texts: the texts to embed (truncated to ``max_length`` tokens).
-        """
+        """A float32 ``(len(texts), dim)`` matrix of unit-norm rows, in input order (each
+        text truncated to ``max_length`` tokens)."""
         np = self._np
         if isinstance(texts, str):
             raise EngineError("embed() takes a list of texts, not one string")

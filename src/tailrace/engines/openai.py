@@ -33,20 +33,13 @@ _TOKENIZE_PATHS = ("/extras/tokenize", "/tokenize")
 
 
 def _one_line(text: str, limit: int = 300) -> str:
-    """``text`` with whitespace collapsed, cut to ``limit`` characters.
-
-    text: any message.
-    limit: the most characters kept.
-    """
+    """``text`` with whitespace collapsed, cut to ``limit`` characters."""
     line = " ".join(str(text).split())
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def _server_message(exc: Any) -> str:
-    """The server's own error message from an ``openai.APIStatusError`` (else the SDK's).
-
-    exc: the exception the SDK raised.
-    """
+    """The server's own error message from an ``openai.APIStatusError`` (else the SDK's)."""
     body = getattr(exc, "body", None)
     if isinstance(body, dict):
         inner = body.get("error", body)
@@ -119,16 +112,16 @@ class OpenAIEngine:
     def _where(self) -> str:
         return f"openai engine at {self.base_url} (model '{self.model}')"
 
-    def _error(self, exc: BaseException) -> EngineError:
-        """The ``EngineError`` (or ``ContextOverflow``) for an SDK or HTTP exception.
+    def _timed_out(self, what: str = "request") -> EngineError:
+        return EngineError(f"{self._where()}: {what} timed out after {self.timeout_s:g}s")
 
-        exc: what the SDK (or httpx) raised.
-        """
+    def _error(self, exc: BaseException) -> EngineError:
+        """The ``EngineError`` (or ``ContextOverflow``) for what the SDK (or httpx) raised."""
         openai = self._openai
         if isinstance(exc, EngineError):
             return exc
         if isinstance(exc, openai.APITimeoutError):
-            return EngineError(f"{self._where()}: request timed out after {self.timeout_s:g}s")
+            return self._timed_out()
         if isinstance(exc, openai.APIConnectionError):
             cause = exc.__cause__ or exc.__context__
             detail = _one_line(str(cause)) if cause is not None and str(cause) else exc.message
@@ -142,8 +135,7 @@ class OpenAIEngine:
             return EngineError(f"{self._where()}: server error {status}: {message}")
         if type(exc).__module__.split(".")[0] in ("httpx", "httpx2", "httpcore", "httpcore2"):
             if "Timeout" in type(exc).__name__:
-                return EngineError(f"{self._where()}: request timed out after "
-                                   f"{self.timeout_s:g}s")
+                return self._timed_out()
             return EngineError(f"{self._where()}: connection lost while reading the response "
                                f"({type(exc).__name__}: {_one_line(str(exc))})")
         if isinstance(exc, openai.APIError):  # an error event inside a stream
@@ -163,11 +155,8 @@ class OpenAIEngine:
         return self.base_url[:-3] if self.base_url.endswith("/v1") else self.base_url
 
     def _tokenize(self, path: str, text: str) -> int | None:
-        """Tokens in ``text`` by the server endpoint ``path``; None if the endpoint is unusable.
-
-        path: ``/extras/tokenize`` or ``/tokenize``, relative to the server root.
-        text: the text to tokenize.
-        """
+        """Tokens in ``text`` by the endpoint ``path`` (relative to the server root); None
+        if the endpoint is unusable."""
         # one body for every server's field name: llama-cpp-python reads "input", vLLM and
         # SGLang "prompt", llama.cpp's llama-server "content"
         body = json.dumps({"model": self.model, "input": text, "prompt": text, "content": text,
@@ -182,12 +171,10 @@ class OpenAIEngine:
         except urllib.error.HTTPError:
             return None
         except TimeoutError:
-            raise EngineError(f"{self._where()}: tokenize request timed out after "
-                              f"{self.timeout_s:g}s") from None
+            raise self._timed_out("tokenize request") from None
         except urllib.error.URLError as e:
             if isinstance(e.reason, TimeoutError):
-                raise EngineError(f"{self._where()}: tokenize request timed out after "
-                                  f"{self.timeout_s:g}s") from None
+                raise self._timed_out("tokenize request") from None
             raise EngineError(f"{self._where()}: cannot connect ({_one_line(str(e.reason))})"
                               ) from None
         except (OSError, ValueError):
@@ -202,8 +189,6 @@ class OpenAIEngine:
 
     def count_tokens(self, text: str) -> int:
         """Tokens ``text`` takes: the server's tokenizer if it has one, else ``approx_tokens``.
-
-        text: the text to measure.
 
         The first call tries ``/extras/tokenize`` (llama-cpp-python) and ``/tokenize`` (vLLM,
         SGLang, llama.cpp) at the server root and remembers which works, or that none does.
@@ -276,12 +261,9 @@ class OpenAIEngine:
         return results
 
     def _create(self, req: GenerationRequest, stream: bool, client: Any = None) -> Any:
-        """Send ``req`` to /v1/chat/completions (messages) or /v1/completions (prompt).
-
-        req: the request.
-        stream: ask for server-sent events (with usage in the last event, if supported).
-        client: the ``openai.OpenAI`` client to send it with (default: the engine's).
-        """
+        """Send ``req`` to /v1/chat/completions (messages) or /v1/completions (prompt), with
+        ``client`` (default: the engine's); ``stream`` asks for server-sent events (with usage
+        in the last event, if supported)."""
         client = client or self._client
         kwargs: dict[str, Any] = {"model": self.model, "max_tokens": req.max_tokens,
                                   "temperature": req.temperature}
@@ -301,8 +283,6 @@ class OpenAIEngine:
         """Stream one request and collect its text, usage and finish reason.
 
         index: the request's position in its batch (passed to ``on_token``).
-        req: the request.
-        on_token: the piece callback, or None.
         cancel: set when another request of the batch failed; stops this one early.
         """
         if cancel.is_set():  # another request failed before this one started
@@ -340,12 +320,7 @@ class OpenAIEngine:
 
     def _run_unstreamed(self, index: int, req: GenerationRequest,
                         on_token: TokenCallback | None) -> Generation:
-        """Send ``req`` without streaming; ``on_token`` gets the whole text as one piece.
-
-        index: the request's position in its batch.
-        req: the request.
-        on_token: the piece callback, or None.
-        """
+        """Send ``req`` without streaming; ``on_token`` gets the whole text as one piece."""
         # the server may drop the connection the failed stream came on: retry at least once
         client = self._client.with_options(max_retries=max(1, self._retries))
         resp = self._create(req, stream=False, client=client)
@@ -361,14 +336,9 @@ class OpenAIEngine:
 
     def _generation(self, req: GenerationRequest, text: str, finish: str | None, usage: Any,
                     n_pieces: int) -> Generation:
-        """The ``Generation`` for a finished request, with server or estimated token counts.
-
-        req: the request.
-        text: the generated text.
-        finish: the server's finish reason.
-        usage: the server's usage object, or None if it sent none.
-        n_pieces: streamed pieces (one token each on the servers we know): the fallback count.
-        """
+        """The ``Generation`` for a finished request, with the server's token counts
+        (``usage``, None if it sent none) or estimated ones: the prompt counted here and
+        ``n_pieces``, the streamed pieces (one token each on the servers we know)."""
         extra: dict[str, Any] = {"finish_reason": finish, "streamed": True}
         if usage is not None and getattr(usage, "completion_tokens", None) is not None:
             prompt_tokens = int(usage.prompt_tokens or 0)
@@ -394,9 +364,8 @@ class OpenAIEngine:
         return self._dim
 
     def embed(self, texts: Sequence[str]) -> Any:
-        """Embed ``texts`` by ``/v1/embeddings``: float32 array, one L2-normalised row each.
-
-        texts: the texts to embed, in order (sent ``embed_batch`` to a request).
+        """Embed ``texts`` by ``/v1/embeddings`` (``embed_batch`` to a request): float32
+        array, one L2-normalised row each.
 
         A server that returns one vector per token (llama-cpp-python's, for a model without a
         pooling type) has them mean-pooled here (``pooling`` becomes ``"client-mean"``) and is
@@ -435,10 +404,7 @@ class OpenAIEngine:
         return (arr / np.where(norms > 0, norms, 1.0)).astype(np.float32, copy=False)
 
     def _embed_request(self, batch: list[str]) -> tuple[list[Any], bool]:
-        """One /v1/embeddings request: a float32 vector per text, and whether they were pooled.
-
-        batch: the texts of this request.
-        """
+        """One /v1/embeddings request: a float32 vector per text, and whether they were pooled."""
         import numpy as np
 
         try:

@@ -35,10 +35,8 @@ _REMOTE_OPENER: Callable[[str, dict], Any] | None = None
 
 
 def set_remote_opener(opener: Callable[[str, dict], Any] | None) -> None:
-    """Make ``open_engine`` in this process return ``opener(name, spec)`` (None: undo).
-
-    opener: e.g. the Ray runtime's, giving a handle on the cluster's shared engine actor.
-    """
+    """Make ``open_engine`` in this process return ``opener(name, spec)`` (None: undo),
+    e.g. the Ray runtime's, a handle on the cluster's shared engine actor."""
     global _REMOTE_OPENER
     _REMOTE_OPENER = opener
 

@@ -30,8 +30,6 @@ def token_counter(spec: dict[str, Any]) -> Callable[[str], int]:
 
     llama.cpp models: exact, with the model's vocabulary only (no weights); other
     backends: the 4-characters-a-token estimate.
-
-    spec: the engine spec.
     """
     if spec.get("backend") != "llama_cpp":
         return approx_tokens

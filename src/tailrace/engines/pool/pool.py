@@ -58,10 +58,7 @@ _TICK_S = 0.25  # liveness checks and restarts happen at least this often
 
 
 def predicted_tokens(req: GenerationRequest) -> int:
-    """A request's predicted cost in tokens: its prompt (4 characters a token) + max_tokens.
-
-    req: the generation request.
-    """
+    """A request's predicted cost in tokens: its prompt (4 characters a token) + max_tokens."""
     if req.prompt is not None:
         text = req.prompt
     else:
@@ -232,7 +229,6 @@ class EnginePool:
                  on_token: TokenCallback | None = None) -> list[Generation]:
         """Generate for ``requests`` (batched with other callers'); results in request order.
 
-        requests: the requests.
         on_token: called as ``on_token(index, piece)`` as text is produced, on a pool
                   thread (keep it quick); a retried request does not repeat pieces.
         """
@@ -243,10 +239,7 @@ class EnginePool:
         return call.wait()
 
     def embed(self, texts: Sequence[str]) -> Any:
-        """Embed ``texts`` (batched with other callers'): float32 array, one row each.
-
-        texts: the texts.
-        """
+        """Embed ``texts`` (batched with other callers'): float32 array, one row each."""
         import numpy as np
 
         self._check_kind("embed")
@@ -262,8 +255,6 @@ class EnginePool:
 
         llama.cpp replicas: exact, with the model's vocabulary (loaded here on first use,
         weights not needed); other backends: the 4-characters-a-token estimate.
-
-        text: the text to count.
         """
         if self._counter is None:
             self._counter = token_counter(self.spec)
