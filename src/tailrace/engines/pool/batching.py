@@ -86,10 +86,7 @@ class Batcher:
         return self._items[0][2] + self.max_wait_s
 
     def ready(self, now: float) -> bool:
-        """Whether a batch is due: full by size or tokens, or its oldest item waited enough.
-
-        now: the current time in seconds.
-        """
+        """Whether a batch is due: full by size or tokens, or its oldest item waited enough."""
         if not self._items:
             return False
         if len(self._items) >= self.max_batch_size:

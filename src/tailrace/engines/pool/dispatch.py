@@ -40,10 +40,7 @@ class ReplicaLoad:
     max_work: int | None = None
 
     def can_take(self, cost: int) -> bool:
-        """Whether a call of ``cost`` predicted tokens may be sent to it now.
-
-        cost: the call's predicted tokens.
-        """
+        """Whether a call of ``cost`` predicted tokens may be sent to it now."""
         if not self.healthy or self.in_flight >= self.max_concurrency:
             return False
         return (self.max_work is None or self.in_flight == 0
@@ -73,11 +70,7 @@ class LeastOutstandingWork:
     name = "least_work"
 
     def choose(self, loads: Sequence[ReplicaLoad], cost: int) -> int | None:
-        """The id of the least-loaded replica that can take ``cost``; None if none can.
-
-        loads: a snapshot of every replica's load.
-        cost:  the call's predicted tokens.
-        """
+        """The id of the least-loaded replica that can take ``cost``; None if none can."""
         best: ReplicaLoad | None = None
         for load in loads:
             if not load.can_take(cost):
@@ -103,11 +96,8 @@ class RoundRobin:
         self._next = 0
 
     def choose(self, loads: Sequence[ReplicaLoad], cost: int) -> int | None:
-        """The next replica in turn that can take ``cost``; None if none can.
-
-        loads: a snapshot of every replica's load (in a stable order).
-        cost:  the call's predicted tokens.
-        """
+        """The next replica in turn (``loads`` in a stable order) that can take ``cost``;
+        None if none can."""
         n = len(loads)
         for step in range(n):
             load = loads[(self._next + step) % n]
@@ -125,9 +115,7 @@ DISPATCH: dict[str, type[LeastOutstandingWork] | type[RoundRobin]] = {
 
 
 def make_dispatch(name: str) -> DispatchPolicy:
-    """A new dispatch policy by name.
-
-    name: one of ``DISPATCH`` (``least_work``, ``round_robin``).
+    """A new dispatch policy by name: one of ``DISPATCH`` (``least_work``, ``round_robin``).
 
     >>> make_dispatch("fastest")
     Traceback (most recent call last):

@@ -30,11 +30,8 @@ def one_line(exc: BaseException) -> str:
 
 
 def describe(engine: Any, kind: str) -> Ready:
-    """The ``Ready`` message for an open engine.
-
-    engine: the engine just opened.
-    kind:   ``"generate"`` or ``"embed"`` (only an embedder is asked its ``dim``).
-    """
+    """The ``Ready`` message for an engine just opened (only an embedder, ``kind``
+    ``"embed"``, is asked its ``dim``)."""
     dim = int(engine.dim) if kind == "embed" else None
     chat = getattr(engine, "chat", None) if kind == "generate" else None
     return Ready(os.getpid(), str(getattr(engine, "model", "")),
@@ -45,8 +42,6 @@ def serve(engine: Any, msg: GenerateBatch | EmbedBatch, send: Deliver,
           cancelled: dict[int, set[int]] | None = None) -> BatchResult:
     """Run one batch on ``engine``; a failing batch is rerun one request at a time.
 
-    engine:    an open generation or embedding engine.
-    msg:       the batch to run.
     send:      where ``TokenPiece`` messages go while the batch runs.
     cancelled: batch id -> indexes of requests whose callers went away (filled in while
                the batch runs): the engine is told to stop them at their next token.
@@ -101,11 +96,7 @@ def serve(engine: Any, msg: GenerateBatch | EmbedBatch, send: Deliver,
 def start_engine(spec: dict[str, Any], kind: str,
                  base_url: str | None = None) -> tuple[Any, Ready | StartFailed]:
     """Create a replica's engine: (engine, ``Ready``), or (None, ``StartFailed``) saying why.
-
-    spec:     the engine spec.
-    kind:     ``"generate"`` or ``"embed"``.
-    base_url: the endpoint of a remote replica (overrides the spec's ``base_url``).
-    """
+    ``base_url``: the endpoint of a remote replica (overrides the spec's)."""
     engine = None
     try:
         engine = create_engine(spec, base_url)

@@ -35,13 +35,9 @@ class ProcessReplica:
 
     def __init__(self, spec: dict[str, Any], kind: str, deliver: Deliver, label: str,
                  max_workers: int = 1):
-        """Prepare (nothing runs until ``start``).
-
-        spec:        the engine spec the worker opens.
-        kind:        ``"generate"`` or ``"embed"``.
-        deliver:     called with each message from the replica (on the reader thread).
-        label:       the process name, e.g. ``tailrace-pool-llm-0``.
-        max_workers: batches the worker serves at once.
+        """Prepare (nothing runs until ``start``) a worker that opens ``spec`` as a
+        ``kind`` engine and serves ``max_workers`` batches at once; ``deliver`` gets its
+        messages on the reader thread; ``label`` names the process (``tailrace-pool-llm-0``).
         """
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
@@ -76,10 +72,8 @@ class ProcessReplica:
         self.send(Shutdown())
 
     def stop(self, grace_s: float = 2.0) -> None:
-        """Wait up to ``grace_s`` for the worker to exit, then terminate, then kill it.
-
-        grace_s: seconds the worker gets to finish its current call and close its engine.
-        """
+        """Wait up to ``grace_s`` for the worker to finish its current call, close its
+        engine and exit; then terminate, then kill it."""
         self.request_stop()
         if self._proc.pid is not None:
             self._proc.join(grace_s)
@@ -111,15 +105,9 @@ class ThreadReplica:
 
     def __init__(self, spec: dict[str, Any], kind: str, deliver: Deliver, label: str,
                  base_url: str | None = None, max_workers: int = 1):
-        """Prepare (nothing runs until ``start``).
-
-        spec:        the engine spec.
-        kind:        ``"generate"`` or ``"embed"``.
-        deliver:     called with each message from the replica (on its threads).
-        label:       the thread name prefix.
-        base_url:    the endpoint of a remote replica.
-        max_workers: calls it runs at once.
-        """
+        """Prepare (nothing runs until ``start``) a ``kind`` engine of ``spec`` (at
+        ``base_url`` for a remote replica) running ``max_workers`` calls at once on threads
+        named ``label``; ``deliver`` gets its messages on those threads."""
         self._spec, self._kind, self._deliver, self._base_url = spec, kind, deliver, base_url
         self._exec = ThreadPoolExecutor(max_workers=max(1, max_workers),
                                         thread_name_prefix=label)
@@ -161,10 +149,8 @@ class ThreadReplica:
         self._stopped = True
 
     def stop(self, grace_s: float = 2.0) -> None:
-        """Wait for running calls, drop queued ones, close the engine.
-
-        grace_s: unused (calls on threads cannot be interrupted; they end by their timeout).
-        """
+        """Wait for running calls, drop queued ones, close the engine. ``grace_s`` is
+        unused: calls on threads cannot be interrupted; they end by their timeout."""
         self._stopped = True
         self._exec.shutdown(wait=True, cancel_futures=True)
         if self._engine is not None:
