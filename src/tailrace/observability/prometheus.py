@@ -79,13 +79,9 @@ class HttpMeter:
         self.statuses: dict[tuple[str, str, int], int] = {}
 
     def observe(self, method: str, route: str, status: int, seconds: float) -> None:
-        """Count one finished request.
-
-        method: the HTTP method.
-        route: the route template (``/v1/pipelines/{name}/runs``), never a raw path.
-        status: the response status (0 if none was sent).
-        seconds: from the request's arrival to the end of its response.
-        """
+        """Count one finished request: its route template (``/v1/pipelines/{name}/runs``,
+        never a raw path), its status (0 if none was sent) and its seconds from arrival to
+        the end of the response."""
         h = self.durations.get((method, route))
         if h is None:
             h = self.durations[(method, route)] = Histogram()
@@ -114,6 +110,13 @@ def _go(v: float) -> str:
     if v == int(v) and abs(v) < 1e15:
         return f"{int(v)}.0"
     return repr(v)
+
+
+def _observe(family: Any, labels: list[str], h: Histogram, exponents: range = LATENCY_EXPONENTS,
+             scale: float = 1e-6, offset: int = 0) -> None:
+    """Add histogram ``h`` to ``family`` (latencies by default: microseconds to seconds)."""
+    buckets, _ = prom_buckets(h, exponents, scale, offset)
+    family.add_metric(labels, buckets, h.total * scale)
 
 
 class TailraceCollector:
@@ -146,8 +149,7 @@ def http_families(meter: HttpMeter) -> list[Any]:
                                 "HTTP request time, arrival to the end of the response",
                                 labels=["method", "route"])
     for (method, route), h in sorted(list(meter.durations.items())):
-        b, _ = prom_buckets(h, LATENCY_EXPONENTS, 1e-6)
-        dur.add_metric([method, route], b, h.total * 1e-6)
+        _observe(dur, [method, route], h)
     resp = CounterMetricFamily("tailrace_http_responses", "HTTP responses by status",
                                labels=["method", "route", "status"])
     for (method, route, status), n in sorted(list(meter.statuses.items())):
@@ -157,44 +159,35 @@ def http_families(meter: HttpMeter) -> list[Any]:
 
 def pipeline_families(pipelines: Iterable[PipelineScrape]) -> list[Any]:
     """Per-pipeline and per-stage families: counts, errors, histograms, queue depth."""
-    from prometheus_client.core import (
-        CounterMetricFamily,
-        GaugeMetricFamily,
-        HistogramMetricFamily,
-    )
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-    keys = ["pipeline", "stage", "op"]
-    c = {name: CounterMetricFamily(f"tailrace_stage_{name}", doc, labels=keys)
+    def stage(kind: Any, name: str, doc: str) -> Any:
+        return kind(f"tailrace_stage_{name}", doc, labels=["pipeline", "stage", "op"])
+
+    def pipeline(kind: Any, name: str, doc: str) -> Any:
+        return kind(f"tailrace_pipeline_{name}", doc, labels=["pipeline"])
+
+    c = {name: stage(CounterMetricFamily, name, doc)
          for name, doc in (("records_in", "Records that entered the stage"),
                            ("records_out", "Records the stage emitted"),
                            ("errors", "Records the stage failed (error records)"),
                            ("dropped", "Records a filter dropped (counted, no error)"),
                            ("retries", "Operator calls retried"),
                            ("timeouts", "Operator calls that timed out"))}
-    wait = HistogramMetricFamily("tailrace_stage_queue_wait_seconds",
-                                 "Time records spent in the stage's input queue", labels=keys)
-    svc = HistogramMetricFamily("tailrace_stage_service_seconds",
-                                "Operator time per record (micro-batch time / its length)",
-                                labels=keys)
-    batch = HistogramMetricFamily("tailrace_stage_batch_size",
-                                  "Records per operator call", labels=keys)
-    depth = GaugeMetricFamily("tailrace_stage_queue_depth",
-                              "Records in the stage's input queue now", labels=keys)
-    depth_max = GaugeMetricFamily("tailrace_stage_queue_depth_max",
-                                  "Most records the stage's input queue held", labels=keys)
-    bound = GaugeMetricFamily("tailrace_stage_queue_bound",
-                              "Bound of the stage's input queue (records)", labels=keys)
-    p_keys = ["pipeline"]
-    req = CounterMetricFamily("tailrace_pipeline_requests", "Records that entered the pipeline",
-                              labels=p_keys)
-    resp = CounterMetricFamily("tailrace_pipeline_responses",
-                               "Records that left the pipeline at a sink", labels=p_keys)
-    errs = CounterMetricFamily("tailrace_pipeline_errors", "Error records of the pipeline",
-                               labels=p_keys)
-    ready = GaugeMetricFamily("tailrace_pipeline_ready", "1 when the pipeline serves requests",
-                              labels=p_keys)
-    lat = HistogramMetricFamily("tailrace_pipeline_latency_seconds",
-                                "End-to-end latency, arrival to sink", labels=p_keys)
+    wait = stage(HistogramMetricFamily, "queue_wait_seconds",
+                 "Time records spent in the stage's input queue")
+    svc = stage(HistogramMetricFamily, "service_seconds",
+                "Operator time per record (micro-batch time / its length)")
+    batch = stage(HistogramMetricFamily, "batch_size", "Records per operator call")
+    depth = stage(GaugeMetricFamily, "queue_depth", "Records in the stage's input queue now")
+    depth_max = stage(GaugeMetricFamily, "queue_depth_max",
+                      "Most records the stage's input queue held")
+    bound = stage(GaugeMetricFamily, "queue_bound", "Bound of the stage's input queue (records)")
+    req = pipeline(CounterMetricFamily, "requests", "Records that entered the pipeline")
+    resp = pipeline(CounterMetricFamily, "responses", "Records that left the pipeline at a sink")
+    errs = pipeline(CounterMetricFamily, "errors", "Error records of the pipeline")
+    ready = pipeline(GaugeMetricFamily, "ready", "1 when the pipeline serves requests")
+    lat = pipeline(HistogramMetricFamily, "latency_seconds", "End-to-end latency, arrival to sink")
     for p in pipelines:
         st = p.stats
         # a live run adds its sources' counts to records_in only when they end
@@ -204,8 +197,7 @@ def pipeline_families(pipelines: Iterable[PipelineScrape]) -> list[Any]:
         errs.add_metric([p.name], st.errors)
         ready.add_metric([p.name], 1.0 if p.ready else 0.0)
         if p.latency is not None:
-            b, _ = prom_buckets(p.latency, LATENCY_EXPONENTS, 1e-6)
-            lat.add_metric([p.name], b, p.latency.total * 1e-6)
+            _observe(lat, [p.name], p.latency)
         for s in st.stages:
             labels = [p.name, s.stage, s.op]
             for name in c:
@@ -213,12 +205,9 @@ def pipeline_families(pipelines: Iterable[PipelineScrape]) -> list[Any]:
             h = p.histograms.get(s.stage)
             if h is not None:
                 if s.queue_bound:
-                    b, _ = prom_buckets(h.queue_wait, LATENCY_EXPONENTS, 1e-6)
-                    wait.add_metric(labels, b, h.queue_wait.total * 1e-6)
-                b, _ = prom_buckets(h.service, LATENCY_EXPONENTS, 1e-6)
-                svc.add_metric(labels, b, h.service.total * 1e-6)
-                b, _ = prom_buckets(h.batch_size, BATCH_EXPONENTS, 1.0, offset=-1)
-                batch.add_metric(labels, b, h.batch_size.total)
+                    _observe(wait, labels, h.queue_wait)
+                _observe(svc, labels, h.service)
+                _observe(batch, labels, h.batch_size, BATCH_EXPONENTS, 1.0, offset=-1)
             if s.queue_bound:
                 depth.add_metric(labels, p.queue_depth.get(s.stage, 0))
                 depth_max.add_metric(labels, s.max_queue_depth)
@@ -230,24 +219,22 @@ def admission_families(a: Any) -> list[Any]:
     """The admission gate's decisions and its queue (an ``AdmissionStatistics``)."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+    def family(kind: Any, name: str, doc: str, *labels: str) -> Any:
+        return kind(f"tailrace_admission_{name}", doc, labels=["policy", *labels])
+
     pol = [a.policy]
-    admitted = CounterMetricFamily("tailrace_admission_admitted", "Requests admitted",
-                                   labels=["policy"])
+    admitted = family(CounterMetricFamily, "admitted", "Requests admitted")
     admitted.add_metric(pol, a.admitted)
-    completed = CounterMetricFamily("tailrace_admission_completed",
-                                    "Admitted requests that finished", labels=["policy"])
+    completed = family(CounterMetricFamily, "completed", "Admitted requests that finished")
     completed.add_metric(pol, a.completed)
-    rejected = CounterMetricFamily("tailrace_admission_rejected",
-                                   "Requests rejected (HTTP 429), by reason",
-                                   labels=["policy", "reason"])
+    rejected = family(CounterMetricFamily, "rejected", "Requests rejected (HTTP 429), by reason",
+                      "reason")
     for reason, n in sorted(a.rejected.items()):
         rejected.add_metric([a.policy, reason], n)
-    in_flight = GaugeMetricFamily("tailrace_admission_in_flight",
-                                  "Admitted requests not finished yet", labels=["policy"])
+    in_flight = family(GaugeMetricFamily, "in_flight", "Admitted requests not finished yet")
     in_flight.add_metric(pol, a.in_flight)
-    queued = GaugeMetricFamily("tailrace_admission_queued",
-                               "Requests waiting for admission, by pipeline",
-                               labels=["policy", "pipeline"])
+    queued = family(GaugeMetricFamily, "queued", "Requests waiting for admission, by pipeline",
+                    "pipeline")
     for pipe, n in sorted(a.queue_depth.items()):
         queued.add_metric([a.policy, pipe], n)
     return [admitted, completed, rejected, in_flight, queued]
@@ -257,25 +244,23 @@ def pool_families(pools: Iterable[Any]) -> list[Any]:
     """Engine pool utilisation: busy replicas, in-flight batches (``PoolStatistics``)."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-    k, rk = ["pool"], ["pool", "replica"]
-    up = GaugeMetricFamily("tailrace_pool_replicas_up", "Healthy replicas", labels=k)
-    busy = GaugeMetricFamily("tailrace_pool_replicas_busy",
-                             "Replicas running at least one batch", labels=k)
-    util = GaugeMetricFamily("tailrace_pool_utilization",
-                             "Busy replicas / healthy replicas (0..1)", labels=k)
-    queued = GaugeMetricFamily("tailrace_pool_queued", "Requests waiting for a batch or replica",
-                               labels=k)
-    batches = CounterMetricFamily("tailrace_pool_batches", "Engine batches formed", labels=k)
-    retries = CounterMetricFamily("tailrace_pool_retries", "Batches retried on another replica",
-                                  labels=k)
-    failed = CounterMetricFamily("tailrace_pool_failed_calls", "Calls that got an error",
-                                 labels=k)
-    in_flight = GaugeMetricFamily("tailrace_pool_replica_in_flight",
-                                  "Batches the replica is running", labels=rk)
-    work = GaugeMetricFamily("tailrace_pool_replica_outstanding_tokens",
-                             "Predicted tokens of the batches the replica is running", labels=rk)
-    served = CounterMetricFamily("tailrace_pool_replica_requests",
-                                 "Requests the replica answered", labels=rk)
+    def gauge(name: str, doc: str, *labels: str) -> Any:
+        return GaugeMetricFamily(f"tailrace_pool_{name}", doc, labels=["pool", *labels])
+
+    def counter(name: str, doc: str, *labels: str) -> Any:
+        return CounterMetricFamily(f"tailrace_pool_{name}", doc, labels=["pool", *labels])
+
+    up = gauge("replicas_up", "Healthy replicas")
+    busy = gauge("replicas_busy", "Replicas running at least one batch")
+    util = gauge("utilization", "Busy replicas / healthy replicas (0..1)")
+    queued = gauge("queued", "Requests waiting for a batch or replica")
+    batches = counter("batches", "Engine batches formed")
+    retries = counter("retries", "Batches retried on another replica")
+    failed = counter("failed_calls", "Calls that got an error")
+    in_flight = gauge("replica_in_flight", "Batches the replica is running", "replica")
+    work = gauge("replica_outstanding_tokens",
+                 "Predicted tokens of the batches the replica is running", "replica")
+    served = counter("replica_requests", "Requests the replica answered", "replica")
     for p in pools:
         live = [r for r in p.replicas if r.healthy and not r.down]
         n_busy = sum(1 for r in live if r.in_flight > 0)

@@ -110,15 +110,9 @@ class Histogram:
     def statistics(self) -> HistogramStats:
         if self.count == 0:
             return _EMPTY
-        return HistogramStats(
-            count=self.count,
-            mean=self.total / self.count,
-            min=self.min,
-            max=self.max,
-            p50=self.quantile(0.50),
-            p95=self.quantile(0.95),
-            p99=self.quantile(0.99),
-        )
+        return HistogramStats(count=self.count, mean=self.total / self.count, min=self.min,
+                              max=self.max, p50=self.quantile(0.50), p95=self.quantile(0.95),
+                              p99=self.quantile(0.99))
 
 
 @dataclass(frozen=True)
@@ -193,11 +187,7 @@ class StageMeter:
         self.replicas = replicas
         self.queue_bound = queue_bound
         self.fused_into = fused_into
-        self.records_in = 0
-        self.records_out = 0
-        self.errors = 0
-        self.retries = 0
-        self.timeouts = 0
+        self.records_in = self.records_out = self.errors = self.retries = self.timeouts = 0
         self.queue_wait = Histogram()
         self.service = Histogram()
         self.batch_size = Histogram()
@@ -228,20 +218,12 @@ class StageMeter:
 
     def statistics(self) -> StageStats:
         return StageStats(
-            stage=self.stage,
-            op=self.op,
-            records_in=self.records_in,
-            records_out=self.records_out,
-            errors=self.errors,
-            retries=self.retries,
-            timeouts=self.timeouts,
-            queue_wait_us=self.queue_wait.statistics(),
-            service_us=self.service.statistics(),
-            batch_size=self.batch_size.statistics(),
-            max_queue_depth=self.max_queue_depth,
-            queue_bound=self.queue_bound,
-            replicas=self.replicas,
-            fused_into=self.fused_into,
+            stage=self.stage, op=self.op, records_in=self.records_in,
+            records_out=self.records_out, errors=self.errors, retries=self.retries,
+            timeouts=self.timeouts, queue_wait_us=self.queue_wait.statistics(),
+            service_us=self.service.statistics(), batch_size=self.batch_size.statistics(),
+            max_queue_depth=self.max_queue_depth, queue_bound=self.queue_bound,
+            replicas=self.replicas, fused_into=self.fused_into,
             # a filter's records end as outputs, errors or drops; nothing else is lost
             dropped=(self.records_in - self.records_out - self.errors
                      if self.op == "filter" else 0),

@@ -22,19 +22,11 @@ def format_stats(stats: RunStats) -> str:
         name = s.stage if s.replicas == 1 else f"{s.stage} x{s.replicas}"
         queued = s.queue_bound > 0  # fused followers and sources have no input queue
         rows.append((
-            name,
-            s.op,
-            str(s.records_in),
-            str(s.records_out),
-            str(s.errors),
-            str(s.dropped),
+            name, s.op, str(s.records_in), str(s.records_out), str(s.errors), str(s.dropped),
             _us(s.queue_wait_us.p50) if queued else "-",
             _us(s.queue_wait_us.p99) if queued else "-",
-            _us(s.service_us.p50),
-            _us(s.service_us.p99),
-            f"{s.batch_size.mean:.1f}",
-            f"{s.max_queue_depth}/{s.queue_bound}" if s.queue_bound else "-",
-        ))
+            _us(s.service_us.p50), _us(s.service_us.p99), f"{s.batch_size.mean:.1f}",
+            f"{s.max_queue_depth}/{s.queue_bound}" if s.queue_bound else "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["(wait: time in the stage's input queue; svc: operator time per record; "
              "'-': fused into the stage above, no queue)"]

@@ -110,11 +110,8 @@ def enabled() -> bool:
 
 @contextmanager
 def request_span(name: str, attributes: dict[str, Any] | None = None) -> Iterator[Any]:
-    """Open the current request's span (a server span), or yield None when tracing is off.
-
-    name: the span name, e.g. ``POST /v1/chat/completions``.
-    attributes: span attributes to set at start.
-    """
+    """Open the current request's server span ``name`` (``POST /v1/chat/completions``) with
+    ``attributes``, or yield None when tracing is off."""
     tracer = STATE.tracer
     if tracer is None:
         yield None
@@ -127,12 +124,9 @@ def request_span(name: str, attributes: dict[str, Any] | None = None) -> Iterato
 
 
 def attach_trace(record: Any, pipeline: str | None = None) -> Any:
-    """A copy of a record tagged with the current request span, so its stage spans join
-    that trace; the record itself when tracing is off or no span is current.
-
-    record: the record about to enter a pipeline (a dict; anything else is left alone).
-    pipeline: the pipeline's name, set on the request span as ``tailrace.pipeline``.
-    """
+    """A copy of a (dict) record about to enter ``pipeline``, tagged with the current
+    request span so its stage spans join that trace; the record itself when tracing is off,
+    no span is current or it is not a dict. The span gets ``tailrace.pipeline``."""
     if STATE.tracer is None or not isinstance(record, dict):
         return record
     from opentelemetry import trace
@@ -186,16 +180,9 @@ def _stage_info(stage: Any) -> _StageInfo:
 
 def stage_spans(tracer: Any, stage: Any, batch: list, ports: dict, errors: list,
                 enqueued: float, started: float, ended: float) -> None:
-    """One span per traced record of a micro-batch a stage just ran.
-
-    tracer: the active tracer (``STATE.tracer``).
-    stage: the ``PlanStage`` that ran.
-    batch: the micro-batch's input records.
-    ports: the stage's output records by port.
-    errors: the ``ErrorRecord``s the micro-batch produced.
-    enqueued: ``perf_counter()`` time the micro-batch entered the stage's queue.
-    started: ``perf_counter()`` time service began.
-    ended: ``perf_counter()`` time service ended.
+    """One span per traced record of the micro-batch ``batch`` the ``PlanStage`` ``stage``
+    just ran, given its outputs by port and its ``ErrorRecord``s; ``enqueued``, ``started``
+    and ``ended`` are ``perf_counter()`` times (entered the queue, service began and ended).
     """
     traced = [r for r in batch if type(r) is dict and TRACE_FIELD in r]
     if not traced:
