@@ -127,29 +127,6 @@ def load_plan(args: argparse.Namespace) -> Any:
     return compile_pipeline(Pipeline.from_yaml(args.pipeline), fuse=not args.no_fuse)
 
 
-def _gate(args: argparse.Namespace, plan: Any) -> Any:
-    """An admission gate for ``tailrace run --admission POLICY``."""
-    from ..control import PipelineSLO, make_policy
-    from ..control.gate import AdmissionGate
-
-    p = plan.pipeline
-    options: dict[str, Any] = {}
-    if p.slo:
-        try:
-            options["slos"] = {p.name: PipelineSLO.from_config(p.name, p.slo)}
-        except ValueError as e:
-            raise TailraceError(f"{p.source_file}: {e}") from None
-    if args.admission != "simultaneous":
-        options["max_in_flight"] = args.max_in_flight
-    max_tokens = sum(o.params.get("max_tokens") or 0 for s in plan.stages for o in s.ops
-                     if o.op.name == "generate")
-    try:
-        policy = make_policy(args.admission, **options)
-    except ValueError as e:
-        raise TailraceError(str(e)) from None
-    return AdmissionGate(policy, max_tokens={p.name: max_tokens or 64})
-
-
 def _ingest(args: argparse.Namespace) -> int:
     from .ingest import ingest
 
@@ -198,7 +175,11 @@ def _run(args: argparse.Namespace) -> int:
         writer.write_error(err)
 
     interrupted = False
-    gate = _gate(args, plan) if args.admission else None
+    gate = None
+    if args.admission:
+        from .serve import build_gate
+
+        gate = build_gate(args.admission, [plan], args.max_in_flight)
     try:
         result: Any = run_plan(plan, input=reader, output=writer.write, errors=on_error,
                                runtime=args.runtime, admission=gate,

@@ -23,10 +23,8 @@ EXIT_BAD_INPUT = 2
 
 
 def add_parser(sub: Any) -> None:
-    """Declare ``tailrace serve`` and its options.
-
-    sub: the ``add_subparsers`` object of the main parser.
-    """
+    """Declare ``tailrace serve`` and its options in ``sub`` (the main parser's
+    ``add_subparsers``)."""
     s = sub.add_parser("serve", help="serve pipelines over an OpenAI-compatible HTTP API")
     s.add_argument("pipelines", nargs="+", metavar="PIPELINE", help="pipeline YAML file(s)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -52,12 +50,9 @@ def add_parser(sub: Any) -> None:
 
 
 def build_gate(policy: str, plans: list[Any], max_in_flight: int) -> Any:
-    """One admission gate for all served pipelines (as ``tailrace run --admission``).
-
-    policy:        simultaneous | fcfs | slo.
-    plans:         the compiled plans; their ``slo:`` and generate ``max_tokens`` count.
-    max_in_flight: records admitted at once (fcfs, slo).
-    """
+    """One admission gate of ``policy`` (simultaneous | fcfs | slo) for the compiled
+    ``plans``, read for their ``slo:`` and generate ``max_tokens``; ``max_in_flight``:
+    records admitted at once (fcfs, slo). ``tailrace run --admission`` uses it too."""
     from ..control import PipelineSLO, make_policy
     from ..control.gate import AdmissionGate
 
@@ -106,12 +101,8 @@ def draining_server(config: Any, hub: Any, drain_s: float = 30.0,
     uvicorn's shutdown waits for every open request, and a request waits for its
     pipeline: without the drain, Ctrl-C with a record stuck in a stage would wait for
     that request's timeout. Draining first answers every waiting request (its output if
-    the pipeline finishes it within ``drain_s`` seconds, else 503).
-
-    config:  the ``uvicorn.Config``.
-    hub:     the ``ServingHub`` it serves.
-    drain_s: most seconds each pipeline may take to finish its records.
-    start_hub: start the services not started yet on the server's loop.
+    the pipeline finishes it within ``drain_s`` seconds, else 503). ``start_hub``: start
+    the services not started yet on the server's loop.
     """
     import asyncio
 
@@ -133,10 +124,8 @@ def draining_server(config: Any, hub: Any, drain_s: float = 30.0,
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Run ``tailrace serve`` until interrupted; returns the exit status.
-
-    args: the parsed command line.
-    """
+    """Run ``tailrace serve`` (``args``: the parsed command line) until interrupted;
+    returns the exit status."""
     import uvicorn
 
     from ..serving import PipelineService, ServingHub
