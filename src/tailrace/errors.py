@@ -33,11 +33,7 @@ class PlanError(TailraceError):
         self.where = where
         self.stage = stage
         self.reason = message
-        prefix = ""
-        if where:
-            prefix += f"{where}: "
-        if stage:
-            prefix += f"stage '{stage}': "
+        prefix = (f"{where}: " if where else "") + (f"stage '{stage}': " if stage else "")
         super().__init__(prefix + message)
 
 

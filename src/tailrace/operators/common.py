@@ -27,11 +27,7 @@ class FieldError(TailraceError):
 
 
 def get_field(record: Any, name: str) -> Any:
-    """``record[name]``, or a FieldError that says which fields the record has.
-
-    record: a record (a dict, for a stage that reads fields).
-    name:   the field to read.
-    """
+    """``record[name]``, or a FieldError that says which fields the record has."""
     try:
         return record[name]
     except KeyError:
@@ -66,14 +62,10 @@ def count_param(name: str, default: int | None = None, *, required: bool = False
 
 def link_engine(params: dict, ctx: LinkContext, kind: str, *, key: str = "engine",
                 optional: bool = False) -> dict:
-    """Resolve ``params[key]`` (an engine name) to its spec in ``params['_' + key]``.
-
-    params:   the stage's parameters (changed in place and returned).
-    ctx:      the pipeline's declared engines.
-    kind:     what the stage calls the engine for ("embed" or "generate").
-    key:      the parameter that names the engine.
-    optional: when true, a missing name is not an error.
-    """
+    """Resolve ``params[key]`` (an engine name declared in ``ctx``) to its spec in
+    ``params['_' + key]``; ``params`` is changed in place and returned. ``kind``: what the
+    stage calls the engine for ("embed" or "generate"); ``optional``: a missing name is
+    not an error."""
     name = params.get(key)
     if name is None:
         if optional:
@@ -91,11 +83,8 @@ def link_engine(params: dict, ctx: LinkContext, kind: str, *, key: str = "engine
 
 def link_token_counter(params: dict, ctx: LinkContext) -> dict:
     """Link the engine whose tokenizer counts a token budget: ``params['engine']`` if
-    given, else the pipeline's only generation engine, else none (``approx_tokens``).
-
-    params: the stage's parameters (changed in place and returned).
-    ctx:    the pipeline's declared engines.
-    """
+    given, else the pipeline's only generation engine, else none (``approx_tokens``);
+    ``params`` is changed in place and returned."""
     if params.get("engine"):
         return link_engine(params, ctx, "generate")
     gens = [n for n, s in ctx.engines.items() if isinstance(s, dict) and
@@ -108,10 +97,7 @@ def link_token_counter(params: dict, ctx: LinkContext) -> dict:
 
 
 def token_counter(params: dict) -> Callable[[str], int]:
-    """The token count a stage linked by ``link_token_counter`` uses at run time.
-
-    params: the stage's linked parameters.
-    """
+    """The token count a stage linked by ``link_token_counter`` uses at run time."""
     if params.get("_engine"):
         return open_engine(params["_engine"]).count_tokens
     return approx_tokens

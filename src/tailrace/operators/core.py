@@ -61,9 +61,6 @@ def per_record(f: Callable[[Any], Any], *, many: bool = False) -> Callable[[list
     >>> errors = []
     >>> per_record(lambda x: 10 // x)([1, 0, 5], errors), errors
     ([10, 2], [(0, ZeroDivisionError('integer division or modulo by zero'))])
-
-    f:    the function of one record.
-    many: ``f`` returns an iterable of outputs (flat_map).
     """
 
     def batch_fn(batch: list, errors: list) -> list:
@@ -154,18 +151,11 @@ def _build_branch(params: dict, contract: Contract) -> OpRuntime:
     raw = _fn(params)
     inp = params.get("input")
     pred = raw if inp is None else (lambda r: raw(get_field(r, inp)))
+    marked = per_record(lambda x: (x, bool(pred(x))))
 
     def split(batch: list, errors: list) -> tuple[list, list]:
-        t: list = []
-        f: list = []
-        it = iter(batch)
-        while True:
-            try:
-                for x in it:
-                    (t if pred(x) else f).append(x)
-                return t, f
-            except Exception as e:
-                errors.append((x, e))
+        pairs = marked(batch, errors)
+        return [x for x, yes in pairs if yes], [x for x, yes in pairs if not yes]
 
     return OpRuntime("branch", batch_fn=split, record_fn=lambda x: bool(pred(x)))
 

@@ -44,21 +44,14 @@ class JsonlTail:
     """
 
     def __init__(self, path: str, offset: int = 0) -> None:
-        """Start reading ``path`` at byte ``offset``.
-
-        path:   the JSONL file (it may not exist yet).
-        offset: the byte offset to resume from (a saved cursor).
-        """
+        """Start reading ``path`` (it may not exist yet) at byte ``offset`` (a saved cursor)."""
         self.path = path
         self.offset = offset
         self.bad_lines = 0
         self.last_problem = ""
 
     def read(self, max_lines: int) -> list[tuple[dict, int]]:
-        """Up to ``max_lines`` new records, each with the file offset just after it.
-
-        max_lines: the most records to return.
-        """
+        """Up to ``max_lines`` new records, each with the file offset just after it."""
         try:
             size = os.path.getsize(self.path)
         except FileNotFoundError:
@@ -101,13 +94,8 @@ class follow_jsonl:  # noqa: N801 - used like a generator function
 
     def __init__(self, path: str, *, poll_s: float = 0.05,
                  stop: threading.Event | None = None, offset: int = 0) -> None:
-        """Follow ``path`` from byte ``offset``.
-
-        path:   the JSONL file to follow (it may not exist yet).
-        poll_s: seconds between looks at the end of the file.
-        stop:   an event that ends the iteration (None: follow forever).
-        offset: the byte offset to start at.
-        """
+        """Follow ``path`` (it may not exist yet) from byte ``offset``, looking at its end
+        every ``poll_s`` seconds, until the event ``stop`` is set (None: forever)."""
         self.tail = JsonlTail(path, offset)
         self.poll_s = poll_s
         self.stop = stop or threading.Event()
@@ -147,15 +135,10 @@ class Feeder:
 
     def __init__(self, index: Any, ingest: Ingest, path: str, poll_s: float,
                  max_batch: int) -> None:
-        """Start following ``path`` from the offset saved in the index (if the same file).
-
-        index:     the live index (its ``cursor`` holds the saved offset).
-        ingest:    ``ingest(records, errors, cursor)`` applies records to the index,
-                   saving ``cursor`` with the change (``Ingester.ingest``).
-        path:      the JSONL file to follow.
-        poll_s:    seconds between looks at the end of the file.
-        max_batch: the most lines per change.
-        """
+        """Start following ``path`` from the offset saved in the live index's ``cursor``
+        (if the same file), every ``poll_s`` seconds, at most ``max_batch`` lines a change;
+        ``ingest(records, errors, cursor)`` (``Ingester.ingest``) applies records to the
+        index, saving ``cursor`` with the change."""
         self.path = os.path.abspath(path)
         self.key = "follow:" + self.path
         self.tail = JsonlTail(self.path, int(index.cursor.get(self.key, 0)))
@@ -217,11 +200,7 @@ _FEEDERS: Registry[Feeder] = Registry("feeders", close=Feeder.stop)
 
 
 def feeder_for(index: Any, path: str) -> Feeder | None:
-    """The running feeder of ``index`` that follows ``path``, if any.
-
-    index: a live index.
-    path:  the followed file.
-    """
+    """The running feeder of the live index ``index`` that follows ``path``, if any."""
     return _FEEDERS.peek((id(index), os.path.abspath(path)))
 
 

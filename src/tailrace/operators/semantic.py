@@ -36,8 +36,6 @@ from .registry import LinkContext, OpDef, OpRuntime, Param, register
 def doc_time(value: Any) -> float:
     """Seconds since the epoch from a number or an ISO 8601 text (``2025-01-31T12:00:00Z``).
 
-    value: the record's time field.
-
     >>> doc_time(1700000000), doc_time("2023-11-14T22:13:20Z")
     (1700000000.0, 1700000000.0)
     """
@@ -56,11 +54,8 @@ class Ingester:
     """Turns document records into live-index changes (shared by both feeding modes)."""
 
     def __init__(self, index: Any, params: dict) -> None:
-        """Bind the index and the stage's field names.
-
-        index:  the live index to change.
-        params: the stage's parameters (``doc_id``, ``text``, ``vector``, ``time``, ``delete``).
-        """
+        """Bind the live index and the stage's parameters (``doc_id``, ``text``, ``vector``,
+        ``time``, ``delete``)."""
         self.index = index
         self.engine = open_engine(params["_engine"]) if params.get("_engine") else None
         self.model = params.get("_model")
@@ -85,11 +80,8 @@ class Ingester:
 
     def ingest(self, records: list, errors: list, cursor: dict | None = None) -> list:
         """Apply records in order (runs of upserts embedded together); returns the good ones.
-
-        records: document records.
-        errors:  receives ``(record, exception)`` for each malformed record.
-        cursor:  the feeder position after the last record (saved with the change).
-        """
+        ``errors`` receives ``(record, exception)`` per malformed record; ``cursor`` is the
+        feeder position after the last record (saved with the change)."""
         good: list = []
         run: list = []
         for r in records:

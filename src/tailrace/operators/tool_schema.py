@@ -25,11 +25,7 @@ class ToolError(TailraceError):
 
 
 def check_schema(schema: Any, where: str = "schema") -> None:
-    """Refuse a JSON schema outside the supported subset (raises ValueError naming where).
-
-    schema: the schema (type, properties, required, enum, items, additionalProperties).
-    where:  its location, for the message.
-    """
+    """Refuse a JSON schema outside the supported subset: ValueError naming ``where``."""
     if not isinstance(schema, dict):
         raise ValueError(f"{where} must be a mapping like {{type: object, properties: ...}}")
     extra = sorted(set(schema) - _KEYWORDS)
@@ -65,11 +61,8 @@ def _is(value: Any, t: str) -> bool:
 
 
 def validate(value: Any, schema: dict, path: str = "arguments") -> None:
-    """Check ``value`` against ``schema``; ToolError names the first wrong path and why.
-
-    value:  the decoded JSON value.
-    schema: a schema that passed ``check_schema``.
-    path:   the value's name in the message.
+    """Check the decoded JSON ``value`` against ``schema`` (one that passed
+    ``check_schema``); ToolError names the first wrong path (from ``path``) and why.
 
     >>> validate({"city": 5}, {"type": "object", "properties": {"city": {"type": "string"}}})
     Traceback (most recent call last):
@@ -103,9 +96,8 @@ def validate(value: Any, schema: dict, path: str = "arguments") -> None:
 
 
 def parse_json_call(text: str) -> tuple[str, Any] | None:
-    """``(tool name, arguments)`` when ``text`` is a JSON-convention tool call, else None.
-
-    text: the model's reply.
+    """``(tool name, arguments)`` when the model's reply is a JSON-convention tool call,
+    else None.
 
     >>> parse_json_call('```json\\n{"tool": "add", "arguments": {"a": 1}}\\n```')
     ('add', {'a': 1})

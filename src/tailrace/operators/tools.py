@@ -52,11 +52,8 @@ class ToolRunner:
     """The registered tools of one stage: look-up, validation, timed calls."""
 
     def __init__(self, tools: list[dict], timeout_s: float) -> None:
-        """Resolve each tool's function (already checked at compile time).
-
-        tools:     ``{name, fn, schema, description, timeout_ms}`` mappings.
-        timeout_s: the default per-call timeout in seconds.
-        """
+        """Resolve the function of each ``{name, fn, schema, description, timeout_ms}``
+        (checked at compile time); ``timeout_s``: the default per-call timeout."""
         self.tools = {t["name"]: t for t in tools}
         self.fns = {t["name"]: resolve(t["fn"]) for t in tools}
         self.timeout_s = timeout_s
@@ -113,11 +110,7 @@ class JsonChat:
     """Local engines: tool calls by the JSON convention, results as user messages."""
 
     def __init__(self, engine: Any, params: dict) -> None:
-        """Bind the engine and the stage's generation settings.
-
-        engine: a generation engine (``generate``, ``chat``).
-        params: the stage's parameters (``max_tokens``, ``temperature``).
-        """
+        """Bind a generation engine and the stage's ``max_tokens`` and ``temperature``."""
         self.engine, self.chat = engine, getattr(engine, "chat", True)
         self.max_tokens, self.temperature = params["max_tokens"], float(params["temperature"])
 
@@ -164,12 +157,9 @@ class OpenAIChat:
     """``openai`` engines: OpenAI function calling (``tools`` in, ``tool_calls`` out)."""
 
     def __init__(self, spec: dict, runner: ToolRunner, params: dict) -> None:
-        """Create a client for the engine's server (the engine class has no tools API).
-
-        spec:   the openai engine spec (base_url or endpoints, model, api_key[_env]...).
-        runner: the stage's tools.
-        params: the stage's parameters (``max_tokens``, ``temperature``).
-        """
+        """Create a client for the server of the openai engine ``spec`` (base_url or
+        endpoints, model, api_key[_env]...): the engine class has no tools API. ``runner``:
+        the stage's tools; ``params``: its ``max_tokens`` and ``temperature``."""
         import os
 
         import openai
