@@ -41,11 +41,9 @@ _ACTIVE_LOCK = threading.Lock()
 
 
 def current(target: str | os.PathLike[str], *, marker: str = "meta.json") -> Path | None:
-    """The folder holding ``target``'s current files after crash recovery; None if none.
-
-    target: the store path (the link ``NAME``, or a plain folder of the old layout).
-    marker: a file every complete store holds; a plain folder without it is returned as
-            is, never migrated (it is not a store of ours).
+    """The folder holding the current files of ``target`` (the link ``NAME``, or a plain
+    folder of the old layout) after crash recovery; None if none. ``marker``: a file every
+    complete store holds; a plain folder without it is returned as is, never migrated.
 
     Repairs (rolling the link forward, removing leftovers, migrating a plain folder) are
     best effort: on a read-only disk the complete version is still returned. Raises
@@ -56,11 +54,8 @@ def current(target: str | os.PathLike[str], *, marker: str = "meta.json") -> Pat
 
 @contextmanager
 def replace_dir(target: str | os.PathLike[str], *, marker: str = "meta.json") -> Iterator[Path]:
-    """Yield an empty folder; once the block succeeds it becomes ``target``'s new version.
-
-    target: the store path (its parent must exist).
-    marker: as for ``current``; a plain non-empty folder without it is refused, not
-            replaced.
+    """Yield an empty folder; once the block succeeds it becomes ``target``'s new version
+    (its parent must exist). A plain non-empty folder without ``marker`` is refused.
 
     If the block (or any step before the switch) fails, ``target`` keeps naming the old
     version and the folder is removed; a crash leaves ``target`` naming the old or the

@@ -87,13 +87,10 @@ class LiveIndex:
 
     def __init__(self, directory: str | os.PathLike[str], *, name: str | None = None,
                  clock: Callable[[], float] = time.time, durable: bool = False) -> None:
-        """Open (restore) or create the index kept in ``directory``.
-
-        directory: where the snapshot and the log live (created if missing).
-        name:      the name shown in errors and statistics (default: the directory).
-        clock:     seconds since the epoch; TTLs and snapshot periods read it.
-        durable:   fsync the log on every change (survives power loss, costs a disk sync).
-        """
+        """Open (restore) or create the index whose snapshot and log live in ``directory``
+        (created if missing). ``name``: shown in errors and statistics (default: the
+        directory); ``clock``: epoch seconds for TTLs and snapshot periods; ``durable``:
+        fsync the log on every change (survives power loss, costs a disk sync)."""
         self.directory = Path(directory)
         self.name = name or str(directory)
         self.ttl_s: float | None = None  # documents expire ttl_s after their time
@@ -143,10 +140,8 @@ class LiveIndex:
             return None if key is None else dict(self._docs[key])
 
     def expect_model(self, model: str | None) -> None:
-        """Refuse vectors of another embedding model than ``model`` (a reader's embedder).
-
-        model: the embedding model queries will use (None: no check).
-        """
+        """Refuse vectors of another embedding model than ``model``, the one a reader embeds
+        queries with (None: no check)."""
         if model is None:
             return
         with self._lock:
@@ -157,11 +152,8 @@ class LiveIndex:
             self._expected.add(model)
 
     def search(self, queries: Any, k: int) -> list[list[dict]]:
-        """Per query, up to ``k`` hits ``{**doc, "score": cosine}``, best first.
-
-        queries: float32 array of shape ``(n, dim)`` or ``(dim,)``, rows L2-normalised.
-        k:       hits wanted per query (fewer while the index holds fewer).
-        """
+        """Per query (float32 ``(n, dim)`` or ``(dim,)``, rows L2-normalised), up to ``k``
+        hits ``{**doc, "score": cosine}``, best first (fewer while the index holds fewer)."""
         np = _np()
         q = np.asarray(queries, dtype=np.float32)
         if q.ndim == 1:
@@ -236,11 +228,8 @@ class LiveIndex:
             return n
 
     def delete(self, ids: Sequence[Any], *, cursor: dict[str, Any] | None = None) -> int:
-        """Delete documents by id; returns how many existed.
-
-        ids:    the document ids (unknown ids are ignored).
-        cursor: the feeder's position after this change (saved with it).
-        """
+        """Delete documents by id (unknown ids are ignored); returns how many existed.
+        ``cursor``: the feeder's position after this change (saved with it)."""
         for i, doc_id in enumerate(ids):
             _check_id(doc_id, i)
         with self._lock:
@@ -450,10 +439,8 @@ _OPEN: Registry[LiveIndex] = Registry("live indexes")
 
 
 def live_dir(name: str) -> Path:
-    """Where live index ``name`` lives: ``$TAILRACE_HOME/live/NAME``; a path is used as is.
-
-    name: an index name, or a directory path (contains a path separator or starts with '.').
-    """
+    """Where live index ``name`` lives: ``$TAILRACE_HOME/live/NAME``; a path (it contains a
+    path separator or starts with '.') is used as is."""
     if not name:
         raise StoreError("a live index needs a name, like 'news'")
     if os.sep in name or name.startswith("."):
@@ -462,11 +449,8 @@ def live_dir(name: str) -> Path:
 
 
 def open_live_index(name: str, *, clock: Callable[[], float] | None = None) -> LiveIndex:
-    """The live index ``name`` of this process, restored from disk on first use.
-
-    name:  an index name or directory (see ``live_dir``).
-    clock: the clock of a newly opened index (tests pass a virtual one).
-    """
+    """The live index ``name`` (see ``live_dir``) of this process, restored from disk on
+    first use; ``clock``: the clock of a newly opened index (tests pass a virtual one)."""
     directory = live_dir(name)
     key = str(directory.resolve())
     return _OPEN.get(key, lambda: LiveIndex(directory, name=name, clock=clock or time.time))

@@ -33,13 +33,9 @@ def faiss() -> Any:
 
 
 def write_snapshot(directory: Path, data: Any, docs: list[dict], meta: dict) -> Path:
-    """Replace ``directory/snapshot`` with a new one, atomically; returns its path.
-
-    directory: the index directory.
-    data:      the serialized faiss index (a uint8 array), or None while empty.
-    docs:      one ``{key, id, t, exp, doc}`` per vector.
-    meta:      the snapshot's meta.json content.
-    """
+    """Replace ``directory/snapshot`` atomically with ``data`` (the serialized faiss index,
+    a uint8 array; None while empty), ``docs`` (one ``{key, id, t, exp, doc}`` per vector)
+    and ``meta`` (meta.json); returns its path."""
     target = directory / "snapshot"
     with replace_dir(target) as tmp:
         if data is not None:
@@ -52,11 +48,8 @@ def write_snapshot(directory: Path, data: Any, docs: list[dict], meta: dict) -> 
 
 
 def read_snapshot(directory: Path, name: str) -> tuple[dict, list[dict], Any] | None:
-    """(meta, docs, faiss index or None) of ``directory``'s snapshot; None if there is none.
-
-    directory: the index directory (recovered first: see ``atomic.current``).
-    name:      the index name, for messages.
-    """
+    """(meta, docs, faiss index or None) of ``directory``'s snapshot (recovered first: see
+    ``atomic.current``); None if there is none. ``name`` is for messages."""
     snap = current(directory / "snapshot")
     if snap is None:
         return None
@@ -82,11 +75,8 @@ def read_snapshot(directory: Path, name: str) -> tuple[dict, list[dict], Any] | 
 
 
 def read_log(path: Path, after: int, name: str) -> list[dict]:
-    """The changes in log ``path`` with ``seq`` > ``after``, in order.
-
-    path:  a ``wal*.jsonl`` file (missing: no changes).
-    after: the last change already applied (the snapshot's ``seq``).
-    name:  the index name, for messages.
+    """The changes in log ``path`` (a ``wal*.jsonl``; missing: none) with ``seq`` >
+    ``after`` (the snapshot's), in order; ``name`` is for messages.
 
     A torn last line (the process died mid-write; that change never returned) is cut off
     the file, so later appends start on a line of their own; a bad line before the end

@@ -148,13 +148,12 @@ class MemoryStore:
                       clock: Callable[[], float] = time.time,
                       sleep: Callable[[float], None] = time.sleep) -> bool:
         """Wait until no other turn of ``(user, session)`` is in flight (read but not yet
-        written back), then mark this one in flight.
+        written back), then mark this one in flight; False when the wait timed out.
 
-        user, session: the conversation.
-        timeout_s:     the longest wait; a mark older than this is taken over (its turn
-                       failed or its run died), and so is any mark once the wait ends.
-        clock, sleep:  wall-clock time and sleeping (tests inject both).
-        Returns False when the wait timed out. Polls every 2 ms, backing off to 50 ms.
+        timeout_s:    the longest wait; a mark older than this is taken over (its turn
+                      failed or its run died), and so is any mark once the wait ends.
+        clock, sleep: wall-clock time and sleeping (tests inject both).
+        Polls every 2 ms, backing off to 50 ms.
         """
         start = clock()
         pause, waited = 0.002, False
@@ -172,11 +171,9 @@ class MemoryStore:
 
 
 def check_store_spec(spec: Any) -> dict[str, Any]:
-    """A validated store config with defaults filled; StoreError says what to fix.
-
-    spec: None (SQLite at ``$TAILRACE_HOME/memory.sqlite``) or a mapping like
-          ``{backend: sqlite, path: mem.sqlite}`` or ``{backend: postgres, dsn: ...}``.
-    """
+    """A validated store config with defaults filled; StoreError says what to fix. ``spec``:
+    None (SQLite at ``$TAILRACE_HOME/memory.sqlite``), ``{backend: sqlite, path: ...}`` or
+    ``{backend: postgres, dsn: ...}``."""
     if spec is None:
         spec = {"backend": "sqlite"}
     if not isinstance(spec, dict):

@@ -33,15 +33,9 @@ class VectorIndex:
 
     def __init__(self, index: Any, docs: list[dict], *, model: str, kind: str,
                  ef_search: int, fingerprint: str = "") -> None:
-        """Wrap a faiss index and its docs; use ``create`` or ``open`` instead.
-
-        index:       the faiss index (inner-product metric).
-        docs:        one JSON-able dict per vector, in index order.
-        model:       the embedding model that made the vectors.
-        kind:        ``flat`` (exact) or ``hnsw`` (approximate).
-        ef_search:   HNSW search breadth (unused for ``flat``).
-        fingerprint: what the index was built from (e.g. a hash of the corpus).
-        """
+        """Wrap a faiss index (inner-product metric) and one JSON-able doc per vector, in
+        index order; use ``create`` or ``open`` instead. ``fingerprint``: what the index was
+        built from (e.g. a hash of the corpus)."""
         self._index = index
         self._docs = docs
         self._model = model
@@ -120,11 +114,8 @@ class VectorIndex:
         return np.ascontiguousarray(vectors, dtype=np.float32)
 
     def add(self, vectors: Any, docs: list[dict]) -> None:
-        """Append vectors and their documents.
-
-        vectors: float32 array of shape ``(n, dim)``, rows L2-normalised.
-        docs:    ``n`` JSON-able dicts (e.g. ``{"id", "title", "text"}``), one per row.
-        """
+        """Append ``vectors`` (float32 ``(n, dim)``, rows L2-normalised) and their ``n``
+        JSON-able docs (e.g. ``{"id", "title", "text"}``)."""
         matrix = self._matrix(vectors, "vectors")
         if not isinstance(docs, list) or len(docs) != len(matrix):
             n = len(docs) if isinstance(docs, list) else type(docs).__name__
@@ -144,11 +135,8 @@ class VectorIndex:
         self._docs.extend(dict(d) for d in docs)
 
     def search(self, queries: Any, k: int) -> list[list[dict]]:
-        """Per query, up to ``k`` hits ``{"score": cosine, **doc}``, best first.
-
-        queries: float32 array of shape ``(n, dim)`` or ``(dim,)``, rows L2-normalised.
-        k:       hits wanted per query (fewer come back when the index holds fewer).
-        """
+        """Per query (float32 ``(n, dim)`` or ``(dim,)``, rows L2-normalised), up to ``k``
+        hits ``{"score": cosine, **doc}``, best first (fewer while the index holds fewer)."""
         matrix = self._matrix(queries, "queries")
         if not isinstance(k, int) or k < 1:
             raise StoreError(f"k must be a positive integer, got {k!r}")
@@ -160,11 +148,8 @@ class VectorIndex:
                 for srow, irow in zip(scores.tolist(), ids.tolist(), strict=True)]
 
     def save(self, directory: str | os.PathLike[str], *, fingerprint: str = "") -> Path:
-        """Write the index to ``directory``, replacing any index there only once complete.
-
-        directory:   the index directory (created, or replaced if it exists).
-        fingerprint: what the index was built from, kept in ``meta.json``.
-        """
+        """Write the index to ``directory``, replacing any index there only once complete;
+        ``fingerprint`` (what the index was built from) is kept in ``meta.json``."""
         target = Path(directory)
         target.parent.mkdir(parents=True, exist_ok=True)
         meta = {"format": FORMAT_VERSION, "model": self._model, "dim": self.dim,
@@ -183,11 +168,8 @@ class VectorIndex:
     @classmethod
     def open(cls, directory: str | os.PathLike[str], *,
              expect_model: str | None = None) -> VectorIndex:
-        """Reopen a saved index without re-embedding anything.
-
-        directory:    the directory ``save`` wrote.
-        expect_model: the embedding model queries will use; a different one is refused.
-        """
+        """Reopen the index ``save`` wrote to ``directory`` without re-embedding anything;
+        ``expect_model``: the embedding model queries will use (a different one is refused)."""
         where = Path(directory)
         found = current(where)
         if found is None or (found == where and not (found / "meta.json").is_file()):
