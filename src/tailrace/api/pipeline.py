@@ -203,8 +203,9 @@ class Stream:
         return self.stage_id if self.port is None else f"{self.stage_id}.{self.port}"
 
     def _then(self, op: str, params: dict[str, Any], kw: dict[str, Any],
-              id: str | None) -> str:
-        return self.pipeline._add(op, (self._ref,), params, kw, id)
+              id: str | None) -> Stream:
+        """A stream of a new stage ``op`` that consumes this one."""
+        return Stream(self.pipeline, self.pipeline._add(op, (self._ref,), params, kw, id))
 
     def map(self, fn: Callable | str, *, id: str | None = None, input: str | None = None,
             output: str | None = None, **contract: Any) -> Stream:
@@ -220,8 +221,7 @@ class Stream:
         output: write the result to this field (of a copy of the record).
         With ``batch=`` in the contract, ``fn`` takes and returns lists.
         """
-        params = {"fn": fn, "input": input, "output": output}
-        return Stream(self.pipeline, self._then("map", params, contract, id))
+        return self._then("map", {"fn": fn, "input": input, "output": output}, contract, id)
 
     def filter(self, fn: Callable | str, *, id: str | None = None,
                input: str | None = None, **contract: Any) -> Stream:
@@ -232,11 +232,9 @@ class Stream:
         >>> _ = tr.run(p); out
         [1, 3]
 
-        fn:    predicate (callable or dotted path).
-        input: apply the predicate to this field of a dict record.
+        fn:    predicate (callable or dotted path), applied to field ``input`` if given.
         """
-        params = {"fn": fn, "input": input}
-        return Stream(self.pipeline, self._then("filter", params, contract, id))
+        return self._then("filter", {"fn": fn, "input": input}, contract, id)
 
     def flat_map(self, fn: Callable | str, *, id: str | None = None,
                  input: str | None = None, output: str | None = None,
@@ -252,7 +250,7 @@ class Stream:
         input:  apply ``fn`` to this field; output: each item goes to a copy's field.
         """
         params = {"fn": fn, "input": input, "output": output}
-        return Stream(self.pipeline, self._then("flat_map", params, contract, id))
+        return self._then("flat_map", params, contract, id)
 
     def key_by(self, fn: Callable | str, *, id: str | None = None,
                **contract: Any) -> Stream:
@@ -265,7 +263,7 @@ class Stream:
 
         fn: the key function (callable or dotted path).
         """
-        return Stream(self.pipeline, self._then("key_by", {"fn": fn}, contract, id))
+        return self._then("key_by", {"fn": fn}, contract, id)
 
     def branch(self, fn: Callable | str, *, id: str | None = None,
                input: str | None = None, **contract: Any) -> tuple[Stream, Stream]:
@@ -277,10 +275,9 @@ class Stream:
         >>> _ = tr.run(p); bigs, smalls
         ([2, 3], [1])
 
-        fn:    predicate (callable or dotted path).
-        input: apply the predicate to this field of a dict record.
+        fn:    predicate (callable or dotted path), applied to field ``input`` if given.
         """
-        sid = self._then("branch", {"fn": fn, "input": input}, contract, id)
+        sid = self._then("branch", {"fn": fn, "input": input}, contract, id).stage_id
         return Stream(self.pipeline, sid, "true"), Stream(self.pipeline, sid, "false")
 
     def merge(self, *others: Stream, id: str | None = None, **contract: Any) -> Stream:
@@ -311,7 +308,7 @@ class Stream:
         output: emit ``{output: [records]}`` instead of the bare list.
         """
         params = {"max_size": max_size, "max_wait_ms": max_wait_ms, "output": output}
-        return Stream(self.pipeline, self._then("batch", params, contract, id))
+        return self._then("batch", params, contract, id)
 
     def stateful(self, fn: Callable | str, *, id: str | None = None,
                  key: str | None = None, input: str | None = None,
@@ -332,7 +329,7 @@ class Stream:
         [('a', 1), ('b', 5), ('a', 3)]
         """
         params = {"fn": fn, "key": key, "input": input, "output": output}
-        return Stream(self.pipeline, self._then("stateful", params, contract, id))
+        return self._then("stateful", params, contract, id)
 
     def apply(self, op: str | type, *, id: str | None = None, **kwargs: Any) -> Stream:
         """Add a stage running any operator: a registered name (``"map"``, ``"retrieve"``,
@@ -346,7 +343,7 @@ class Stream:
         """
         name = op if isinstance(op, str) else f"{op.__module__}.{op.__qualname__}"
         contract = {k: kwargs.pop(k) for k in list(kwargs) if k in CONTRACT_KEYS}
-        return Stream(self.pipeline, self._then(name, kwargs, contract, id))
+        return self._then(name, kwargs, contract, id)
 
     def sink(self, target: list | Callable | None = None, *, id: str | None = None,
              **contract: Any) -> None:
