@@ -27,6 +27,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -86,31 +87,29 @@ class _Call:
         self.done.set()
 
 
+@dataclass(slots=True, eq=False)
 class _Seq:
     """One request occupying a sequence slot while it is prefilled and generated."""
 
-    __slots__ = ("call", "index", "slot", "prompt", "n_prompt", "fed", "pos", "last",
-                 "n_gen", "max_tokens", "temperature", "rng", "stream", "row", "lp_sum",
-                 "n_lp")
+    call: _Call
+    index: int
+    slot: int
+    prompt: Any  # numpy int32 token ids
+    max_tokens: int
+    temperature: float
+    rng: Any
+    stream: TextStream
+    n_lp: int = -1  # tokens in lp_sum; -1: not asked for (GenerationRequest.logprobs)
+    lp_sum: float = 0.0  # summed log-probabilities of the sampled tokens
+    n_prompt: int = 0
+    fed: int = 0  # prompt tokens already sent to the model
+    pos: int = 0  # position of the next token sent for this sequence
+    last: int = -1  # the last sampled token, sent in the next step
+    n_gen: int = 0
+    row: int = -1  # batch index whose logits belong to this sequence (-1: none)
 
-    def __init__(self, call: _Call, index: int, slot: int, prompt: Any, max_tokens: int,
-                 temperature: float, rng: Any, stream: TextStream):
-        self.call = call
-        self.index = index
-        self.slot = slot
-        self.prompt = prompt  # numpy int32 token ids
-        self.n_prompt = len(prompt)
-        self.fed = 0  # prompt tokens already sent to the model
-        self.pos = 0  # position of the next token sent for this sequence
-        self.last = -1  # the last sampled token, sent in the next step
-        self.n_gen = 0
-        self.max_tokens = max_tokens
-        self.temperature = temperature
-        self.rng = rng
-        self.stream = stream
-        self.row = -1  # batch index whose logits belong to this sequence (-1: none)
-        self.lp_sum = 0.0  # summed log-probabilities of the sampled tokens
-        self.n_lp = -1  # tokens in lp_sum; -1: not asked for (GenerationRequest.logprobs)
+    def __post_init__(self) -> None:
+        self.n_prompt = len(self.prompt)
 
 
 class LlamaCppEngine:
@@ -461,9 +460,8 @@ class LlamaCppEngine:
                         stream = TextStream(tuple(r.stop) + stops_default)
                         active.append(_Seq(call, i, heapq.heappop(free),
                                            np.asarray(prompt, dtype=np.int32),
-                                           r.max_tokens, r.temperature, rng, stream))
-                        if r.logprobs:
-                            active[-1].n_lp = 0
+                                           r.max_tokens, r.temperature, rng, stream,
+                                           n_lp=0 if r.logprobs else -1))
                     active.sort(key=lambda s: s.slot)
                     if not active:
                         continue
