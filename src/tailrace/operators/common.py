@@ -39,6 +39,26 @@ def get_field(record: Any, name: str) -> Any:
                          f"{type(record).__name__}, not a JSON object") from None
 
 
+def each_record(batch: list, errors: list, fn: Callable[[Any], Any],
+                catch: type[Exception] = Exception) -> tuple[list, list]:
+    """``(records, values)``: ``fn(record)`` of each record for which it did not raise
+    ``catch``; a record for which it did goes to ``errors`` as ``(record, exception)``.
+
+    >>> errors = []
+    >>> each_record([4, 0, 2], errors, lambda x: 8 // x), errors
+    (([4, 2], [2, 4]), [(0, ZeroDivisionError('integer division or modulo by zero'))])
+    """
+    keep, values = [], []
+    for r in batch:
+        try:
+            values.append(fn(r))
+        except catch as e:  # this record only
+            errors.append((r, e))
+            continue
+        keep.append(r)
+    return keep, values
+
+
 def positive_int(v: Any) -> bool:
     """True for an integer >= 1 (not a bool)."""
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1

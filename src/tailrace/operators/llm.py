@@ -15,7 +15,14 @@ from typing import Any
 
 from ..engines import GenerationRequest, open_engine
 from ..errors import ContextOverflow
-from .common import ENGINE_HINT, FieldError, count_param, link_engine, non_negative
+from .common import (
+    ENGINE_HINT,
+    FieldError,
+    count_param,
+    each_record,
+    link_engine,
+    non_negative,
+)
 from .core import per_record
 from .registry import OpDef, OpRuntime, Param, register
 
@@ -146,13 +153,7 @@ def _build_generate(params: dict, contract: Any) -> OpRuntime:
                 for r, g in zip(records, gens, strict=True)]
 
     def batch_fn(batch: list, errors: list) -> list:
-        keep, reqs = [], []
-        for r in batch:
-            try:
-                reqs.append(request(r))
-                keep.append(r)
-            except Exception as e:  # noqa: BLE001 - this record only
-                errors.append((r, e))
+        keep, reqs = each_record(batch, errors, request)
         if not keep:
             return []
         try:

@@ -36,6 +36,7 @@ from .common import (
     ENGINE_HINT,
     FieldError,
     count_param,
+    each_record,
     get_field,
     link_engine,
     link_token_counter,
@@ -168,16 +169,13 @@ def _build_read(params: dict, contract: Any) -> OpRuntime:
     min_score, out, detail = params.get("min_score"), params["output"], params.get("detail")
     ordered, wait_s = params["ordered"], params["wait_ms"] / 1000.0
 
+    def parse(r: Any) -> tuple:
+        return ((_record_id(r, ufield), _record_id(r, sfield)),
+                _query_value(r, qfield) if qfield else None)
+
     def batch_fn(batch: list, errors: list) -> list:
-        rows = []
-        for r in batch:
-            try:
-                ids = (_record_id(r, ufield), _record_id(r, sfield))
-                query = _query_value(r, qfield) if qfield else None
-            except FieldError as e:
-                errors.append((r, e))
-                continue
-            rows.append((r, ids, query))
+        keep, parsed = each_record(batch, errors, parse, FieldError)
+        rows = [(r, ids, query) for r, (ids, query) in zip(keep, parsed, strict=True)]
         texts = [q for _, _, q in rows if isinstance(q, str)]
         vecs = iter(embedder.embed(texts)) if texts else iter(())
         result = []

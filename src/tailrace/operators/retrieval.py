@@ -18,6 +18,7 @@ from .common import (
     ENGINE_HINT,
     FieldError,
     count_param,
+    each_record,
     get_field,
     link_engine,
     link_token_counter,
@@ -26,21 +27,17 @@ from .common import (
 from .registry import LinkContext, OpDef, OpRuntime, Param, register
 
 
+def _typed(record: Any, field: str, want: type | tuple) -> Any:
+    """``record[field]``; FieldError if it is missing or not of type ``want``."""
+    v = get_field(record, field)
+    if not isinstance(v, want):
+        raise FieldError(f"field '{field}' must be {_type_name(want)}, got {type(v).__name__}")
+    return v
+
+
 def _batch_rows(batch: list, errors: list, field: str, want: type | tuple) -> tuple[list, list]:
     """(records, values) of the records whose ``field`` is present and of type ``want``."""
-    keep, values = [], []
-    for r in batch:
-        try:
-            v = get_field(r, field)
-            if not isinstance(v, want):
-                raise FieldError(f"field '{field}' must be {_type_name(want)}, got "
-                                 f"{type(v).__name__}")
-        except FieldError as e:
-            errors.append((r, e))
-            continue
-        keep.append(r)
-        values.append(v)
-    return keep, values
+    return each_record(batch, errors, lambda r: _typed(r, field, want), FieldError)
 
 
 def _type_name(want: type | tuple) -> str:
@@ -162,22 +159,14 @@ def _build_rerank(params: dict, contract: Any) -> OpRuntime:
     k, div = params["k"], params["diversity"]
 
     def batch_fn(batch: list, errors: list) -> list:
-        keep, lists = _batch_rows(batch, errors, inp, list)
-        rows, queries = [], []
-        for r, passages in zip(keep, lists, strict=True):
-            try:
-                query = get_field(r, q)
-            except FieldError as e:
-                errors.append((r, e))
-                continue
-            rows.append((r, passages))
-            queries.append(query)
-        texts = [p.get("text", "") for _, ps in rows for p in ps]
+        keep, rows = each_record(batch, errors, lambda r: (_typed(r, inp, list), get_field(r, q)),
+                                 FieldError)  # rows: (passages, query)
+        texts = [p.get("text", "") for ps, _ in rows for p in ps]
         vecs = engine.embed(texts) if texts else np.zeros((0, 1), np.float32)
-        qtexts = [x for x in queries if isinstance(x, str)]
+        qtexts = [x for _, x in rows if isinstance(x, str)]
         qvecs = iter(engine.embed(qtexts)) if qtexts else iter(())
         result, i = [], 0
-        for (r, ps), query in zip(rows, queries, strict=True):
+        for r, (ps, query) in zip(keep, rows, strict=True):
             qv = next(qvecs) if isinstance(query, str) else np.asarray(query, np.float32)
             dv = vecs[i:i + len(ps)]
             i += len(ps)

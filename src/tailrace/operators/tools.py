@@ -26,7 +26,7 @@ from typing import Any
 
 from ..engines import GenerationRequest, open_engine
 from ..errors import EngineError
-from .common import ENGINE_HINT, FieldError, count_param, link_engine, positive
+from .common import ENGINE_HINT, FieldError, count_param, each_record, link_engine, positive
 from .llm import PROMPT_PARAMS, TEMPERATURE, check_prompt_source, prompt_reads, prompt_text
 from .registry import LinkContext, OpDef, OpRuntime, Param, register, resolve
 from .tool_schema import ToolError, check_schema, parse_json_call, validate
@@ -231,12 +231,7 @@ def _build_tool_call(params: dict, contract: Any) -> OpRuntime:
         return Conversation(r, msgs + [{"role": "user", "content": prompt_text(template, inp, r)}])
 
     def batch_fn(batch: list, errors: list) -> list:
-        convs: list[Conversation] = []
-        for r in batch:
-            try:
-                convs.append(start(r))
-            except FieldError as e:
-                errors.append((r, e))
+        convs: list[Conversation] = each_record(batch, errors, start, FieldError)[1]
         active = convs
         for rnd in range(1, max_rounds + 2):
             final = rnd > max_rounds
