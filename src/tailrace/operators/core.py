@@ -31,11 +31,17 @@ INPUT = Param("input", (str,), doc="read this field of a dict record", want="a f
 OUTPUT = Param("output", (str,), doc="write the result to this field", want="a field name")
 
 
-def _with_fields(fn: Callable, inp: str | None, out: str | None) -> Callable:
-    """Adapt ``fn`` to dict records: read field ``inp``, write field ``out``."""
-    if inp is None and out is None:
+def _io(params: dict) -> tuple[str | None, str | None]:
+    """(field read, field written: ``output``, else ``input``); (None, None): the function
+    takes and returns whole records."""
+    inp = params.get("input")
+    return inp, params.get("output") or inp
+
+
+def _with_fields(fn: Callable, inp: str | None, target: str | None) -> Callable:
+    """Adapt ``fn`` to dict records: read field ``inp``, write field ``target``."""
+    if target is None:
         return fn
-    target = out if out is not None else inp
     if inp is None:
         return lambda r: {**r, target: fn(r)}
     return lambda r: {**r, target: fn(get_field(r, inp))}
@@ -81,15 +87,12 @@ def per_record(f: Callable[[Any], Any], *, many: bool = False) -> Callable[[list
 # -- map ------------------------------------------------------------------------------
 def _build_map(params: dict, contract: Contract) -> OpRuntime:
     raw = _fn(params)
-    f = _with_fields(raw, params.get("input"), params.get("output"))
+    inp, target = _io(params)
+    f = _with_fields(raw, inp, target)
     if is_async_callable(raw):
-        inp, out = params.get("input"), params.get("output")
-
         async def arecord(x: Any) -> list:
             v = await raw(x if inp is None else get_field(x, inp))
-            if inp is None and out is None:
-                return [v]
-            return [{**x, (out or inp): v}]
+            return [v if target is None else {**x, target: v}]
 
         return OpRuntime("map", record_fn=arecord, is_async=True)
     if contract.batch is not None:
@@ -99,7 +102,7 @@ def _build_map(params: dict, contract: Contract) -> OpRuntime:
 
 def _whole_batch(fn: Callable, params: dict) -> Callable:
     """A batch-contract map: ``fn(list of inputs) -> list of outputs``, same length."""
-    inp, out = params.get("input"), params.get("output")
+    inp, target = _io(params)
 
     def call(records: list) -> list:
         values = records if inp is None else [get_field(r, inp) for r in records]
@@ -107,10 +110,9 @@ def _whole_batch(fn: Callable, params: dict) -> Callable:
         if len(results) != len(values):
             raise ValueError(f"batch function returned {len(results)} results for "
                              f"{len(values)} inputs; it must return one per input")
-        if inp is None and out is None:
+        if target is None:
             return results
-        key = out or inp
-        return [{**r, key: v} for r, v in zip(records, results, strict=False)]
+        return [{**r, target: v} for r, v in zip(records, results, strict=False)]
 
     return call
 
@@ -127,14 +129,12 @@ def _build_filter(params: dict, contract: Contract) -> OpRuntime:
 # -- flat_map -------------------------------------------------------------------------
 def _build_flat_map(params: dict, contract: Contract) -> OpRuntime:
     raw = _fn(params)
-    inp, outf = params.get("input"), params.get("output")
-    if inp is None and outf is None:
+    inp, target = _io(params)
+    if target is None:
         items = raw
     else:
-        key = outf or inp
-
         def items(r: Any) -> list:
-            return [{**r, key: v} for v in raw(r if inp is None else get_field(r, inp))]
+            return [{**r, target: v} for v in raw(r if inp is None else get_field(r, inp))]
 
     return OpRuntime("map", batch_fn=per_record(items, many=True),
                      record_fn=lambda x: list(items(x)))
@@ -163,8 +163,17 @@ def _build_branch(params: dict, contract: Contract) -> OpRuntime:
 # -- stateful -------------------------------------------------------------------------
 def _build_stateful(params: dict, contract: Contract) -> OpRuntime:
     fn = _fn(params)
-    key, inp, outf = params.get("key"), params.get("input"), params.get("output")
+    key, (inp, target) = params.get("key"), _io(params)
     state: dict = {}
+
+    def update(k: Any, v: Any) -> Any:
+        """``fn`` on key ``k``'s state: keep its new state (None forgets the key), emit."""
+        new, emit = fn(state.get(k), v)
+        if new is None:
+            state.pop(k, None)
+        else:
+            state[k] = new
+        return emit
 
     if key is None:
         def step(x: Any) -> Any:
@@ -174,22 +183,10 @@ def _build_stateful(params: dict, contract: Contract) -> OpRuntime:
                 raise FieldError("stateful stage without 'key' expects (key, value) pairs; "
                                  f"got {type(x).__name__} (use key_by first, or key=...)") \
                     from None
-            new, emit = fn(state.get(k), v)
-            if new is None:
-                state.pop(k, None)
-            else:
-                state[k] = new
-            return (k, emit)
+            return (k, update(k, v))
     else:
-        target = outf or inp
-
         def step(x: Any) -> Any:
-            k = get_field(x, key)
-            new, emit = fn(state.get(k), x if inp is None else get_field(x, inp))
-            if new is None:
-                state.pop(k, None)
-            else:
-                state[k] = new
+            emit = update(get_field(x, key), x if inp is None else get_field(x, inp))
             return emit if target is None else {**x, target: emit}
 
     return OpRuntime("map", batch_fn=per_record(step), record_fn=lambda x: [step(x)])
