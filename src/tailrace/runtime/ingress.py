@@ -20,9 +20,28 @@ from ..api.records import ErrorRecord
 from ..observability import StageMeter
 
 
+class Feed:
+    """An async input that can also hand over what has already arrived as one list (a
+    served pipeline's request feed): read without admission, a burst of requests then
+    crosses the plan as one micro-batch instead of one batch per record. Subclasses
+    define ``__aiter__`` (one record at a time, for admission) and ``batches``."""
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        raise NotImplementedError
+
+    def batches(self, n: int) -> AsyncIterator[list]:
+        """Lists of at most ``n`` records: each what had arrived when it was taken."""
+        raise NotImplementedError
+
+
 async def chunks(data: Any, n: int) -> AsyncIterator[list]:
-    """``data`` (an iterable, or an async iterable: one record at a time) in lists of at
-    most ``n`` records; an exception of the input is raised after what it gave before."""
+    """``data`` (an iterable, a ``Feed``, or an async iterable: one record at a time) in
+    lists of at most ``n`` records; an exception of the input is raised after what it gave
+    before."""
+    if isinstance(data, Feed):
+        async for batch in data.batches(n):
+            yield batch
+        return
     if hasattr(data, "__aiter__"):
         async for x in data:
             yield [x]

@@ -101,18 +101,32 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-async def _unless_gone(request: Request, fut: asyncio.Future, cancel: threading.Event) -> Any:
-    """Await ``fut``; if the client disconnects first, set ``cancel`` and raise."""
+async def _unless_gone(request: Request, call: Any, cancel: threading.Event) -> Any:
+    """Await ``call`` in this task; if the client disconnects first, set ``cancel``, stop
+    the call and raise ``_ClientGone``. One watcher task per request, nothing more: the
+    call itself runs inline (no task, no ``asyncio.wait``)."""
+    task = asyncio.current_task()
+    assert task is not None
+    gone: list[bool] = []
+
+    def left(watcher: asyncio.Future) -> None:
+        if not watcher.cancelled() and watcher.exception() is None:
+            gone.append(True)
+            cancel.set()
+            task.cancel()  # the call stops where it waits
+
     watcher = asyncio.ensure_future(_wait_disconnect(request))
+    watcher.add_done_callback(left)
     try:
-        done, _ = await asyncio.wait((fut, watcher), return_when=asyncio.FIRST_COMPLETED)
+        return await call
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        task.uncancel()
+        raise _ClientGone from None
     finally:
+        watcher.remove_done_callback(left)
         watcher.cancel()
-    if fut not in done:
-        cancel.set()
-        fut.cancel()
-        raise _ClientGone
-    return fut.result()
 
 
 def _quiet(task: asyncio.Future) -> None:
@@ -176,8 +190,7 @@ class _Relay:
         """The first piece (or ``_END``); a failure before any piece raises, so it gets
         its own HTTP status instead of an error inside a 200 stream."""
         try:
-            item = await _unless_gone(request, asyncio.ensure_future(self.pieces.get()),
-                                      self.cancel)
+            item = await _unless_gone(request, self.pieces.get(), self.cancel)
         except _ClientGone:
             self.abandon()
             raise
@@ -291,8 +304,7 @@ def create_app(hub: ServingHub) -> FastAPI:
                                         redact)
         cancel = threading.Event()
         try:
-            out = await _unless_gone(request, asyncio.ensure_future(
-                service.submit(record, cancel=cancel)), cancel)
+            out = await _unless_gone(request, service.submit(record, cancel=cancel), cancel)
         except _ClientGone:
             return Response(status_code=499)
         answer = _answer(b, out)
@@ -308,10 +320,11 @@ def create_app(hub: ServingHub) -> FastAPI:
     async def completions(request: Request) -> Response:
         return await openai_call(request, False)
 
-    @app.post("/v1/pipelines/{name}/runs")
-    async def runs(name: str, request: Request, stream: bool = False) -> Response:
+    async def runs(request: Request) -> Response:
+        # a plain Starlette route: no dependency solving per request (the hot path)
         check_key(request)
-        service = service_of(name)
+        service = service_of(request.path_params["name"])
+        stream = _flag(request, "stream")
         record = await _read_json(request, limit)
         bad = [k for k in record if k.startswith("_")]
         if bad:
@@ -321,16 +334,32 @@ def create_app(hub: ServingHub) -> FastAPI:
             return await _stream_runs(request, service, record, redact)
         cancel = threading.Event()
         try:
-            out = await _unless_gone(request, asyncio.ensure_future(
-                service.submit(record, cancel=cancel)), cancel)
+            out = await _unless_gone(request, service.submit(record, cancel=cancel), cancel)
         except _ClientGone:
             return Response(status_code=499)
         return _json(out)
+
+    app.router.add_route("/v1/pipelines/{name}/runs", runs, methods=["POST"])
 
     from .observe import install_observability
 
     install_observability(app, hub, keys)
     return app
+
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off", ""}
+
+
+def _flag(request: Request, name: str) -> bool:
+    """A boolean query parameter (``?stream=true``); 400 for a value that is not one."""
+    raw = request.query_params.get(name)
+    if raw is None or raw.lower() in _FALSE:
+        return False
+    if raw.lower() in _TRUE:
+        return True
+    raise WireError(f"{request.url.path}: query.{name}: not a boolean ({raw!r}); use true or "
+                    "false", code="invalid_parameter")
 
 
 def _answer(b: Binding, out: dict) -> str:

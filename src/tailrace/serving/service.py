@@ -39,6 +39,7 @@ from ..compiler import Plan, compile_pipeline
 from ..control.gate import settle
 from ..errors import PlanError
 from ..observability import RunStats
+from ..runtime.ingress import Feed
 from .errors import (
     CallerGone,
     RecordDropped,
@@ -305,7 +306,7 @@ class PipelineService:
         from ..runtime import bind_io
         from ..runtime.local import LocalRun
 
-        inputs, outputs, _ = bind_io(self.plan, self._feed(), self._on_output)
+        inputs, outputs, _ = bind_io(self.plan, _Feed(self), self._on_output)
         door = _Door(self.gate, self) if self.gate is not None else None
         build = partial(LocalRun, self.plan, inputs=inputs, outputs=outputs,
                         on_error=self._on_error, admission=door, on_drop=self._on_drop,
@@ -315,19 +316,6 @@ class PipelineService:
         self._t0 = perf_counter()
         self._ready.set()
         await self._run.execute()
-
-    async def _feed(self) -> Any:
-        queue, lock = self._queue, self._lock
-        assert queue is not None
-        while True:
-            record = await queue.get()
-            if record is _STOP:
-                return
-            with lock:
-                self._queued -= 1
-            if record["_cancel"].is_set():
-                continue  # its caller gave up before it entered the pipeline
-            yield record
 
     # -- requests -----------------------------------------------------------------------
     async def submit(self, record: dict, on_token: Callable[[str], Any] | None = None,
@@ -467,6 +455,47 @@ class PipelineService:
         if lr is None:
             return {}
         return {sid: ch.depth for sid, ch in lr.channels.items()}
+
+
+class _Feed(Feed):
+    """The records ``submit`` queued, as the pipeline's source reads them: one at a time
+    (under admission) or in lists of what has arrived. A record whose caller gave up
+    before it was taken is skipped; the stop marker ends the feed."""
+
+    def __init__(self, service: PipelineService) -> None:
+        self.service = service
+
+    def _taken(self, record: Any) -> bool:
+        with self.service._lock:
+            self.service._queued -= 1
+        return not record["_cancel"].is_set()  # else its caller gave up before it entered
+
+    async def __aiter__(self) -> Any:
+        queue = self.service._queue
+        assert queue is not None
+        while True:
+            record = await queue.get()
+            if record is _STOP:
+                return
+            if self._taken(record):
+                yield record
+
+    async def batches(self, n: int) -> Any:
+        queue = self.service._queue
+        assert queue is not None
+        while True:
+            batch: list = []
+            record = await queue.get()
+            while record is not _STOP:
+                if self._taken(record):
+                    batch.append(record)
+                if len(batch) >= n or queue.empty():
+                    break
+                record = queue.get_nowait()
+            if batch:
+                yield batch
+            if record is _STOP:
+                return
 
 
 def _check_servable(plan: Plan) -> None:
