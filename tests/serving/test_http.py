@@ -137,6 +137,20 @@ def test_runs_endpoint_streams_tokens_then_the_output(server):
     assert out["answer"] == "p q r" and out["usage"]["completion_tokens"] == 3
 
 
+def test_runs_stream_flag_takes_booleans_and_refuses_anything_else(server):
+    h = {"Authorization": f"Bearer {KEY}"}
+    url = server + "/v1/pipelines/shout/runs"
+    for off in ("false", "0", "no", "off"):
+        r = httpx.post(f"{url}?stream={off}", json={"text": "a"}, headers=h)
+        assert r.status_code == 200 and r.json()["loud"] == "A"
+    r = httpx.post(url + "?stream=maybe", json={"text": "a"}, headers=h)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["code"] == "invalid_parameter"
+    assert err["message"] == ("/v1/pipelines/shout/runs: query.stream: not a boolean "
+                              "('maybe'); use true or false")
+
+
 def test_400_malformed_bodies_name_the_reason(server):
     h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     url = server + "/v1/chat/completions"
