@@ -14,7 +14,7 @@ The two sides run interleaved (tailrace, plain, plain, tailrace, ...) in one pro
 
 Push size: the Ray runtime sizes a push from the consuming stage's bound
 (``queue // PUSHES_IN_FLIGHT``), capped at ``MAX_PUSH`` records; both are read from
-``tailrace.runtime.ray.driver`` and the size actually used is read back from the
+``tailrace.compiler`` and the size actually used is read back from the
 compiled plan. A requested size above the cap cannot be measured: it is refused.
 
     python bench/ray_overhead.py                  # N = 200,000, pushes of 100 and MAX_PUSH
@@ -33,7 +33,8 @@ import time
 from collections import deque
 
 import tailrace as tr
-from tailrace.runtime.ray.driver import MAX_PUSH, PUSHES_IN_FLIGHT, chunk_size
+from tailrace.compiler import MAX_PUSH, PUSHES_IN_FLIGHT
+from tailrace.runtime.ray.driver import chunk_size
 
 TARGETS = {"hop": "<= 5 us per record per hop", "sched": "<= 1 ms median (Ray)"}
 
@@ -232,7 +233,7 @@ def main() -> None:
           f"interleaved repeats, {os.cpu_count()} CPUs, Ray {ray.__version__}, Python "
           f"{platform.python_version()} on {platform.machine()}")
     print(f"push size = a stage's bound // PUSHES_IN_FLIGHT ({PUSHES_IN_FLIGHT}), capped at "
-          f"MAX_PUSH = {MAX_PUSH} records (read from tailrace.runtime.ray.driver); plain Ray "
+          f"MAX_PUSH = {MAX_PUSH} records (read from tailrace.compiler); plain Ray "
           f"gets the same pushes, {PUSHES_IN_FLIGHT} in flight")
     print("us per record per extra hop = (3-stage time - 1-stage time) / (2 x N); "
           "median [min - max] over the repeats")
