@@ -370,66 +370,64 @@ def _answer(b: Binding, out: dict) -> str:
     return answer
 
 
-async def _stream_openai(request: Request, service: PipelineService, b: Binding,
-                         req: WireRequest, record: dict, rid: str, created: int,
-                         redact: Redactor) -> Response:
+async def _stream(request: Request, service: PipelineService, record: dict,
+                  events: Callable[[_Relay, Any], AsyncIterator[bytes]]) -> Response:
+    """Stream ``events(relay, first piece)`` as server-sent events, then ``[DONE]``. A
+    failure before the first piece gets its own HTTP status; a client that goes away
+    stops the generation for it."""
     relay = _Relay(service, record, piece_budget(service.plan))
     try:
         first = await relay.first(request)
     except _ClientGone:
         return Response(status_code=499)
 
-    async def events() -> AsyncIterator[bytes]:
+    async def guarded() -> AsyncIterator[bytes]:
         finished = False
         try:
-            if req.chat:
-                yield chunk(req, rid, created, "", role=True)
-            async for text in relay.texts(first):
-                yield chunk(req, rid, created, text)
-            try:
-                out = relay.result()
-                answer = _answer(b, out)
-            except ServiceError as e:
-                yield sse(error_body(redact(str(e)), e.status, e.code))
-            else:
-                usage = usage_of(b, out, req.text, answer)
-                yield chunk(req, rid, created, None if req.chat else "",
-                            finish_reason(b, usage))
-                if req.include_usage:
-                    yield chunk(req, rid, created, None, usage=usage)
-            yield SSE_DONE
-            finished = True
-        finally:
-            if not finished:
-                relay.abandon()  # the client went away: stop generating for it
-
-    return StreamingResponse(events(), media_type="text/event-stream", headers=_SSE_HEADERS)
-
-
-async def _stream_runs(request: Request, service: PipelineService, record: dict,
-                       redact: Redactor) -> Response:
-    relay = _Relay(service, record, piece_budget(service.plan))
-    try:
-        first = await relay.first(request)
-    except _ClientGone:
-        return Response(status_code=499)
-
-    async def events() -> AsyncIterator[bytes]:
-        finished = False
-        try:
-            async for text in relay.texts(first):
-                yield sse({"token": text})
-            try:
-                yield sse({"output": relay.result()})
-            except ServiceError as e:
-                body = error_body(redact(str(e)), e.status, e.code)
-                if isinstance(e, RequestFailed):
-                    body["error"]["stage"] = e.record.stage
-                yield sse(body)
+            async for event in events(relay, first):
+                yield event
             yield SSE_DONE
             finished = True
         finally:
             if not finished:
                 relay.abandon()
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers=_SSE_HEADERS)
+    return StreamingResponse(guarded(), media_type="text/event-stream", headers=_SSE_HEADERS)
+
+
+async def _stream_openai(request: Request, service: PipelineService, b: Binding,
+                         req: WireRequest, record: dict, rid: str, created: int,
+                         redact: Redactor) -> Response:
+    async def events(relay: _Relay, first: Any) -> AsyncIterator[bytes]:
+        if req.chat:
+            yield chunk(req, rid, created, "", role=True)
+        async for text in relay.texts(first):
+            yield chunk(req, rid, created, text)
+        try:
+            out = relay.result()
+            answer = _answer(b, out)
+        except ServiceError as e:
+            yield sse(error_body(redact(str(e)), e.status, e.code))
+            return
+        usage = usage_of(b, out, req.text, answer)
+        yield chunk(req, rid, created, None if req.chat else "", finish_reason(b, usage))
+        if req.include_usage:
+            yield chunk(req, rid, created, None, usage=usage)
+
+    return await _stream(request, service, record, events)
+
+
+async def _stream_runs(request: Request, service: PipelineService, record: dict,
+                       redact: Redactor) -> Response:
+    async def events(relay: _Relay, first: Any) -> AsyncIterator[bytes]:
+        async for text in relay.texts(first):
+            yield sse({"token": text})
+        try:
+            yield sse({"output": relay.result()})
+        except ServiceError as e:
+            body = error_body(redact(str(e)), e.status, e.code)
+            if isinstance(e, RequestFailed):
+                body["error"]["stage"] = e.record.stage
+            yield sse(body)
+
+    return await _stream(request, service, record, events)
