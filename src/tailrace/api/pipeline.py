@@ -22,8 +22,7 @@ from typing import Any
 from ..errors import PlanError
 
 #: The contract keys every stage accepts (YAML and Python alike).
-CONTRACT_KEYS = ("replicas", "batch", "timeout_ms", "retries", "queue", "blocking",
-                 "placement")
+CONTRACT_KEYS = ("replicas", "batch", "timeout_ms", "retries", "queue", "blocking", "placement")
 
 
 @dataclass(frozen=True)
@@ -202,8 +201,7 @@ class Stream:
     def _ref(self) -> str:
         return self.stage_id if self.port is None else f"{self.stage_id}.{self.port}"
 
-    def _then(self, op: str, params: dict[str, Any], kw: dict[str, Any],
-              id: str | None) -> Stream:
+    def _then(self, op: str, params: dict[str, Any], kw: dict[str, Any], id: str | None) -> Stream:
         """A stream of a new stage ``op`` that consumes this one."""
         return Stream(self.pipeline, self.pipeline._add(op, (self._ref,), params, kw, id))
 
@@ -252,8 +250,7 @@ class Stream:
         params = {"fn": fn, "input": input, "output": output}
         return self._then("flat_map", params, contract, id)
 
-    def key_by(self, fn: Callable | str, *, id: str | None = None,
-               **contract: Any) -> Stream:
+    def key_by(self, fn: Callable | str, *, id: str | None = None, **contract: Any) -> Stream:
         """Turn each record into ``(fn(record), record)`` for keyed stages.
 
         >>> p = tr.Pipeline("ex")

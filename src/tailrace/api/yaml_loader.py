@@ -151,14 +151,12 @@ def _stage(raw: Any, prev: str, where: str) -> StageSpec:
                         where=where, stage=sid)
     op = raw.get("op")
     if not isinstance(op, str) or not op:
-        raise PlanError("stage needs an 'op' (e.g. map, filter, generate)",
-                        where=where, stage=sid)
+        raise PlanError("stage needs an 'op' (e.g. map, filter, generate)", where=where, stage=sid)
     after = raw.get("after", [prev])
     if isinstance(after, str):
         after = [after]
     if not isinstance(after, list) or not after or not all(isinstance(a, str) for a in after):
-        raise PlanError("'after' must be a stage id or a list of stage ids",
-                        where=where, stage=sid)
+        raise PlanError("'after' must be a stage id or a list of stage ids", where=where, stage=sid)
     params: dict[str, Any] = {}
     contract_kw: dict[str, Any] = {}
     for k, v in raw.items():

@@ -65,6 +65,5 @@ def ingest(*, index: str = "wiki", embedder: str = DEFAULT_EMBEDDER, kind: str =
     idx.save(out, fingerprint=fingerprint)
     secs = time.perf_counter() - t0
     if not quiet:
-        print(f"index '{index}': {len(idx):,} documents in {secs:.1f}s -> {out}",
-              file=sys.stderr)
+        print(f"index '{index}': {len(idx):,} documents in {secs:.1f}s -> {out}", file=sys.stderr)
     return IngestResult(out, len(idx), True, secs)

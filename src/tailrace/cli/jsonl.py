@@ -46,8 +46,7 @@ class JsonlReader:
                     self._bad(lineno, line, f"invalid JSON: {e.msg} (column {e.pos + 1})")
                     continue
                 if not isinstance(rec, dict):
-                    self._bad(lineno, line,
-                              f"expected a JSON object, got {_json_type(rec)}")
+                    self._bad(lineno, line, f"expected a JSON object, got {_json_type(rec)}")
                     continue
                 yield rec
         except UnicodeDecodeError as e:

@@ -93,8 +93,7 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def draining_server(config: Any, hub: Any, drain_s: float = 30.0,
-                    start_hub: bool = True) -> Any:
+def draining_server(config: Any, hub: Any, drain_s: float = 30.0, start_hub: bool = True) -> Any:
     """A ``uvicorn.Server`` that starts ``hub``'s pipelines on its loop and drains them
     as it shuts down.
 

@@ -432,8 +432,7 @@ class LlamaCppEngine:
                 emit(s, tail)
             call = s.call
             extra = {"mean_logprob": s.lp_sum / s.n_lp} if s.n_lp > 0 else {}
-            call.results[s.index] = Generation(s.stream.text, s.n_prompt, s.n_gen, reason,
-                                               extra)
+            call.results[s.index] = Generation(s.stream.text, s.n_prompt, s.n_gen, reason, extra)
             lib.llama_memory_seq_rm(mem, s.slot, -1, -1)
             heapq.heappush(free, s.slot)
             call.remaining -= 1
@@ -454,8 +453,7 @@ class LlamaCppEngine:
                         call, i, r, prompt = waiting.popleft()
                         if call.error is not None:  # its call already failed
                             continue
-                        rseed = r.seed if r.seed is not None else int(
-                            self._rng.integers(1 << 63))
+                        rseed = r.seed if r.seed is not None else int(self._rng.integers(1 << 63))
                         rng = np.random.default_rng(rseed) if r.temperature > 0 else None
                         stream = TextStream(tuple(r.stop) + stops_default)
                         active.append(_Seq(call, i, heapq.heappop(free),
@@ -512,8 +510,7 @@ class LlamaCppEngine:
                     t = sample(logits, s.temperature, s.rng)
                     if s.n_lp >= 0:  # log-softmax of the sampled token, stable form
                         m = logits.max()
-                        s.lp_sum += float(logits[t] - m) - math.log(
-                            float(np.exp(logits - m).sum()))
+                        s.lp_sum += float(logits[t] - m) - math.log(float(np.exp(logits - m).sum()))
                         s.n_lp += 1
                     piece = pieces[t] if t in pieces else self._piece(t)
                     if piece is None:  # end of generation

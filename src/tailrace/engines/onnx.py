@@ -161,8 +161,7 @@ class OnnxEmbedder:
         try:
             (hidden,) = session.run([self._output], feed)
         except Exception as e:
-            raise EngineError(f"onnxruntime failed on a batch of {len(encodings)}: {e}") \
-                from None
+            raise EngineError(f"onnxruntime failed on a batch of {len(encodings)}: {e}") from None
         hidden = hidden.astype(np.float32, copy=False)
         if self._pooled:
             vecs = hidden

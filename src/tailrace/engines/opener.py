@@ -120,8 +120,7 @@ def open_engine(spec: dict[str, Any], name: str | None = None) -> Any:
         base, options = split_pool(spec)
         return get_pool(name or spec.get("_name") or "engine", base, **options)
     spec = {k: v for k, v in spec.items() if not k.startswith("_")}
-    return _ENGINES.get(json.dumps(spec, sort_keys=True, default=str),
-                        lambda: create_engine(spec))
+    return _ENGINES.get(json.dumps(spec, sort_keys=True, default=str), lambda: create_engine(spec))
 
 
 def statistics() -> dict[str, Any]:
@@ -130,8 +129,7 @@ def statistics() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, eng in _ENGINES.items():
         if callable(getattr(eng, "statistics", None)):
-            out[str(getattr(eng, "name", None) or getattr(eng, "model", key))] = \
-                eng.statistics()
+            out[str(getattr(eng, "name", None) or getattr(eng, "model", key))] = eng.statistics()
     out.update(pool_statistics())
     return out
 

@@ -35,6 +35,5 @@ def token_counter(spec: dict[str, Any]) -> Callable[[str], int]:
         return approx_tokens
     from .llama_vocab import LlamaVocab
 
-    path = spec.get("path") or str(model_path(model_info(str(spec.get("model", "")),
-                                                         "llama_cpp")))
+    path = spec.get("path") or str(model_path(model_info(str(spec.get("model", "")), "llama_cpp")))
     return LlamaVocab(path).count_tokens

@@ -104,8 +104,7 @@ class Histogram:
         ([0, 1, 3], 3)
         """
         counts = list(self._counts)
-        return [sum(counts[:max(0, (k - _MIN_EXP + 1) * _SUB)]) for k in exponents], \
-            sum(counts)
+        return [sum(counts[:max(0, (k - _MIN_EXP + 1) * _SUB)]) for k in exponents], sum(counts)
 
     def statistics(self) -> HistogramStats:
         if self.count == 0:
@@ -194,8 +193,7 @@ class StageMeter:
         self.max_queue_depth = 0
 
     @classmethod
-    def combined(cls, meters: list[StageMeter], template: StageMeter | None = None
-                 ) -> StageMeter:
+    def combined(cls, meters: list[StageMeter], template: StageMeter | None = None) -> StageMeter:
         """The sum of several replicas' (or incarnations') meters of one operator.
 
         meters:   the meters to add up (counts and histograms summed, depth: the max).

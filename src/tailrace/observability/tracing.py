@@ -118,8 +118,7 @@ def request_span(name: str, attributes: dict[str, Any] | None = None) -> Iterato
         return
     from opentelemetry.trace import SpanKind
 
-    with tracer.start_as_current_span(name, kind=SpanKind.SERVER,
-                                      attributes=attributes) as span:
+    with tracer.start_as_current_span(name, kind=SpanKind.SERVER, attributes=attributes) as span:
         yield span
 
 

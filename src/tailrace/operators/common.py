@@ -32,8 +32,7 @@ def get_field(record: Any, name: str) -> Any:
         return record[name]
     except KeyError:
         have = ", ".join(map(str, record)) if isinstance(record, dict) else ""
-        raise FieldError(f"record has no field '{name}' (it has: {have or 'no fields'})") \
-            from None
+        raise FieldError(f"record has no field '{name}' (it has: {have or 'no fields'})") from None
     except TypeError:
         raise FieldError(f"stage reads field '{name}' but the record is a "
                          f"{type(record).__name__}, not a JSON object") from None

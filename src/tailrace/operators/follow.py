@@ -204,8 +204,7 @@ def feeder_for(index: Any, path: str) -> Feeder | None:
     return _FEEDERS.peek((id(index), os.path.abspath(path)))
 
 
-def start_feeder(index: Any, ingest: Ingest, path: str, poll_s: float,
-                 max_batch: int) -> Feeder:
+def start_feeder(index: Any, ingest: Ingest, path: str, poll_s: float, max_batch: int) -> Feeder:
     """The feeder of ``index`` following ``path``: the running one, else a new one
     (arguments as for ``Feeder``); it leaves the registry when the index closes."""
     key = (id(index), os.path.abspath(path))

@@ -46,11 +46,9 @@ def render(template: str, record: Any) -> str:
         return template.format_map(record)
     except KeyError as e:
         have = ", ".join(map(str, record)) if isinstance(record, dict) else ""
-        raise FieldError(f"template needs field {e} (record has: {have or 'no fields'})") \
-            from None
+        raise FieldError(f"template needs field {e} (record has: {have or 'no fields'})") from None
     except (TypeError, AttributeError):
-        raise FieldError(f"template needs a JSON object, got {type(record).__name__}") \
-            from None
+        raise FieldError(f"template needs a JSON object, got {type(record).__name__}") from None
 
 
 def _check_template(params: dict, ctx: Any) -> dict:

@@ -140,8 +140,7 @@ class _Target:
         if getattr(eng, "chat", True):
             msgs = ({"role": "system", "content": self.system},) if self.system else ()
             return GenerationRequest(messages=msgs + ({"role": "user", "content": text},), **kw)
-        return GenerationRequest(prompt=(self.system + "\n\n" if self.system else "") + text,
-                                 **kw)
+        return GenerationRequest(prompt=(self.system + "\n\n" if self.system else "") + text, **kw)
 
     def generate(self, rows: list, errors: list) -> list:
         """``(row, Generation)`` for each row ``[record, decision, cost]`` that worked."""
@@ -191,8 +190,7 @@ def _build_route(params: dict, contract: Any) -> OpRuntime:
         for r in batch:
             count = lambda r=r: targets[default].engine.count_tokens(targets[default].text(r))
             try:
-                name = next((x["engine"] for x in rules if _matches(x["when"], r, count)),
-                            default)
+                name = next((x["engine"] for x in rules if _matches(x["when"], r, count)), default)
             except Exception as e:  # noqa: BLE001 - e.g. the prompt cannot be rendered
                 errors.append((r, e))
                 continue
@@ -245,8 +243,7 @@ def _build_route(params: dict, contract: Any) -> OpRuntime:
             out[f"{name}.tokens"] = e["prompt_tokens"] + e["completion_tokens"]
         return out
 
-    return OpRuntime("map", batch_fn=batch_fn, max_batch=params["max_batch"],
-                     counters=counters)
+    return OpRuntime("map", batch_fn=batch_fn, max_batch=params["max_batch"], counters=counters)
 
 
 def _prepare_route(params: dict, ctx: LinkContext) -> dict:

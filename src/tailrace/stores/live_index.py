@@ -369,8 +369,7 @@ class LiveIndex:
         """
         with self._snap_lock:
             with self._lock:
-                data = (faiss().serialize_index(self._index) if self._index is not None
-                        else None)
+                data = (faiss().serialize_index(self._index) if self._index is not None else None)
                 docs = [{"key": k, "id": m[0], "t": m[1], "exp": m[2], "doc": self._docs[k]}
                         for k, m in self._meta.items()]
                 meta: dict[str, Any] = {

@@ -127,8 +127,7 @@ class MemoryStore:
         """The last ``n`` unexpired ``(role, text)`` of a session, oldest first."""
         raise NotImplementedError
 
-    def top_facts(self, user: str, model: str, vector: Any, k: int,
-                  now: float) -> list[FactHit]:
+    def top_facts(self, user: str, model: str, vector: Any, k: int, now: float) -> list[FactHit]:
         """The ``k`` unexpired facts of ``user`` most similar to ``vector``, best first."""
         raise NotImplementedError
 

@@ -86,8 +86,7 @@ class PostgresMemory(MemoryStore):
     def _connect(self) -> Any:
         from psycopg.conninfo import conninfo_to_dict
 
-        extra = {} if "connect_timeout" in conninfo_to_dict(self._dsn) else \
-            {"connect_timeout": 10}
+        extra = {} if "connect_timeout" in conninfo_to_dict(self._dsn) else {"connect_timeout": 10}
         try:
             return self._psycopg.connect(self._dsn, autocommit=True, **extra)
         except self._psycopg.Error as e:
@@ -158,8 +157,7 @@ class PostgresMemory(MemoryStore):
                                               (user, session, now, n)))
         return [(r[0], r[1]) for r in reversed(rows)]
 
-    def top_facts(self, user: str, model: str, vector: Any, k: int,
-                  now: float) -> list[FactHit]:
+    def top_facts(self, user: str, model: str, vector: Any, k: int, now: float) -> list[FactHit]:
         if k <= 0:
             return []
         q = unit_vector(vector)

@@ -127,8 +127,7 @@ class SqliteMemory(MemoryStore):
             self._n["turn_reads"] += 1
         return [(r[0], r[1]) for r in reversed(rows)]
 
-    def top_facts(self, user: str, model: str, vector: Any, k: int,
-                  now: float) -> list[FactHit]:
+    def top_facts(self, user: str, model: str, vector: Any, k: int, now: float) -> list[FactHit]:
         import numpy as np
 
         if k <= 0:

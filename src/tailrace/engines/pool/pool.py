@@ -234,8 +234,7 @@ class EnginePool:
         """
         self._check_kind("generate")
         call = Call(len(requests), on_token)
-        self._submit(call, [Item(call, i, r, predicted_tokens(r)) for i, r in
-                            enumerate(requests)])
+        self._submit(call, [Item(call, i, r, predicted_tokens(r)) for i, r in enumerate(requests)])
         return call.wait()
 
     def embed(self, texts: Sequence[str]) -> Any:
@@ -385,8 +384,7 @@ class EnginePool:
 
     def _choose(self, batch: Batch) -> int | None:
         """A replica for ``batch``: one it has not failed on, while such a one is healthy."""
-        untried = batch.tried and any(r.healthy and r.id not in batch.tried
-                                      for r in self._replicas)
+        untried = batch.tried and any(r.healthy and r.id not in batch.tried for r in self._replicas)
         return self._policy.choose(self._loads(batch.tried if untried else frozenset()),
                                    batch.tokens)
 
@@ -490,8 +488,7 @@ class EnginePool:
                 self._events.put((rid, inc, msg))
 
         if self._isolation == "process":
-            r.transport = ProcessReplica(self.spec, self.kind, deliver, label,
-                                         r.max_in_flight)
+            r.transport = ProcessReplica(self.spec, self.kind, deliver, label, r.max_in_flight)
         else:
             r.transport = ThreadReplica(self.spec, self.kind, deliver, label, r.endpoint,
                                         r.max_in_flight)

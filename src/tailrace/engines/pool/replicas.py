@@ -109,8 +109,7 @@ class ThreadReplica:
         ``base_url`` for a remote replica) running ``max_workers`` calls at once on threads
         named ``label``; ``deliver`` gets its messages on those threads."""
         self._spec, self._kind, self._deliver, self._base_url = spec, kind, deliver, base_url
-        self._exec = ThreadPoolExecutor(max_workers=max(1, max_workers),
-                                        thread_name_prefix=label)
+        self._exec = ThreadPoolExecutor(max_workers=max(1, max_workers), thread_name_prefix=label)
         self._engine: Any = None
         self._stopped = False
         self._cancelled: dict[int, set[int]] = {}
