@@ -62,22 +62,14 @@ class AdmissionRejected(TailraceError):
 
 @dataclass(frozen=True)
 class Request:
-    """One unit of work asking for admission to a pipeline.
+    """One unit of work asking for admission to a pipeline."""
 
-    id: the caller's request id, echoed in rejections.
-    pipeline: the pipeline's name; its SLO sets the default deadline, class and weight.
-    arrival: arrival time in the policy clock's seconds.
-    prompt_tokens: prompt length in tokens (for the cost model).
-    max_tokens: output tokens to generate at most (for the cost model).
-    deadline: absolute deadline in clock seconds; None means arrival + the SLO's p99 budget.
-    """
-
-    id: str
-    pipeline: str
-    arrival: float
-    prompt_tokens: int = 0
-    max_tokens: int = 0
-    deadline: float | None = None
+    id: str  # the caller's request id, echoed in rejections
+    pipeline: str  # its SLO sets the default deadline, class and weight
+    arrival: float  # in the policy clock's seconds
+    prompt_tokens: int = 0  # prompt length in tokens (for the cost model)
+    max_tokens: int = 0  # output tokens to generate at most (for the cost model)
+    deadline: float | None = None  # absolute, clock seconds; None: arrival + the SLO's p99
 
     def __post_init__(self) -> None:
         where = f"request {self.id!r}"

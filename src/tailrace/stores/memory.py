@@ -35,40 +35,25 @@ _KEYS = {"sqlite": ("backend", "path"), "postgres": ("backend", "dsn", "dsn_env"
 
 @dataclass(frozen=True)
 class Turn:
-    """One conversation turn to store.
+    """One conversation turn to store."""
 
-    user:    the tenant the turn belongs to.
-    session: the conversation, scoped to its user.
-    role:    who spoke (``user``, ``assistant``, ...).
-    text:    what was said.
-    ttl_s:   seconds until it expires (None: never).
-    """
-
-    user: str
-    session: str
-    role: str
-    text: str
-    ttl_s: float | None = None
+    user: str  # the tenant the turn belongs to
+    session: str  # the conversation, scoped to its user
+    role: str  # who spoke (``user``, ``assistant``, ...)
+    text: str  # what was said
+    ttl_s: float | None = None  # seconds until it expires (None: never)
 
 
 @dataclass(frozen=True)
 class Fact:
-    """One long-term fact about a user; the same text again replaces the old one.
+    """One long-term fact about a user; the same text again replaces the old one."""
 
-    user:     the tenant the fact belongs to.
-    text:     the fact.
-    vector:   its embedding (any float sequence; stored unit-normalised).
-    model:    the embedding model (facts are only compared with queries of that model).
-    metadata: a JSON object kept with the fact.
-    ttl_s:    seconds until it expires (None: never).
-    """
-
-    user: str
+    user: str  # the tenant the fact belongs to
     text: str
-    vector: Any
-    model: str
-    metadata: dict[str, Any] = field(default_factory=dict)
-    ttl_s: float | None = None
+    vector: Any  # its embedding (any float sequence; stored unit-normalised)
+    model: str  # the embedding model (facts are only compared with queries of that model)
+    metadata: dict[str, Any] = field(default_factory=dict)  # a JSON object kept with it
+    ttl_s: float | None = None  # seconds until it expires (None: never)
 
 
 @dataclass(frozen=True)

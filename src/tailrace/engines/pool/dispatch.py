@@ -22,21 +22,16 @@ from typing import Protocol
 class ReplicaLoad:
     """What a dispatch policy sees of one replica.
 
-    id:               the replica's id in its pool.
-    healthy:          the replica is up and accepts work.
-    outstanding_work: predicted tokens (prompt + max_tokens) of the calls it is running.
-    in_flight:        engine calls (batches) sent to it and not yet answered.
-    max_concurrency:  the most engine calls it runs at once.
-    max_work:         the most outstanding tokens it holds (memory / sequence limit);
-                      None for no limit. An idle replica takes any call, so a call larger
-                      than the limit still runs (alone) instead of waiting forever.
+    max_work: the most outstanding tokens it holds (memory / sequence limit); None for no
+    limit. An idle replica takes any call, so a call larger than the limit still runs
+    (alone) instead of waiting forever.
     """
 
-    id: int
-    healthy: bool = True
-    outstanding_work: int = 0
-    in_flight: int = 0
-    max_concurrency: int = 1
+    id: int  # the replica's id in its pool
+    healthy: bool = True  # the replica is up and accepts work
+    outstanding_work: int = 0  # predicted tokens (prompt + max_tokens) of the calls it runs
+    in_flight: int = 0  # engine calls (batches) sent to it and not yet answered
+    max_concurrency: int = 1  # the most engine calls it runs at once
     max_work: int | None = None
 
     def can_take(self, cost: int) -> bool:

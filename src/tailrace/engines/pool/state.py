@@ -20,50 +20,34 @@ _EMPTY = object()
 
 @dataclass(frozen=True)
 class ReplicaStatistics:
-    """One replica: its load now and what happened to it so far.
-
-    outstanding_work: predicted tokens of the batches it is running.
-    in_flight:        batches it is running.
-    calls, requests:  engine calls (batches) it answered and the requests in them.
-    failures:         deaths, failed starts and batches that came back with errors.
-    restarts:         times it was started again after a failure.
-    down:             it failed to start ``max_restarts`` times in a row and gets no more work.
-    """
+    """One replica: its load now and what happened to it so far."""
 
     id: int
     endpoint: str | None
     pid: int | None
     healthy: bool
-    down: bool
-    outstanding_work: int
-    in_flight: int
-    calls: int
-    requests: int
-    failures: int
-    restarts: int
+    down: bool  # it failed to start ``max_restarts`` times in a row and gets no more work
+    outstanding_work: int  # predicted tokens of the batches it is running
+    in_flight: int  # batches it is running
+    calls: int  # engine calls (batches) it answered
+    requests: int  # the requests in them
+    failures: int  # deaths, failed starts and batches that came back with errors
+    restarts: int  # times it was started again after a failure
     last_error: str | None
 
 
 @dataclass(frozen=True)
 class PoolStatistics:
-    """A pool: its replicas, the batches formed and what became of failed calls.
-
-    batches:         batches formed (retries not counted again).
-    mean_batch_size: requests per batch on average.
-    shared_batches:  batches holding requests of more than one caller.
-    queued:          requests waiting for a batch or a replica.
-    retries:         batches sent again after a replica failed them.
-    failed_calls:    callers that got an error.
-    """
+    """A pool: its replicas, the batches formed and what became of failed calls."""
 
     name: str
     replicas: tuple[ReplicaStatistics, ...]
-    batches: int
-    mean_batch_size: float
-    shared_batches: int
-    queued: int
-    retries: int
-    failed_calls: int
+    batches: int  # batches formed (retries not counted again)
+    mean_batch_size: float  # requests per batch on average
+    shared_batches: int  # batches holding requests of more than one caller
+    queued: int  # requests waiting for a batch or a replica
+    retries: int  # batches sent again after a replica failed them
+    failed_calls: int  # callers that got an error
 
 
 class Call:
