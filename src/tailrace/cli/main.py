@@ -91,21 +91,15 @@ def main(argv: list[str] | None = None) -> int:
         _parser().print_help(sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        if args.command == "run":
-            return _run(args)
-        if args.command == "plan":
-            return _plan(args)
-        if args.command == "ingest":
-            return _ingest(args)
-        if args.command == "eval":
-            return _eval(args)
         if args.command == "serve":
             from .serve import serve
 
             return serve(args)
-        from .demo import demo
+        if args.command == "demo":
+            from .demo import demo
 
-        return demo(limit=args.limit)
+            return demo(limit=args.limit)
+        return {"run": _run, "plan": _plan, "ingest": _ingest, "eval": _eval}[args.command](args)
     except TailraceError as e:
         if args.debug:
             traceback.print_exc()
@@ -154,8 +148,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    plan = load_plan(args)
-    print(plan.render(args.format))
+    print(load_plan(args).render(args.format))
     return 0
 
 

@@ -10,6 +10,7 @@ answer, or 503 after 30 s) and stops.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import signal
 import socket
@@ -167,6 +168,10 @@ def serve(args: argparse.Namespace) -> int:
                               f"{type(s.failure).__name__}: {s.failure}")
                 server.should_exit = True
                 return
+        # what exists now (modules, engines, the plan) lives as long as the server: keep
+        # it out of the collector's full passes, which otherwise walk it every few
+        # thousand requests (a latency spike each time)
+        gc.freeze()
         print("tailrace: ready (engines loaded)", file=sys.stderr, flush=True)
 
     print(f"tailrace: serving {', '.join(hub.services)} on http://{shown}:{port}/v1 "

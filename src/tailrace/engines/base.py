@@ -14,25 +14,18 @@ from typing import Any, Protocol, runtime_checkable
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One generation call.
-
-    prompt:      raw completion prompt (base models), or
-    messages:    chat messages ``[{"role": "user", "content": ...}]`` (chat models;
-                 the engine applies the model's chat template).
-    max_tokens:  most tokens to generate.
-    temperature: 0 means greedy (deterministic).
-    stop:        strings that end generation (not included in the text).
-    logprobs:    report the mean log-probability of the sampled tokens as
-                 ``Generation.extra["mean_logprob"]`` (engines that can).
-    """
+    """One generation call: a raw completion ``prompt`` (base models), or chat ``messages``
+    ``[{"role": "user", "content": ...}]`` (chat models; the engine applies the model's chat
+    template)."""
 
     prompt: str | None = None
     messages: tuple[dict[str, str], ...] | None = None
-    max_tokens: int = 64
-    temperature: float = 0.0
-    stop: tuple[str, ...] = ()
+    max_tokens: int = 64  # most tokens to generate
+    temperature: float = 0.0  # 0 means greedy (deterministic)
+    stop: tuple[str, ...] = ()  # strings that end generation (not included in the text)
     seed: int | None = None
-    logprobs: bool = False
+    logprobs: bool = False  # report the sampled tokens' mean log-probability as
+    # ``Generation.extra["mean_logprob"]`` (engines that can)
 
 
 @dataclass(frozen=True)
