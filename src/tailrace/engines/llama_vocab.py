@@ -15,10 +15,7 @@ from .llama_cpp import llama_lib
 
 
 class LlamaVocab:
-    """Token counting with a llama.cpp model's vocabulary; thread-safe.
-
-    path: the GGUF model file.
-    """
+    """Token counting with the vocabulary of the GGUF model file ``path``; thread-safe."""
 
     def __init__(self, path: str):
         self._lib = lib = llama_lib()

@@ -203,11 +203,8 @@ class StageMeter:
         total = cls(t.stage, t.op, replicas=t.replicas, queue_bound=t.queue_bound,
                     fused_into=t.fused_into)
         for x in meters:
-            total.records_in += x.records_in
-            total.records_out += x.records_out
-            total.errors += x.errors
-            total.retries += x.retries
-            total.timeouts += x.timeouts
+            for name in ("records_in", "records_out", "errors", "retries", "timeouts"):
+                setattr(total, name, getattr(total, name) + getattr(x, name))
             total.queue_wait.merge(x.queue_wait)
             total.service.merge(x.service)
             total.batch_size.merge(x.batch_size)

@@ -69,12 +69,9 @@ class Batcher:
         return len(self._items)
 
     def add(self, item: Any, tokens: int, now: float) -> None:
-        """Queue ``item`` behind the items already waiting.
-
-        item:   anything; ``take`` returns it unchanged.
-        tokens: its predicted tokens (prompt + max_tokens), counted against the budget.
-        now:    the current time in seconds (its arrival time).
-        """
+        """Queue ``item`` (``take`` returns it unchanged) behind the items already waiting;
+        ``tokens``: its predicted tokens (prompt + max_tokens), counted against the budget;
+        ``now``: its arrival time in seconds."""
         tokens = max(int(tokens), 0)
         self._items.append((item, tokens, now))
         self._tokens += tokens

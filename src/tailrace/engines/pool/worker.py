@@ -16,14 +16,10 @@ from .messages import Cancel, EmbedBatch, FromReplica, GenerateBatch, Shutdown
 
 
 def worker_main(conn: Any, spec: dict[str, Any], kind: str, workers: int = 1) -> None:
-    """A replica process: open the engine, say Ready, serve batches until Shutdown or EOF.
-
-    conn:    this end of the pool's Pipe.
-    spec:    the engine spec (``create_engine``).
-    kind:    ``"generate"`` or ``"embed"``.
-    workers: batches served at once, each on its own thread (an engine that batches
-             continuously, like llama.cpp's, decodes them together).
-    """
+    """A replica process: open the ``kind`` engine of ``spec``, say Ready on ``conn`` (its
+    end of the pool's Pipe), serve batches until Shutdown or EOF. ``workers``: batches
+    served at once, each on its own thread (an engine that batches continuously, like
+    llama.cpp's, decodes them together)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     engine, ready = start_engine(dict(spec), kind)
     conn.send(ready)
