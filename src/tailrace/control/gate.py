@@ -91,12 +91,8 @@ class AdmissionGate:
             raise
 
     def done(self, ticket: Ticket, service_seconds: float | None = None) -> None:
-        """The admitted work left the pipeline: free its capacity, admit who fits.
-
-        ticket: what ``admit`` returned.
-        service_seconds: how long the work took (default: since admission); it
-            calibrates the policy's cost model.
-        """
+        """The work ``admit`` let in left the pipeline: free its capacity, admit who fits.
+        ``service_seconds`` (default: since admission) calibrates the policy's cost model."""
         if service_seconds is None:
             service_seconds = max(0.0, self._clock() - ticket.admitted_at)
         with self._lock:

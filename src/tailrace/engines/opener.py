@@ -107,13 +107,9 @@ _ENGINES: Registry[Any] = Registry("engines")
 
 
 def open_engine(spec: dict[str, Any], name: str | None = None) -> Any:
-    """The engine for ``spec``, created once per process and shared.
-
-    spec: the engine spec; a pool spec (``replicas``/``endpoints``) opens the shared,
-          started pool for the engine's name instead.
-    name: the engine's name in the pipeline (pools are shared by name; default: the
-          spec's ``_name``, which stages' linking sets).
-    """
+    """The engine for ``spec``, created once per process and shared; a pool spec
+    (``replicas``/``endpoints``) opens the shared, started pool of the engine's ``name``
+    instead (default: the spec's ``_name``, which stages' linking sets)."""
     if _REMOTE_OPENER is not None:
         return _REMOTE_OPENER(name or spec.get("_name") or "engine", spec)
     if is_pool(spec):

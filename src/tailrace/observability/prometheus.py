@@ -80,13 +80,9 @@ class HttpMeter:
 
 def prom_buckets(h: Histogram, exponents: range, scale: float,
                  offset: int = 0) -> tuple[list[tuple[str, float]], int]:
-    """Cumulative Prometheus buckets of ``h`` at edges ``(2**k + offset) * scale``.
-
-    h: the histogram.
-    exponents: the k of each edge.
-    scale: unit conversion of the edges (1e-6: microseconds to seconds).
-    offset: added to each power of two (-1 for integer-valued data such as batch sizes).
-    """
+    """Cumulative Prometheus buckets of ``h`` at edges ``(2**k + offset) * scale`` for each k
+    of ``exponents``; ``scale`` converts units (1e-6: microseconds to seconds), ``offset``
+    -1 suits integer-valued data such as batch sizes."""
     below, total = h.counts_below(exponents)
     out = [(_go(((1 << k) + offset) * scale), float(n))
            for k, n in zip(exponents, below, strict=True)]
