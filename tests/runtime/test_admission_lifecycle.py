@@ -266,3 +266,28 @@ def test_a_batch_window_lists_its_records_without_their_tickets():
     assert sorted(x["i"] for x in items) == list(range(7))
     assert not any("_admission" in x for x in items)
     gate.assert_balanced()
+
+
+def _nap(r):
+    import time
+
+    time.sleep(0.05)
+    return r
+
+
+@pytest.mark.parametrize("runtime", ["local", "ray"])
+def test_end_to_end_latency_counts_the_wait_for_admission(runtime, request):
+    # one record in flight at a time, each 50 ms in the stage: the fifth waits >= 200 ms
+    # for its ticket, and that wait is part of what its caller sees (arrival -> output)
+    if runtime == "ray":
+        request.getfixturevalue("ray_session")
+    gate = fcfs(n=1)
+    p = tr.Pipeline("queued")
+    p.source([{"i": i} for i in range(5)]).map(_nap, blocking=True).sink(out := [])
+    try:
+        result = tr.run(p, admission=gate, runtime=runtime)
+    finally:
+        gate.close()
+    assert len(out) == 5
+    assert result.stats.latency_us.max >= 150_000
+    gate.assert_balanced()

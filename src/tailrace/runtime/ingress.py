@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from itertools import islice
+from time import perf_counter
 from typing import Any
 
 from ..api.records import ErrorRecord
@@ -75,16 +76,17 @@ async def read(data: Any, n: int, meter: StageMeter,
 
 
 async def read_admitted(data: Any, gate: Any, pipeline: str, window: int, meter: StageMeter,
-                        send: Callable[[Any, Any], Awaitable[Awaitable[None] | None]],
+                        send: Callable[[Any, Any, float], Awaitable[Awaitable[None] | None]],
                         refuse: Callable[[Any, BaseException], None],
                         check: Callable[[Any], BaseException | None] | None = None) -> None:
     """Admit the input record by record, at most ``window`` waiting at once.
 
     gate:   the admission gate (``admit(pipeline, record) -> ticket``, ``done(ticket)``).
-    send:   ``send(record, ticket)`` hands an admitted record on; the caller owns the
-            ticket from then on (it gives it back when the record ends). It may return an
-            awaitable to finish after the record's window slot is freed (e.g. an end to
-            end acknowledgement).
+    send:   ``send(record, ticket, arrived)`` hands an admitted record on (``arrived``:
+            when it was read, ``perf_counter()``: its latency includes the admission
+            wait); the caller owns the ticket from then on (it gives it back when the
+            record ends). It may return an awaitable to finish after the record's window
+            slot is freed (e.g. an end to end acknowledgement).
     refuse: ``refuse(record, exc)`` for a record that was not admitted (rejected, or
             refused by ``check``): it becomes an error record there.
     check:  an exception for a record that cannot be admitted at all, else None.
@@ -93,7 +95,7 @@ async def read_admitted(data: Any, gate: Any, pipeline: str, window: int, meter:
     """
     slots = asyncio.Semaphore(window)
 
-    async def admit(x: Any) -> None:
+    async def admit(x: Any, arrived: float) -> None:
         after = None
         try:
             problem = check(x) if check is not None else None
@@ -105,7 +107,7 @@ async def read_admitted(data: Any, gate: Any, pipeline: str, window: int, meter:
             except Exception as e:  # noqa: BLE001 - AdmissionRejected (or a gate failure)
                 refuse(x, e)
                 return
-            after = await send(x, ticket)
+            after = await send(x, ticket, arrived)
         finally:
             slots.release()
         if after is not None:
@@ -127,6 +129,6 @@ async def read_admitted(data: Any, gate: Any, pipeline: str, window: int, meter:
                 failure = e
                 break
             meter.records_out += 1
-            tg.create_task(admit(x))
+            tg.create_task(admit(x, perf_counter()))
     if failure is not None:
         raise failure

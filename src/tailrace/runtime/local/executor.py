@@ -152,10 +152,9 @@ class LocalRun:
     async def _admitted(self, data: Any, down: list[Channel], meter: StageMeter) -> None:
         """Admission at the source (``ingress.read_admitted``); an admitted record enters
         the plan carrying its ticket."""
-        async def send(x: Any, ticket: Any) -> None:
+        async def send(x: Any, ticket: Any, born: float) -> None:
             self.tickets[id(ticket)] = [ticket, len(down)]
             rec = [{**x, "_admission": ticket}]
-            born = perf_counter()
             for ch in down:
                 if not ch.put_nowait(rec, born):
                     await ch.put(rec, born)

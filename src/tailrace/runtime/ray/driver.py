@@ -27,6 +27,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import replace
 from itertools import count
+from time import perf_counter
 from typing import Any
 
 from ...api.records import ErrorRecord
@@ -361,11 +362,12 @@ class RayRun:
         gate = self.admission
         k = max(1, min([ADMISSION_WAITS] + [link.window.size for link in links]))
 
-        async def send(x: Any, ticket: Any) -> Any:
+        async def send(x: Any, ticket: Any, arrived: float) -> Any:
             key = (i, next(counter))
             acks: list = []
+            born = time.time() - (perf_counter() - arrived)  # latency counts the wait
             try:
-                await self._send(links, key, [x], time.time(), acks)
+                await self._send(links, key, [x], born, acks)
             except BaseException:
                 self.ledger.settle(key)
                 gate.done(ticket)
