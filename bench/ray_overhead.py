@@ -34,7 +34,6 @@ from collections import deque
 
 import tailrace as tr
 from tailrace.compiler import MAX_PUSH, PUSHES_IN_FLIGHT
-from tailrace.runtime.ray.driver import chunk_size
 
 TARGETS = {"hop": "<= 5 us per record per hop", "sched": "<= 1 ms median (Ray)"}
 
@@ -56,7 +55,7 @@ def chain(n: int, stages: int, queue: int) -> tr.Pipeline:
 def push_sizes(stages: int, queue: int) -> set[int]:
     """Records per push into each actor stage of the compiled (unfused) chain."""
     plan = tr.compile_pipeline(chain(1, stages, queue), fuse=False)
-    return {chunk_size(s) for s in plan.stages
+    return {s.execution.push for s in plan.stages
             if s.ops[0].op.kind not in ("source", "sink")}
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..compiler import Plan
 from ..observability import Histogram, RunStats, StageMeter, StageStats
-from .stage import stage_meter as _label
+from .stage import stage_meter
 
 
 @dataclass(frozen=True)
@@ -61,11 +61,6 @@ def merged(meters: list[StageMeter], template: StageMeter | None = None) -> Stag
     if len(meters) == 1 and template is None:
         return meters[0].statistics()
     return StageMeter.combined(meters, template).statistics()
-
-
-def stage_meter(plan: Plan, i: int, j: int) -> StageMeter:
-    """A fresh meter for operator ``j`` of stage ``i`` (labelled as every worker's)."""
-    return _label(plan.stages[i], j)
 
 
 def local_stats(run: Any, wall: float, interrupted: bool) -> RunStats:
@@ -139,7 +134,7 @@ def build_stats(plan: Plan, reports: dict[tuple, Any], *,
         nodes = tuple(latest[r] for r in sorted(latest))
         n_host = sum(1 for o in s.ops if o.op.kind != "sink")
         for j in range(n_host):
-            st = merged([r.meters[j] for r in reps], stage_meter(plan, i, j))
+            st = merged([r.meters[j] for r in reps], stage_meter(s, j))
             stages.append(_extend(st, restarts=restarts, nodes=nodes))
         if s.ops[-1].op.kind == "sink":
             m = sink_meters[i]

@@ -35,8 +35,8 @@ from ...compiler import Plan, PlanOp, PlanStage
 from ...errors import PlanError
 from ...observability import Histogram, StageMeter
 from ..ingress import input_failed, read, read_admitted
-from ..stage import sink_runtime, sink_target, write_sink
-from ..stats import RayRunStats, build_stats, stage_meter
+from ..stage import sink_runtime, sink_target, stage_meter, write_sink
+from ..stats import RayRunStats, build_stats
 from .credits import Link, cause, gather_acks, ray_errors
 from .ledger import Ledger
 from .messages import (
@@ -58,8 +58,8 @@ ADMISSION_WAITS = 64
 
 
 def chunk_size(s: PlanStage) -> int:
-    """Records per push into stage ``s`` (the compiler's ``Execution.push``)."""
-    assert s.execution is not None
+    """Records per push into stage ``s`` (its ``Execution``'s)."""
+    assert s.execution is not None, "a source has no pushes into it"
     return s.execution.push
 
 
@@ -167,7 +167,7 @@ class RayRun:
                 o = s.ops[-1]
                 target = sink_target(o, outputs)
                 j = len(s.ops) - 1
-                self.sinks[i] = _Sink(o.id, sink_runtime(target), stage_meter(plan, i, j),
+                self.sinks[i] = _Sink(o.id, sink_runtime(target), stage_meter(s, j),
                                       queued=j == 0, first=i in self.first)
         self.host_stages = [i for i, s in enumerate(plan.stages)
                             if i not in sources and any(o.op.kind != "sink" for o in s.ops)]
