@@ -5,8 +5,11 @@ it on unchanged, then comes back to the caller.
 
 - tailrace: ``source(fields=["x"])`` -> four no-op ``map``s -> ``sink()``, compiled as
   ``tailrace serve`` compiles it (fused by default). A lone query is
-  ``await service.submit(record)`` on a started ``PipelineService`` (its own thread and
-  loop, as under ``tailrace serve``), from the caller's event loop, one at a time.
+  ``await service.submit(record)`` on a started ``PipelineService`` from the caller's
+  event loop, one at a time; the service runs on its own thread and loop
+  (``start()``), and, where ``start(loop)`` exists (issue 12), also as tasks on the
+  caller's loop, as `tailrace serve` now hosts it: both are measured, the latter is the
+  headline figure.
 - Haystack (``haystack-ai``): four ``@component``s returning their input, connected in a
   ``Pipeline``; a query is ``pipeline.run({"a": {"value": record}})``.
 - LangGraph (``langgraph``): a ``StateGraph`` (TypedDict state ``{x: int}``) of four
@@ -31,11 +34,16 @@ a message and tailrace's figures are still printed.
     python bench/vs_peers.py --quick      # 3 short rounds
     python bench/vs_peers.py --json out.json
     python bench/vs_peers.py --reinstall-peers   # fresh venv with the latest releases
+    python bench/vs_peers.py --keep-cpus-awake   # diagnostic: see below
 
 What a 2-core machine cannot show: every side runs one query at a time, so this is the
 per-query floor of each framework's Python path, not throughput under concurrency; the
 tailrace service crosses two threads per query (caller loop -> service loop -> caller),
-whose wake-ups depend on the OS scheduler of this small, shared VM.
+whose wake-ups depend on the OS scheduler of this small, shared VM: on an idle VM a
+wake-up of a thread whose vCPU is halted costs ~20-30 us more than on a busy one (a
+lone query measured ~99 us p50 on the idle VM vs ~57 us with a nice-19 busy loop on
+the side, 2026-12-01). ``--keep-cpus-awake`` runs such a busy loop (lowest priority,
+one process) for the whole run, to tell that wake-up cost from the Python work.
 """
 
 from __future__ import annotations
@@ -239,19 +247,48 @@ def four_maps() -> Any:
     return p
 
 
-class TailraceLone:
-    """A started ``PipelineService`` on the four maps; rounds of lone queries."""
+def loop_hosting() -> bool:
+    """True if ``PipelineService.start`` can host the run on the caller's loop
+    (``start(loop)``, as `tailrace serve` does since the issue-12 work)."""
+    import inspect
 
-    def __init__(self) -> None:
+    from tailrace.serving import PipelineService
+
+    return "loop" in inspect.signature(PipelineService.start).parameters
+
+
+class TailraceLone:
+    """A started ``PipelineService`` on the four maps; rounds of lone queries.
+
+    on_loop: False: the service runs on its own thread and loop (``start()``); True: on
+             the caller's loop (``start(loop)``, how `tailrace serve` hosts it now).
+    """
+
+    def __init__(self, on_loop: bool = False) -> None:
         import asyncio
 
         from tailrace.serving import PipelineService
 
-        self.svc = PipelineService(four_maps()).start()
-        if not self.svc.wait_ready(60):
-            raise SystemExit(f"vs_peers: the service did not start: {self.svc.failure}")
+        self.on_loop = on_loop
         self.loop = asyncio.new_event_loop()  # the caller's loop (uvicorn's, under serve)
+        self.svc = PipelineService(four_maps())
+        if on_loop:
+            self.loop.run_until_complete(self._start_here())
+        else:
+            self.svc.start()
+            if not self.svc.wait_ready(60):
+                raise SystemExit(f"vs_peers: the service did not start: {self.svc.failure}")
         self.loop.run_until_complete(self._queries(200, timed=False))
+
+    async def _start_here(self) -> None:
+        import asyncio
+
+        self.svc.start(asyncio.get_running_loop())
+        deadline = time.monotonic() + 60
+        while not self.svc.ready:
+            if self.svc.failure is not None or time.monotonic() > deadline:
+                raise SystemExit(f"vs_peers: the service did not start: {self.svc.failure}")
+            await asyncio.sleep(0.01)
 
     async def _queries(self, n: int, timed: bool = True) -> dict:
         submit, perf = self.svc.submit, time.perf_counter
@@ -272,8 +309,11 @@ class TailraceLone:
         return self.loop.run_until_complete(self._queries(n))
 
     def close(self) -> None:
+        if self.on_loop:
+            self.loop.run_until_complete(self.svc.aclose())
+        else:
+            self.svc.stop()
         self.loop.close()
-        self.svc.stop()
 
 
 def tailrace_in_run(n: int) -> dict:
@@ -333,25 +373,34 @@ def report(res: dict) -> None:
           "median [min - max] over the rounds")
     print(f"tailrace {res['versions']['tailrace']} from {res['tailrace_from']}; "
           f"CPython {sys.version.split()[0]}; {os.cpu_count()} CPUs; load average "
-          f"{res['load'][0]:.2f} before, {res['load'][1]:.2f} after")
+          f"{res['load'][0]:.2f} before, {res['load'][1]:.2f} after"
+          + ("; --keep-cpus-awake (a nice-19 busy loop ran meanwhile)"
+             if res.get("keep_cpus_awake") else ""))
     print(f"\n1. lone query, one at a time ({n} timed queries a round, after a warm-up), us")
-    print(f"   {'system':<62} {'p50 us':>22} {'p99 us':>24}")
-    rows = [("tailrace", f"tailrace {res['versions']['tailrace']}: await PipelineService.submit"),
+    print(f"   {'system':<68} {'p50 us':>22} {'p99 us':>24}")
+    v = res["versions"]["tailrace"]
+    head = "tailrace_on_loop" if "tailrace_on_loop" in res["lone"] else "tailrace"
+    if head == "tailrace_on_loop":
+        name = f"tailrace {v}: PipelineService.submit, service on the caller's loop"
+        print(f"   {name:<68} {spread(res['lone'][head], 'p50_us'):>22} "
+              f"{spread(res['lone'][head], 'p99_us'):>24}")
+    rows = [("tailrace", f"tailrace {v}: PipelineService.submit, service on its own thread"),
             ("haystack", f"Haystack {res['versions'].get('haystack', '?')}: Pipeline.run"),
             ("langgraph", f"LangGraph {res['versions'].get('langgraph', '?')}: graph.invoke")]
     for key, name in rows:
         if key in res["lone"]:
             rs = res["lone"][key]
-            print(f"   {name:<62} {spread(rs, 'p50_us'):>22} {spread(rs, 'p99_us'):>24}")
+            print(f"   {name:<68} {spread(rs, 'p50_us'):>22} {spread(rs, 'p99_us'):>24}")
         else:
-            print(f"   {name:<62} {'skipped':>22}")
+            print(f"   {name:<68} {'skipped':>22}")
     if res["skipped"]:
         print(f"   peers skipped: {res['skipped']}")
     rs = res["lone"]["tailrace_in_run"]
-    print(f"   {'(context) tailrace: lone record inside one tr.run, no service':<62} "
+    print(f"   {'(context) tailrace: lone record inside one tr.run, no service':<68} "
           f"{spread(rs, 'p50_us'):>22} {spread(rs, 'p99_us'):>24}")
-    tr50 = med(res["lone"]["tailrace"], "p50_us")
-    print(f"   tailrace lone p50 {tr50:.1f} us (target <= 30 us)", end="")
+    tr50 = med(res["lone"][head], "p50_us")
+    where = "the caller's loop" if head == "tailrace_on_loop" else "its own thread"
+    print(f"   tailrace lone p50 {tr50:.1f} us, service on {where} (target <= 30 us)", end="")
     for key in PEERS:
         if key in res["lone"]:
             print(f"; {med(res['lone'][key], 'p50_us') / tr50:.1f}x under {key}", end="")
@@ -359,17 +408,17 @@ def report(res: dict) -> None:
     s = res["stream"]
     print(f"\n2. throughput, records/s: tailrace one streaming tr.run of {s[0]['n']:,} "
           "records (compile + start included) vs the peers' per-query loops")
-    print(f"   {'system':<62} {'records/s':>24} {'stream / it':>12}")
+    print(f"   {'system':<68} {'records/s':>24} {'stream / it':>12}")
     tr_s = med(s, "per_s")
-    print(f"   {'tailrace: tr.run(pipeline, input=records, output=list)':<62} "
+    print(f"   {'tailrace: tr.run(pipeline, input=records, output=list)':<68} "
           f"{spread(s, 'per_s', '{:,.0f}'):>24}")
-    print(f"   {'tailrace: PipelineService.submit, one at a time':<62} "
-          f"{spread(res['lone']['tailrace'], 'per_s', '{:,.0f}'):>24} "
-          f"{tr_s / med(res['lone']['tailrace'], 'per_s'):>11.0f}x")
+    print(f"   {'tailrace: PipelineService.submit, one at a time':<68} "
+          f"{spread(res['lone'][head], 'per_s', '{:,.0f}'):>24} "
+          f"{tr_s / med(res['lone'][head], 'per_s'):>11.0f}x")
     for key, name in rows[1:]:
         if key in res["lone"]:
             rs = res["lone"][key]
-            print(f"   {name + ', one at a time':<62} {spread(rs, 'per_s', '{:,.0f}'):>24} "
+            print(f"   {name + ', one at a time':<68} {spread(rs, 'per_s', '{:,.0f}'):>24} "
                   f"{tr_s / med(rs, 'per_s'):>11.0f}x")
     print("   (target: a streaming run >= 100x the peers' per-query loops)")
 
@@ -384,6 +433,8 @@ def main() -> int:
     ap.add_argument("--no-peers", action="store_true", help="tailrace only")
     ap.add_argument("--reinstall-peers", action="store_true",
                     help="recreate the peers' venv with the latest releases")
+    ap.add_argument("--keep-cpus-awake", action="store_true",
+                    help="run a nice-19 busy loop meanwhile (diagnostic: vCPU wake-up cost)")
     ap.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     ap.add_argument("--peer-worker", choices=PEERS, help=argparse.SUPPRESS)  # internal
     args = ap.parse_args()
@@ -420,23 +471,40 @@ def main() -> int:
                 res["lone"].pop(which, None)
             print(f"vs_peers: peers skipped: {why}", file=sys.stderr)
     load0 = os.getloadavg()[0]
+    if loop_hosting():
+        res["lone"]["tailrace_on_loop"] = []
+    spinner = None
+    if args.keep_cpus_awake:
+        spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                                   preexec_fn=lambda: os.nice(19))
+        res["keep_cpus_awake"] = True
     lone = TailraceLone()
+    hosted = TailraceLone(on_loop=True) if "tailrace_on_loop" in res["lone"] else None
     try:
         for r in range(args.repeats):
             res["lone"]["tailrace"].append(lone.round(args.n))
+            if hosted is not None:
+                res["lone"]["tailrace_on_loop"].append(hosted.round(args.n))
             for p in peers:
                 res["lone"][p.which].append(p.round(args.n))
             res["lone"]["tailrace_in_run"].append(tailrace_in_run(args.n))
             res["stream"].append(tailrace_stream(args.stream_n))
             print(f"vs_peers: round {r + 1}/{args.repeats}: tailrace p50 "
-                  f"{res['lone']['tailrace'][-1]['p50_us']:.1f} us"
+                  f"{res['lone']['tailrace'][-1]['p50_us']:.1f} us (own thread)"
+                  + (f", {res['lone']['tailrace_on_loop'][-1]['p50_us']:.1f} us (caller's "
+                     "loop)" if hosted is not None else "")
                   + "".join(f", {p.which} {res['lone'][p.which][-1]['p50_us']:.1f} us"
                             for p in peers)
                   + f"; stream {res['stream'][-1]['per_s']:,.0f} records/s", flush=True)
     finally:
         lone.close()
+        if hosted is not None:
+            hosted.close()
         for p in peers:
             p.close()
+        if spinner is not None:
+            spinner.kill()
+            spinner.wait()
     res["load"] = (load0, os.getloadavg()[0])
     report(res)
     if args.json:
