@@ -96,3 +96,19 @@ def test_replicas_and_the_bound_size_batches_and_pushes():
     p.source([1]).map(abs, id="a", replicas=2, queue=64).sink(id="out")
     a = tr.compile_pipeline(p).stage("a").execution
     assert (a.max_batch, a.push) == (32, 4)  # 64 // 2 replicas; 64 // (8 pushes x 2)
+
+
+def test_the_consumer_graph_both_runtimes_wire_by():
+    p = tr.Pipeline("g")
+    s = p.source([1], id="src").map(abs, id="a")
+    t, f = s.branch(lambda x: x > 0, id="b")
+    t.map(abs, id="t").sink(id="out_t")
+    f.sink(id="out_f")
+    s.sink(id="out_a")
+    plan = tr.compile_pipeline(p, fuse=False)
+    ids = [st.id for st in plan.stages]
+    named = {ids[i]: {port: [ids[c] for c in cs] for port, cs in ports.items()}
+             for i, ports in plan.consumers().items() if ports}
+    assert named == {"src": {None: ["a"]}, "a": {None: ["b", "out_a"]},
+                     "b": {"true": ["t"], "false": ["out_f"]}, "t": {None: ["out_t"]}}
+    assert {ids[i] for i in plan.first_stages()} == {"a"}

@@ -144,6 +144,23 @@ class Plan:
 
         return render(self, fmt)
 
+    def consumers(self) -> dict[int, dict[str | None, list[int]]]:
+        """Stage index -> output port (None: its main output) -> the indexes of the stages
+        reading it: the graph both runtimes wire their channels and links by."""
+        index = {s.id: i for i, s in enumerate(self.stages)}
+        out: dict[int, dict[str | None, list[int]]] = {i: {} for i in range(len(self.stages))}
+        for i, s in enumerate(self.stages):
+            for ref in s.upstream:
+                src, _, port = ref.partition(".")
+                out[index[src]].setdefault(port or None, []).append(i)
+        return out
+
+    def first_stages(self) -> set[int]:
+        """Indexes of the stages that read a source directly (their records' scheduling
+        delay is measured)."""
+        return {c for i, ports in self.consumers().items()
+                if self.stages[i].ops[0].op.kind == "source" for cs in ports.values() for c in cs}
+
 
 def _mode(op: PlanOp) -> str:
     c = op.contract

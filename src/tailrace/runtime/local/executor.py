@@ -69,15 +69,11 @@ class LocalRun:
             self.channels[s.id] = Channel(s.queue, producers=len(s.upstream))
             self.workers[s.id] = [StageWorker(s, self._build(s, outputs), on_drop, drop_key)
                                    for _ in range(s.replicas)]
-        self.down: dict[str, dict[str | None, list[Channel]]] = {s.id: {} for s in plan.stages}
-        sources = {s.id for s in plan.stages if s.ops[0].op.kind == "source"}
-        self.first_stages = set()
-        for s in plan.stages:
-            for ref in s.upstream:
-                src, _, port = ref.partition(".")
-                self.down[src].setdefault(port or None, []).append(self.channels[s.id])
-                if src in sources:
-                    self.first_stages.add(s.id)
+        ids = [s.id for s in plan.stages]
+        self.down: dict[str, dict[str | None, list[Channel]]] = {
+            ids[i]: {port: [self.channels[ids[c]] for c in cs] for port, cs in ports.items()}
+            for i, ports in plan.consumers().items()}
+        self.first_stages = {ids[i] for i in plan.first_stages()}
 
     def _build(self, s: PlanStage, outputs: dict[str, Any]) -> list:
         rts = []

@@ -149,17 +149,9 @@ class RayRun:
         self.reports: dict[tuple, MeterReport] = {}
         self.final: set[tuple] = set()
         self.ledger = Ledger()  # what each source batch delivered (de-duplication)
-        self.index = {s.id: i for i, s in enumerate(plan.stages)}
-        self.consumers: dict[int, dict[str | None, list[int]]] = {
-            i: {} for i in range(len(plan.stages))}
+        self.consumers = plan.consumers()
+        self.first = plan.first_stages()
         sources = {i for i, s in enumerate(plan.stages) if s.ops[0].op.kind == "source"}
-        self.first: set[int] = set()
-        for i, s in enumerate(plan.stages):
-            for ref in s.upstream:
-                src, _, port = ref.partition(".")
-                self.consumers[self.index[src]].setdefault(port or None, []).append(i)
-                if self.index[src] in sources:
-                    self.first.add(i)
         for i, s in enumerate(plan.stages):
             if i in sources:
                 self.source_meters[i] = StageMeter(s.id, "source")
