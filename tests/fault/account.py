@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import tailrace.errors as tr_errors
+from tailrace.serving.service import Cancel
 
 from .harness import Scenario, fanout, lineages, stage_id
 
@@ -40,8 +41,8 @@ def _foreign(x: Any, transient: frozenset) -> list[str]:
     if not isinstance(x, dict):
         return []
     out = sorted(k for k in x if k not in FIELDS and k not in transient)
-    if "_cancel" in x and "_cancel" in transient and not isinstance(x["_cancel"],
-                                                                    threading.Event):
+    if "_cancel" in x and "_cancel" in transient and not isinstance(
+            x["_cancel"], threading.Event | Cancel):  # e.g. a timed attempt's own
         out.append(f"_cancel={type(x['_cancel']).__name__} (not the caller's event)")
     for r in x.get("items", ()):
         out += _foreign(r, transient)

@@ -140,3 +140,31 @@ def test_a_hub_started_on_a_loop_skips_services_already_running():
         asyncio.run(main())
     finally:
         thread_svc.stop()
+
+
+def test_a_lone_request_skips_the_queue_and_a_full_stage_sends_it_back_to_it():
+    # while the source is idle a request goes straight to the first stage (counted as
+    # read, never queued); when that stage is full it waits in the feed like any other
+    p = tr.Pipeline("narrow")
+    p.source(fields=["text"]).map(fakes.held, id="held", blocking=True, queue=1).sink()
+
+    async def main():
+        fakes.GATE.clear()
+        svc = await started_here(PipelineService(p))
+        first = asyncio.ensure_future(svc.submit({"text": "a"}))
+        await asyncio.sleep(0)
+        assert svc.queued == 0 and svc.stats()["source"].records_in == 1
+        assert await asyncio.to_thread(fakes.ENTERED.wait, 10)  # "a" holds the stage
+        rest = [asyncio.ensure_future(svc.submit({"text": t})) for t in "bcd"]
+        await asyncio.sleep(0.05)
+        assert svc.queued >= 1  # the stage's one slot is taken: these wait in the feed
+        fakes.GATE.set()
+        outs = await asyncio.gather(first, *rest)
+        assert [o["held"] for o in outs] == [True] * 4
+        assert svc.stats()["source"].records_in == 4 and svc.queued == 0
+        await svc.aclose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        fakes.GATE.set()

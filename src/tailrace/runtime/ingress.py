@@ -25,7 +25,15 @@ class Feed:
     """An async input that can also hand over what has already arrived as one list (a
     served pipeline's request feed): read without admission, a burst of requests then
     crosses the plan as one micro-batch instead of one batch per record. Subclasses
-    define ``__aiter__`` (one record at a time, for admission) and ``batches``."""
+    define ``__aiter__`` (one record at a time, for admission) and ``batches``.
+
+    ``push``: set while the feed is read without admission and the source feeds one
+    channel: ``push(records) -> bool`` hands records straight to the first stage when
+    it has room (counted as read), so a record that arrives while the source is idle
+    skips the source task's turn; the feed's owner calls it only then (order kept).
+    """
+
+    push: Callable[[list], bool] | None = None
 
     def __aiter__(self) -> AsyncIterator[Any]:
         raise NotImplementedError
@@ -68,11 +76,28 @@ def input_failed(op_id: str, meter: StageMeter, e: BaseException) -> ErrorRecord
 
 
 async def read(data: Any, n: int, meter: StageMeter,
-               send: Callable[[list], Awaitable[None]]) -> None:
-    """Send the input in chunks of at most ``n`` records (counted on ``meter``)."""
-    async for chunk in chunks(data, n):
-        meter.records_out += len(chunk)
-        await send(chunk)
+               send: Callable[[list], Awaitable[None]],
+               offer: Callable[[list], bool] | None = None) -> None:
+    """Send the input in chunks of at most ``n`` records (counted on ``meter``).
+
+    offer: ``offer(records) -> bool`` puts records downstream without waiting, False if
+           there is no room: given, a ``Feed`` may push straight through it.
+    """
+    if isinstance(data, Feed) and offer is not None:
+        def push(records: list) -> bool:
+            if not offer(records):
+                return False
+            meter.records_out += len(records)
+            return True
+
+        data.push = push
+    try:
+        async for chunk in chunks(data, n):
+            meter.records_out += len(chunk)
+            await send(chunk)
+    finally:
+        if isinstance(data, Feed):
+            data.push = None
 
 
 async def read_admitted(data: Any, gate: Any, pipeline: str, window: int, meter: StageMeter,

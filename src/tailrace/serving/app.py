@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -46,7 +45,7 @@ from .openai_wire import (
     usage_of,
 )
 from .security import KeyCheck, Redactor, hub_redactor
-from .service import PipelineService
+from .service import Cancel, PipelineService
 
 _END = object()  # end of a request's token stream
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -101,7 +100,7 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-async def _unless_gone(request: Request, call: Any, cancel: threading.Event) -> Any:
+async def _unless_gone(request: Request, call: Any, cancel: Cancel) -> Any:
     """Await ``call`` in this task; if the client disconnects first, set ``cancel``, stop
     the call and raise ``_ClientGone``. One watcher task per request, nothing more: the
     call itself runs inline (no task, no ``asyncio.wait``)."""
@@ -160,7 +159,7 @@ class _Relay:
         self.pieces: asyncio.Queue = asyncio.Queue(maxsize=budget + 1)  # +1: _END
         self.budget = budget
         self.overflowed = False
-        self.cancel = threading.Event()
+        self.cancel = Cancel()
         self.task = asyncio.ensure_future(
             service.submit(record, on_token=self._piece, cancel=self.cancel))
         self.task.add_done_callback(_quiet)
@@ -302,7 +301,7 @@ def create_app(hub: ServingHub) -> FastAPI:
         if req.stream:
             return await _stream_openai(request, service, b, req, record, rid, created,
                                         redact)
-        cancel = threading.Event()
+        cancel = Cancel()
         try:
             out = await _unless_gone(request, service.submit(record, cancel=cancel), cancel)
         except _ClientGone:
@@ -332,7 +331,7 @@ def create_app(hub: ServingHub) -> FastAPI:
                             f"got {', '.join(bad)}", code="reserved_field")
         if stream:
             return await _stream_runs(request, service, record, redact)
-        cancel = threading.Event()
+        cancel = Cancel()
         try:
             out = await _unless_gone(request, service.submit(record, cancel=cancel), cancel)
         except _ClientGone:

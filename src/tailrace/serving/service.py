@@ -6,7 +6,8 @@ record carries transient fields the runtime passes along untouched:
 
 - ``_rid``: the request id the output (or error record) is routed back by;
 - ``_stream``: called with each text piece the generate stage produces;
-- ``_cancel``: a ``threading.Event``; set, the generate stage stops that sequence.
+- ``_cancel``: a ``Cancel`` (or the caller's ``threading.Event``); set, the generate
+  stage stops that sequence.
 
 An output or error record reaches the waiting caller on the caller's own event loop,
 after the runtime has finished the step that produced it: by the time ``submit``
@@ -53,6 +54,23 @@ from .errors import (
 _STOP = object()
 
 
+class Cancel:
+    """A request's stop signal, the part of ``threading.Event`` the runtime uses: any
+    thread may ``set()`` it, stages read ``is_set()``; nothing waits on it (so it costs a
+    flag, not a lock and a condition, per request)."""
+
+    __slots__ = ("_set",)
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+
 class _Waiter:
     __slots__ = ("loop", "future", "retry_after")
 
@@ -69,7 +87,7 @@ def _answer(waiter: _Waiter, value: Any, exc: BaseException | None) -> None:
 
 
 def _streamer(loop: asyncio.AbstractEventLoop, on_token: Callable[[str], Any],
-              cancel: threading.Event) -> Callable[[str], None]:
+              cancel: Cancel | threading.Event) -> Callable[[str], None]:
     """A record's ``_stream``: hands each piece to ``on_token`` on the caller's loop."""
     call_soon = loop.call_soon_threadsafe
 
@@ -164,6 +182,7 @@ class PipelineService:
         self._queued = 0
         self._run: Any = None  # the LocalRun, once built
         self._t0 = 0.0
+        self._feed = _Feed(self)
         self._task: asyncio.Task | None = None  # start(loop): the run, on the caller's loop
         self._loop_thread: int | None = None  # the thread that runs ``_loop``
 
@@ -306,7 +325,7 @@ class PipelineService:
         from ..runtime import bind_io
         from ..runtime.local import LocalRun
 
-        inputs, outputs, _ = bind_io(self.plan, _Feed(self), self._on_output)
+        inputs, outputs, _ = bind_io(self.plan, self._feed, self._on_output)
         door = _Door(self.gate, self) if self.gate is not None else None
         build = partial(LocalRun, self.plan, inputs=inputs, outputs=outputs,
                         on_error=self._on_error, admission=door, on_drop=self._on_drop,
@@ -319,7 +338,7 @@ class PipelineService:
 
     # -- requests -----------------------------------------------------------------------
     async def submit(self, record: dict, on_token: Callable[[str], Any] | None = None,
-                     cancel: threading.Event | None = None) -> dict:
+                     cancel: Cancel | threading.Event | None = None) -> dict:
         """Run one record through the pipeline; returns its output record.
 
         record:   a JSON object (dict); ``_``-prefixed keys are reserved.
@@ -336,7 +355,7 @@ class PipelineService:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         rid = next(self._ids)
-        cancel = cancel if cancel is not None else threading.Event()
+        cancel = cancel if cancel is not None else Cancel()
         rec = {**record, "_rid": rid, "_cancel": cancel}
         if on_token is not None:
             rec["_stream"] = _streamer(loop, on_token, cancel)
@@ -347,12 +366,13 @@ class PipelineService:
                 raise ServiceOverloaded(f"pipeline '{self.name}': {self.max_pending} requests "
                                         "already waiting; retry later")
             self._waiting[rid] = _Waiter(loop, fut)
-            self._queued += 1
             assert self._loop is not None and self._queue is not None
-            if loop is self._loop:  # the caller runs on the pipeline's loop: no hop
-                self._queue.put_nowait(rec)
-            else:
+            if loop is not self._loop:
+                self._queued += 1
                 self._loop.call_soon_threadsafe(self._queue.put_nowait, rec)
+            elif not self._feed.offer(rec):  # the caller runs on the pipeline's loop
+                self._queued += 1
+                self._queue.put_nowait(rec)
         try:
             async with asyncio.timeout(self.timeout_s):
                 return await fut
@@ -464,6 +484,14 @@ class _Feed(Feed):
 
     def __init__(self, service: PipelineService) -> None:
         self.service = service
+        self.idle = False  # the source waits for the next request, holding none
+
+    def offer(self, record: dict) -> bool:
+        """Hand ``record`` straight to the first stage (no queue, no source turn) when
+        that keeps the order: the source is idle and nothing is queued before it."""
+        push, queue = self.push, self.service._queue
+        return (push is not None and self.idle and queue is not None and queue.empty()
+                and push([record]))
 
     def _taken(self, record: Any) -> bool:
         with self.service._lock:
@@ -485,7 +513,11 @@ class _Feed(Feed):
         assert queue is not None
         while True:
             batch: list = []
-            record = await queue.get()
+            self.idle = True
+            try:
+                record = await queue.get()
+            finally:
+                self.idle = False
             while record is not _STOP:
                 if self._taken(record):
                     batch.append(record)

@@ -182,18 +182,22 @@ class LocalRun:
             data = self.inputs[op.id]
         meter = self.source_meters[s.id]
         down = self.down[s.id].get(None, [])
+
         async def send(chunk: list) -> None:
             born = perf_counter()
             for ch in down:
                 if not ch.put_nowait(chunk, born):
                     await ch.put(chunk, born)
 
+        def offer(records: list) -> bool:  # one channel: all in, or nothing
+            return not down[0].closed and down[0].put_nowait(records, perf_counter())
+
         try:
             if self.admission is not None:
                 await self._admitted(data, down, meter)
             else:
                 await read(data, min([MAX_MICROBATCH] + [ch.bound for ch in down]), meter,
-                           send)
+                           send, offer if len(down) == 1 else None)
         except Exception as e:  # the input itself failed: report it, end the stream
             self._error([input_failed(op.id, meter, e)])
         finally:
