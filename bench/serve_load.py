@@ -65,6 +65,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -334,13 +335,12 @@ def overhead_server(pipeline_file: str) -> None:
     import uvicorn
 
     import tailrace as tr
+    from tailrace.cli.serve import draining_server
     from tailrace.serving import PipelineService, ServingHub
     from tailrace.serving.app import create_app
 
     svc = PipelineService(tr.Pipeline.from_yaml(pipeline_file))
-    hub = ServingHub([svc]).start()
-    if not svc.wait_ready(120):
-        raise SystemExit(f"serve_load: the fast pipeline did not start: {svc.failure}")
+    hub = ServingHub([svc])  # started on the server's loop, as `tailrace serve` does
     app = create_app(hub)
     direct: list[float] = []
     through_http: list[float] = []
@@ -375,9 +375,17 @@ def overhead_server(pipeline_file: str) -> None:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # NODELAY
     sock.bind(("127.0.0.1", 0))
     sock.listen(128)
-    print(f"http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
-    server = uvicorn.Server(uvicorn.Config(timed_app, log_level="warning", access_log=False,
-                                           lifespan="off"))
+    server = draining_server(uvicorn.Config(timed_app, log_level="warning", access_log=False,
+                                            lifespan="off"), hub)
+
+    def announce() -> None:  # the URL once the pipeline is ready
+        if not svc.wait_ready(120):
+            print(f"serve_load: the fast pipeline did not start: {svc.failure}", flush=True)
+            server.should_exit = True
+            return
+        print(f"http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
+
+    threading.Thread(target=announce, daemon=True).start()
     try:
         server.run(sockets=[sock])
     finally:
