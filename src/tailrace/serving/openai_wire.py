@@ -239,13 +239,14 @@ def bind(plan: Plan) -> Binding:
 
 
 def _count(engine: Any, text: str) -> int:
-    try:
-        from ..engines import open_engine
+    from ..engines import open_engine
+    from ..engines.tokens import approx_tokens
 
+    try:
         eng = open_engine(engine)
         return max(0, eng.count_tokens(text) - eng.count_tokens(""))
-    except Exception:  # noqa: BLE001 - no tokenizer at hand: ~4 characters a token
-        return len(text) // 4 + (1 if text else 0)
+    except Exception:  # noqa: BLE001 - no tokenizer at hand: the shared estimate
+        return approx_tokens(text) if text else 0
 
 
 def usage_of(b: Binding, record: dict, text: str, answer: str) -> dict[str, int]:
