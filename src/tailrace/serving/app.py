@@ -2,11 +2,13 @@
 
 ``create_app(hub)`` serves ``POST /v1/chat/completions`` and ``/v1/completions``
 (``model`` names a pipeline; ``stream: true`` sends SSE chunks as tokens are produced,
-ending ``data: [DONE]``), ``GET /v1/models``, ``POST /v1/pipelines/{name}/runs`` (any
-JSON record in, the output record out; ``?stream=true`` for SSE), ``GET /healthz``
-and ``GET /readyz``. Errors use OpenAI's ``{"error": {"message", "type", "code"}}``.
-A client that disconnects cancels its work: the record's ``_cancel`` event is set and
-the generate stage frees its engine sequence at the next token.
+ending ``data: [DONE]``), ``POST /v1/embeddings`` (a pipeline's embed stage's engine;
+``embeddings.py``), ``GET /v1/models`` (with what each pipeline accepts),
+``POST /v1/pipelines/{name}/runs`` (any JSON record in, the output record out;
+``?stream=true`` for SSE), ``GET /healthz`` and ``GET /readyz``.
+Errors use OpenAI's ``{"error": {"message", "type", "code"}}``. A client that
+disconnects cancels its work: the record's ``_cancel`` event is set and the generate
+stage frees its engine sequence at the next token.
 
 The app does not start or stop the hub; its owner does (``tailrace serve``, tests).
 """
@@ -25,7 +27,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .errors import RequestFailed, ServiceError
+from .embeddings import accepts, embed_spec, embed_texts, embeddings_body, parse_embeddings
+from .errors import RequestFailed, ServiceError, ServiceUnavailable
 from .hub import ServingHub
 from .openai_wire import (
     SSE_DONE,
@@ -227,6 +230,8 @@ def create_app(hub: ServingHub) -> FastAPI:
     app = FastAPI(title="tailrace", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.hub = hub
     bindings = {name: bind(s.plan) for name, s in hub.services.items()}
+    embed_specs = {name: embed_spec(s.plan) for name, s in hub.services.items()}
+    meta = {name: accepts(s.plan, bindings[name]) for name, s in hub.services.items()}
     limit = hub.max_body_bytes
     started = int(time.time())
     keys = KeyCheck(hub.api_key, metrics_public=hub.metrics_public)
@@ -284,8 +289,31 @@ def create_app(hub: ServingHub) -> FastAPI:
     async def models(request: Request) -> Response:
         check_key(request)
         return _json({"object": "list", "data": [
-            {"id": name, "object": "model", "created": started, "owned_by": "tailrace"}
-            for name in hub.services]})
+            {"id": name, "object": "model", "created": started, "owned_by": "tailrace",
+             "metadata": meta[name]} for name in hub.services]})
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        check_key(request)
+        body = await _read_json(request, limit)
+        req = parse_embeddings(body)
+        service = service_of(req.model)
+        spec = embed_specs[req.model]
+        if spec is None:
+            raise WireError(f"pipeline '{req.model}' has no embed stage to embed with; "
+                            "serve one with an embed stage for /v1/embeddings",
+                            code="pipeline_not_embedding")
+        if not service.ready:
+            raise ServiceUnavailable(f"pipeline '{req.model}' is not running (loading, "
+                                     "stopped or failed; GET /readyz says which)")
+        try:
+            vecs, tokens = await asyncio.to_thread(embed_texts, spec, req)
+        except (WireError, ServiceError):
+            raise
+        except Exception as e:  # noqa: BLE001 - the engine failed: a 500 naming it
+            raise ServiceError(f"embedding engine '{spec.get('_name', 'engine')}': "
+                               f"{type(e).__name__}: {e}", code="embedding_failed") from None
+        return _json(embeddings_body(req, vecs, tokens))
 
     async def openai_call(request: Request, chat: bool) -> Response:
         check_key(request)

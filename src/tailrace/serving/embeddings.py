@@ -1,0 +1,180 @@
+"""``POST /v1/embeddings`` over a served pipeline's embedding engine, and what
+``GET /v1/models`` says each pipeline accepts.
+
+``model`` names a served pipeline with an ``embed`` stage; the request's texts go to
+that stage's engine (the first ``embed`` stage in plan order), opened as the stage
+opens it (``open_engine`` on the stage's linked spec: the same shared engine or pool),
+not through the pipeline's stages. ``input`` is a string or a list of strings (at most
+``MAX_INPUTS``); token-id arrays are refused. ``encoding_format`` is ``float`` (default)
+or ``base64`` (little-endian float32 bytes, as OpenAI sends them); ``dimensions`` must
+equal the engine's dimension; ``user`` is accepted and ignored. Any other field is a
+400 naming it. Usage counts the texts with the engine's tokenizer (``count_tokens``),
+else the shared 4-characters-a-token estimate.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from typing import Any
+
+from ..compiler import Plan
+from .openai_wire import Binding, WireError
+
+#: most texts one embeddings request may carry (OpenAI's own limit).
+MAX_INPUTS = 2048
+
+#: request fields honoured; ``user`` is accepted and ignored by design.
+FIELDS = ("model", "input", "encoding_format", "dimensions", "user")
+ENCODINGS = ("float", "base64")
+
+
+@dataclass(frozen=True)
+class EmbeddingRequest:
+    """A parsed ``/v1/embeddings`` request."""
+
+    model: str
+    texts: list[str]
+    encoding_format: str
+    dimensions: int | None
+
+
+def _is_tokens(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def parse_embeddings(body: dict) -> EmbeddingRequest:
+    """Parse an embeddings request; raises ``WireError`` (400) naming the bad field.
+
+    body: the decoded JSON object.
+    """
+    unknown = [k for k in body if k not in FIELDS]
+    if unknown:
+        raise WireError(f"'{unknown[0]}' is not supported on /v1/embeddings (fields: "
+                        f"{', '.join(FIELDS)})", code="unsupported_parameter")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise WireError("'model' is required: the name of a served pipeline with an embed "
+                        "stage (GET /v1/models lists them)", code="missing_model")
+    raw = body.get("input")
+    texts: list[str]
+    if isinstance(raw, str):
+        texts = [raw]
+    elif isinstance(raw, list) and raw and all(isinstance(t, str) for t in raw):
+        texts = list(raw)
+    elif isinstance(raw, list) and raw and (all(_is_tokens(t) for t in raw) or all(
+            isinstance(t, list) and all(_is_tokens(x) for x in t) for t in raw)):
+        raise WireError("'input': token-id arrays are not supported; send the text (a "
+                        "string or a list of strings)", code="unsupported_input")
+    else:
+        raise WireError("'input' must be a string or a non-empty list of strings",
+                        code="invalid_input")
+    if len(texts) > MAX_INPUTS:
+        raise WireError(f"'input' has {len(texts)} texts; at most {MAX_INPUTS} per request",
+                        code="too_many_inputs")
+    fmt = body.get("encoding_format")
+    if fmt is None:
+        fmt = "float"
+    if fmt not in ENCODINGS:
+        raise WireError(f"'encoding_format' must be 'float' or 'base64', got {fmt!r}",
+                        code="invalid_encoding_format")
+    dims = body.get("dimensions")
+    if dims is not None and (not _is_tokens(dims) or dims < 1):
+        raise WireError(f"'dimensions' must be a positive integer, got {dims!r}",
+                        code="invalid_dimensions")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise WireError(f"'user' must be a string, got {type(user).__name__}",
+                        code="invalid_user")
+    return EmbeddingRequest(model, texts, fmt, dims)
+
+
+def embed_spec(plan: Plan) -> dict | None:
+    """The linked engine spec of the plan's first ``embed`` stage, or None.
+
+    plan: the compiled pipeline.
+    """
+    for s in plan.stages:
+        for o in s.ops:
+            if o.op.name == "embed" and o.params.get("_engine"):
+                return dict(o.params["_engine"])
+    return None
+
+
+def _dim(engine: Any) -> int | None:
+    try:
+        d = getattr(engine, "dim", None)
+    except Exception:  # noqa: BLE001 - a remote engine that cannot say yet
+        return None
+    return d if isinstance(d, int) and d > 0 else None
+
+
+def _wrong_dims(req: EmbeddingRequest, dim: int) -> WireError:
+    return WireError(f"'dimensions' is {req.dimensions}, but pipeline '{req.model}' embeds "
+                     f"into {dim} dimensions; omit it or send {dim}",
+                     code="unsupported_dimensions")
+
+
+def embed_texts(spec: dict, req: EmbeddingRequest) -> tuple[Any, int]:
+    """Embed ``req``'s texts with ``spec``'s engine: (float32 matrix, prompt tokens).
+    Blocking: call it in a worker thread.
+
+    spec: the embed stage's linked engine spec.
+    req:  the parsed request.
+    """
+    import numpy as np
+
+    from ..engines import open_engine
+    from ..engines.tokens import approx_tokens
+
+    engine = open_engine(spec)
+    dim = _dim(engine)
+    if req.dimensions is not None and dim is not None and req.dimensions != dim:
+        raise _wrong_dims(req, dim)
+    vecs = np.asarray(engine.embed(req.texts), dtype=np.float32)
+    if req.dimensions is not None and vecs.shape[1] != req.dimensions:
+        raise _wrong_dims(req, int(vecs.shape[1]))
+    count = getattr(engine, "count_tokens", None)
+    if callable(count):
+        tokens = sum(int(count(t)) for t in req.texts)
+    else:
+        tokens = sum(approx_tokens(t) for t in req.texts)
+    return vecs, tokens
+
+
+def embeddings_body(req: EmbeddingRequest, vecs: Any, tokens: int) -> dict[str, Any]:
+    """The response object: one ``embedding`` per input, in input order.
+
+    req:    the parsed request.
+    vecs:   the float32 ``(len(texts), dim)`` matrix.
+    tokens: prompt tokens of all the texts.
+    """
+    data = []
+    for i, v in enumerate(vecs):
+        emb: Any = (base64.b64encode(v.astype("<f4").tobytes()).decode("ascii")
+                    if req.encoding_format == "base64" else v.tolist())
+        data.append({"object": "embedding", "index": i, "embedding": emb})
+    return {"object": "list", "data": data, "model": req.model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+def accepts(plan: Plan, b: Binding) -> dict[str, Any]:
+    """What ``GET /v1/models`` says a pipeline accepts: its ``endpoints``, the
+    ``input_field`` requests fill and, where it has generate stages, the answering
+    stage's ``max_tokens`` ceiling (and every generate stage's, by id).
+
+    plan: the compiled pipeline.
+    b:    its OpenAI binding.
+    """
+    endpoints = ["chat.completions", "completions"] if b.problem is None else []
+    if embed_spec(plan) is not None:
+        endpoints.append("embeddings")
+    endpoints.append("pipelines.runs")
+    out: dict[str, Any] = {"endpoints": endpoints, "input_field": b.input_field}
+    gens = {o.id: int(o.params["max_tokens"]) for s in plan.stages for o in s.ops
+            if o.op.name == "generate" and o.params.get("max_tokens")}
+    if b.answer_field is not None and b.max_tokens:
+        out["max_tokens"] = b.max_tokens
+    if gens:
+        out["generate_max_tokens"] = gens
+    return out
