@@ -1,7 +1,15 @@
 """Pipeline API: builder, stage specs, YAML loader. Imports nothing heavy."""
 
-from .pipeline import CONTRACT_KEYS, BatchSpec, Contract, Pipeline, StageSpec, Stream
+from .pipeline import (
+    CONTRACT_KEYS,
+    BatchSpec,
+    Contract,
+    Pipeline,
+    ServeSpec,
+    StageSpec,
+    Stream,
+)
 from .records import ErrorRecord
 
-__all__ = ["CONTRACT_KEYS", "BatchSpec", "Contract", "ErrorRecord", "Pipeline", "StageSpec",
-           "Stream"]
+__all__ = ["CONTRACT_KEYS", "BatchSpec", "Contract", "ErrorRecord", "Pipeline", "ServeSpec",
+           "StageSpec", "Stream"]

@@ -75,6 +75,61 @@ class StageSpec:
     where: str | None = field(default=None, compare=False)
 
 
+_SERVE_SOURCES = "user, metadata.KEY or header:NAME"
+
+
+@dataclass(frozen=True)
+class ServeSpec:
+    """How ``tailrace serve`` fills record fields from an HTTP request (``serve:``).
+
+    fields: record field -> source: ``user`` (the OpenAI request's ``user``),
+            ``metadata.KEY`` (its ``metadata`` object) or ``header:NAME`` (a request
+            header, any case). A source the request lacks leaves its field unset.
+    tenant: the record field that holds the tenant: with ``--keys-file`` the server sets
+            it to the API key's tenant on every endpoint, whatever the caller sent.
+    """
+
+    fields: tuple[tuple[str, str], ...] = ()
+    tenant: str | None = None
+
+
+def make_serve(raw: Any) -> ServeSpec:
+    """The ``ServeSpec`` of a ``serve:`` mapping (or a ``ServeSpec``); ValueError saying
+    what is wrong otherwise.
+
+    raw: ``{"fields": {FIELD: SOURCE, ...}, "tenant": FIELD}`` (both optional).
+    """
+    if isinstance(raw, ServeSpec):
+        return raw
+    if not isinstance(raw, dict):
+        raise ValueError("'serve' must be a mapping like {fields: {user_id: user}, "
+                         "tenant: user_id}")
+    unknown = [str(k) for k in raw if k not in ("fields", "tenant")]
+    if unknown:
+        raise ValueError(f"unknown key 'serve.{unknown[0]}' (allowed: fields, tenant)")
+    fields = raw.get("fields") or {}
+    if not isinstance(fields, dict):
+        raise ValueError("'serve.fields' must be a mapping of record field -> source "
+                         f"({_SERVE_SOURCES})")
+    out = []
+    for name, src in fields.items():
+        if not isinstance(name, str) or not name or name.startswith("_"):
+            raise ValueError(f"'serve.fields': {name!r} is not a record field name (a "
+                             "non-empty string not starting with '_')")
+        ok = isinstance(src, str) and (
+            src == "user" or (src.startswith("metadata.") and len(src) > 9)
+            or (src.startswith("header:") and len(src.strip()) > 7))
+        if not ok:
+            raise ValueError(f"'serve.fields.{name}': source {src!r} is not one of "
+                             f"{_SERVE_SOURCES}")
+        out.append((name, src.strip()))
+    tenant = raw.get("tenant")
+    if tenant is not None and (not isinstance(tenant, str) or not tenant
+                               or tenant.startswith("_")):
+        raise ValueError(f"'serve.tenant' must name a record field, got {tenant!r}")
+    return ServeSpec(tuple(out), tenant)
+
+
 def _caller_location() -> str:
     """``file:line`` of the user code that called the builder (first frame outside it)."""
     frame = sys._getframe(1)
@@ -101,11 +156,18 @@ class Pipeline:
              name under ``tailrace serve``).
     slo:     optional ``{"p99_ms": ..., "priority": ...}`` (read by the control plane).
     engines: optional engine declarations (read by engine-backed operators).
+    serve:   optional ``{"fields": {...}, "tenant": FIELD}``: how ``tailrace serve`` fills
+             record fields from a request (see ``ServeSpec``).
     """
 
     def __init__(self, name: str, *, slo: dict | None = None,
-                 engines: dict | None = None, source_file: str | None = None) -> None:
+                 engines: dict | None = None, source_file: str | None = None,
+                 serve: dict | ServeSpec | None = None) -> None:
         self.name = name
+        try:
+            self.serve = make_serve(serve) if serve is not None else None
+        except ValueError as e:
+            raise PlanError(str(e), where=source_file or _caller_location()) from None
         self.slo = slo
         self.engines = dict(engines or {})
         self.source_file = source_file

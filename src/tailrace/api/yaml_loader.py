@@ -15,9 +15,17 @@ from typing import Any
 import yaml
 
 from ..errors import PlanError
-from .pipeline import CONTRACT_KEYS, Contract, Pipeline, StageSpec, make_contract
+from .pipeline import (
+    CONTRACT_KEYS,
+    Contract,
+    Pipeline,
+    ServeSpec,
+    StageSpec,
+    make_contract,
+    make_serve,
+)
 
-TOP_KEYS = ("version", "pipeline", "slo", "engines", "source", "stages")
+TOP_KEYS = ("version", "pipeline", "slo", "engines", "source", "serve", "stages")
 STAGE_KEYS = ("id", "op", "after")
 _ID_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
 
@@ -93,7 +101,9 @@ def loads_pipeline(text: str, path: str = "<string>") -> Pipeline:
     if not isinstance(engines, dict):
         raise PlanError("'engines' must be a mapping of name -> {backend: ..., model: ...}",
                         where=at(doc))
-    p = Pipeline(name, slo=dict(slo) if slo else None, engines=dict(engines), source_file=path)
+    serve = _serve(doc.get("serve"), at(doc)) if "serve" in doc else None
+    p = Pipeline(name, slo=dict(slo) if slo else None, engines=dict(engines), source_file=path,
+                 serve=serve)
 
     source = doc.get("source") or {}
     if not isinstance(source, dict) or set(source) - {"fields"}:
@@ -122,6 +132,18 @@ def loads_pipeline(text: str, path: str = "<string>") -> Pipeline:
         p.add_stage(StageSpec("sink", "sink", tuple(terminals), {"target": None}, Contract(),
                               at(doc)))
     return p
+
+
+def _serve(raw: Any, where: str) -> ServeSpec:
+    """The ``serve:`` block; PlanError at its line (or its ``fields:``'s) if bad."""
+    line = f"{where.rpartition(':')[0]}:{raw.line}" if isinstance(raw, _Map) else where
+    fields = raw.get("fields") if isinstance(raw, dict) else None
+    try:
+        return make_serve(raw)
+    except ValueError as e:
+        if isinstance(fields, _Map) and "serve.fields" in str(e):
+            line = f"{where.rpartition(':')[0]}:{fields.line}"
+        raise PlanError(str(e), where=line) from None
 
 
 def _terminals(specs: tuple[StageSpec, ...], consumed: set[str]) -> list[str]:

@@ -34,6 +34,11 @@ def add_parser(sub: Any) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/*, /metrics and "
                         "/dashboard (a browser opens /dashboard?key=KEY once), KEY read "
                         "from $VAR; /healthz and /readyz stay open")
+    s.add_argument("--keys-file", metavar="FILE",
+                   help="API keys mapped to tenants (JSON or YAML: KEY: {tenant: NAME, "
+                        "requests_per_s: N, tokens_per_min: N}); /v1/* then needs one of "
+                        "them (or the --api-key-env key); a pipeline's serve.tenant field "
+                        "is set to the key's tenant")
     s.add_argument("--metrics-public", action="store_true",
                    help="with --api-key-env: serve /metrics without the key (Prometheus "
                         "scrapers); everything else still needs it")
@@ -144,6 +149,11 @@ def serve(args: argparse.Namespace) -> int:
         if not api_key:
             raise TailraceError(f"--api-key-env {args.api_key_env}: that environment variable "
                                 "is not set or empty (it should hold the API key)")
+    tenants = None
+    if args.keys_file:
+        from ..serving.tenants import load_keys
+
+        tenants = load_keys(args.keys_file)
     if args.otlp_endpoint:
         from ..observability.tracing import configure_tracing
 
@@ -153,7 +163,7 @@ def serve(args: argparse.Namespace) -> int:
     gate = build_gate(args.admission, plans, args.max_in_flight) if args.admission else None
     hub = ServingHub([PipelineService(p, admission=gate) for p in plans], gate=gate,
                      api_key=api_key, max_body_bytes=args.max_body_bytes,
-                     metrics_public=args.metrics_public)
+                     metrics_public=args.metrics_public, tenants=tenants)
     sock = _listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host

@@ -27,6 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..engines.tokens import approx_tokens
 from .embeddings import accepts, embed_spec, embed_texts, embeddings_body, parse_embeddings
 from .errors import RequestFailed, ServiceError, ServiceUnavailable
 from .hub import ServingHub
@@ -49,6 +50,7 @@ from .openai_wire import (
 )
 from .security import KeyCheck, Redactor, hub_redactor
 from .service import Cancel, PipelineService
+from .tenants import Tenant, request_fields
 
 _END = object()  # end of a request's token stream
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -236,6 +238,12 @@ def create_app(hub: ServingHub) -> FastAPI:
     started = int(time.time())
     keys = KeyCheck(hub.api_key, metrics_public=hub.metrics_public)
     redact = hub_redactor(hub)
+    tenants: Any = getattr(hub, "tenants", None)
+    serves = {name: getattr(getattr(s.plan, "pipeline", None), "serve", None)
+              for name, s in hub.services.items()}
+    reserve = {name: sum(int(o.params.get("max_tokens") or 0) for st in s.plan.stages
+                         for o in st.ops if o.op.name == "generate")
+               for name, s in hub.services.items()}
 
     @app.exception_handler(WireError)
     async def _wire_error(request: Request, e: WireError) -> Response:
@@ -258,10 +266,36 @@ def create_app(hub: ServingHub) -> FastAPI:
         return _json(error_body(msg, e.status_code, "not_found" if e.status_code == 404
                                 else "http_error"), e.status_code)
 
-    def check_key(request: Request) -> None:
+    def check_key(request: Request) -> Tenant | None:
+        """The caller's tenant (a ``--keys-file`` key), None for the hub's own key or
+        no key; 401 when a key is needed and missing or wrong."""
+        if tenants is not None:
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            bearer = scheme.lower() == "bearer" and bool(token)
+            tenant = tenants.tenant_of(token) if bearer else None
+            if tenant is not None:
+                return tenant
+            if not keys.enabled:
+                if not bearer:
+                    raise WireError("missing API key: send the header 'Authorization: "
+                                    "Bearer KEY'", status=401, code="missing_api_key")
+                raise WireError("invalid API key", status=401, code="invalid_api_key")
         refused = keys.bearer(request.headers)
         if refused is not None:
             raise refused
+        return None
+
+    def who(name: str, record: dict, body: dict, request: Request, tenant: Tenant | None,
+            text: str) -> None:
+        """Set the pipeline's ``serve:`` fields in ``record`` (the tenant's last: the
+        caller cannot choose it) and charge the tenant's limits."""
+        serve = serves[name]
+        if serve is not None:
+            record.update(request_fields(serve, body, request.headers))
+        if tenant is not None:
+            if serve is not None and serve.tenant:
+                record[serve.tenant] = tenant.name
+            tenants.admit(tenant, approx_tokens(text) + reserve[name])
 
     def service_of(name: str) -> PipelineService:
         service = hub.services.get(name)
@@ -287,17 +321,19 @@ def create_app(hub: ServingHub) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        check_key(request)
+        check_key(request)  # no limits: listing models costs nothing
         return _json({"object": "list", "data": [
             {"id": name, "object": "model", "created": started, "owned_by": "tailrace",
              "metadata": meta[name]} for name in hub.services]})
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
-        check_key(request)
+        tenant = check_key(request)
         body = await _read_json(request, limit)
         req = parse_embeddings(body)
         service = service_of(req.model)
+        if tenant is not None:
+            tenants.admit(tenant, approx_tokens(dumps(body.get("input")).decode()))
         spec = embed_specs[req.model]
         if spec is None:
             raise WireError(f"pipeline '{req.model}' has no embed stage to embed with; "
@@ -316,7 +352,7 @@ def create_app(hub: ServingHub) -> FastAPI:
         return _json(embeddings_body(req, vecs, tokens))
 
     async def openai_call(request: Request, chat: bool) -> Response:
-        check_key(request)
+        tenant = check_key(request)
         body = await _read_json(request, limit)
         req = parse_chat(body) if chat else parse_completion(body)
         service = service_of(req.model)
@@ -324,6 +360,7 @@ def create_app(hub: ServingHub) -> FastAPI:
         if b.problem is not None:
             raise WireError(b.problem, code="pipeline_not_chat")
         record = {b.input_field: req.text}
+        who(req.model, record, body, request, tenant, req.text)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if req.stream:
@@ -349,7 +386,7 @@ def create_app(hub: ServingHub) -> FastAPI:
 
     async def runs(request: Request) -> Response:
         # a plain Starlette route: no dependency solving per request (the hot path)
-        check_key(request)
+        tenant = check_key(request)
         service = service_of(request.path_params["name"])
         stream = _flag(request, "stream")
         record = await _read_json(request, limit)
@@ -357,6 +394,9 @@ def create_app(hub: ServingHub) -> FastAPI:
         if bad:
             raise WireError(f"record fields starting with '_' are reserved (transient); "
                             f"got {', '.join(bad)}", code="reserved_field")
+        if tenant is not None or serves[service.name] is not None:
+            who(service.name, record, dict(record), request, tenant,
+                dumps(record).decode() if tenant is not None else "")
         if stream:
             return await _stream_runs(request, service, record, redact)
         cancel = Cancel()

@@ -21,11 +21,16 @@ class ServingHub:
     max_body_bytes: largest request body accepted (HTTP 413 above it).
     metrics_public: serve ``/metrics`` without the key (for Prometheus scrapers that
                     cannot send one); nothing else opens.
+    tenants:        API keys mapped to tenants (``serving.tenants.TenantKeys``, from
+                    ``--keys-file``): with it, ``/v1/*`` needs one of them (or
+                    ``api_key``); a tenant key sets the ``serve.tenant`` field and is
+                    held to its tenant's limits.
     """
 
     def __init__(self, services: Iterable[PipelineService] | dict[str, PipelineService], *,
                  gate: Any = None, api_key: str | None = None,
-                 max_body_bytes: int = 1 << 20, metrics_public: bool = False) -> None:
+                 max_body_bytes: int = 1 << 20, metrics_public: bool = False,
+                 tenants: Any = None) -> None:
         items = list(services.values()) if isinstance(services, dict) else list(services)
         self.services: dict[str, PipelineService] = {}
         for s in items:
@@ -42,6 +47,7 @@ class ServingHub:
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.metrics_public = bool(metrics_public)
+        self.tenants = tenants
 
     @property
     def ready(self) -> bool:
