@@ -189,3 +189,40 @@ def test_the_example_declares_its_serve_block():
     assert dict(p.serve.fields) == {"user_id": "user", "session_id": "header:X-Session-Id",
                                     "remember": "metadata.remember"}
     assert json.dumps(dict(p.serve.fields))  # plain strings
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_the_example_served_with_keys_keeps_tenants_apart(tailrace_home, tmp_path,
+                                                          monkeypatch):
+    """examples/chat-with-memory.yaml itself (llama.cpp, ONNX embedder, the wiki slice),
+    served with a keys file, on a fresh SQLite memory store."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "indexes").symlink_to(tailrace_home / "indexes")
+    monkeypatch.setenv("TAILRACE_HOME", str(home))
+    keys = TenantKeys({KEY_A: Tenant("ada"), KEY_B: Tenant("bob")})
+    hub = hub_of(os.path.join(ROOT, "examples", "chat-with-memory.yaml"), tenants=keys)
+    fact = "Ada is writing an essay about the film 2001: A Space Odyssey."
+    with running(hub) as url:
+        c = openai.OpenAI(base_url=url + "/v1", api_key=KEY_A, max_retries=0)
+        r = c.chat.completions.create(
+            model="chat-with-memory", user="bob", extra_headers={"X-Session-Id": "s1"},
+            messages=[{"role": "user", "content": "Who directed 2001: A Space Odyssey?"}],
+            extra_body={"metadata": {"remember": fact}})
+        assert r.choices[0].message.content
+
+        def runs(key: str, body: dict) -> dict:
+            r = httpx.post(url + "/v1/pipelines/chat-with-memory/runs", json=body,
+                           headers={"Authorization": f"Bearer {key}", "X-Session-Id": "s1"},
+                           timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        q = {"question": "In which year was that film released?", "user_id": "ada",
+             "session_id": "s1"}
+        mine = runs(KEY_A, q)
+        assert mine["user_id"] == "ada" and fact in mine["memory"]
+        assert "user: Who directed 2001: A Space Odyssey?" in mine["memory"]
+        theirs = runs(KEY_B, q)  # bob asks as ada, in ada's session: nothing of hers
+        assert theirs["user_id"] == "bob" and theirs["memory"] == ""
