@@ -226,3 +226,19 @@ def test_the_example_served_with_keys_keeps_tenants_apart(tailrace_home, tmp_pat
         assert "user: Who directed 2001: A Space Odyssey?" in mine["memory"]
         theirs = runs(KEY_B, q)  # bob asks as ada, in ada's session: nothing of hers
         assert theirs["user_id"] == "bob" and theirs["memory"] == ""
+
+
+def test_tenant_keys_never_open_the_operators_pages():
+    # with --keys-file and no operator key, /metrics and /dashboard stay closed: a tenant
+    # must not read the other tenants' traffic there
+    from tailrace.serving.security import KeyCheck
+
+    closed = KeyCheck(None, operator_only=True)
+    h = {"authorization": "Bearer tenant-key-a"}
+    assert closed.metrics(h).code == "operator_key_required"
+    refused, cookie = closed.dashboard(h, {}, "tenant-key-a")
+    assert refused.status == 401 and refused.code == "operator_key_required" and not cookie
+    assert KeyCheck(None, operator_only=True, metrics_public=True).metrics(h) is None
+    with_operator = KeyCheck("operator-key", operator_only=True)
+    assert with_operator.metrics({"authorization": "Bearer operator-key"}) is None
+    assert with_operator.metrics(h).code == "invalid_api_key"

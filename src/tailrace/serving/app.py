@@ -236,9 +236,10 @@ def create_app(hub: ServingHub) -> FastAPI:
     meta = {name: accepts(s.plan, bindings[name]) for name, s in hub.services.items()}
     limit = hub.max_body_bytes
     started = int(time.time())
-    keys = KeyCheck(hub.api_key, metrics_public=hub.metrics_public)
-    redact = hub_redactor(hub)
     tenants: Any = getattr(hub, "tenants", None)
+    keys = KeyCheck(hub.api_key, metrics_public=hub.metrics_public,
+                    operator_only=tenants is not None)
+    redact = hub_redactor(hub)
     serves = {name: getattr(getattr(s.plan, "pipeline", None), "serve", None)
               for name, s in hub.services.items()}
     reserve = {name: sum(int(o.params.get("max_tokens") or 0) for st in s.plan.stages

@@ -45,11 +45,16 @@ class KeyCheck:
 
     key:            the API key (None: every route is open).
     metrics_public: ``/metrics`` needs no key even when one is set.
+    operator_only:  there is no key but callers hold tenant keys (``--keys-file``): the
+                    operator's pages (``/metrics``, ``/dashboard``) stay closed, since a
+                    tenant key must not open them and there is no operator key.
     """
 
-    def __init__(self, key: str | None, *, metrics_public: bool = False) -> None:
+    def __init__(self, key: str | None, *, metrics_public: bool = False,
+                 operator_only: bool = False) -> None:
         self._key = key.encode() if key else None
         self.metrics_public = metrics_public
+        self.operator_only = operator_only and self._key is None
         self.cookie = (hmac.new(self._key, b"tailrace-dashboard", hashlib.sha256).hexdigest()
                        if self._key else None)
 
@@ -80,9 +85,16 @@ class KeyCheck:
             return WireError("invalid API key", status=401, code="invalid_api_key")
         return None
 
+    def _closed(self, page: str) -> WireError:
+        return WireError(f"{page} needs the operator's key, and tenant keys (--keys-file) "
+                         "do not open it: start tailrace serve with --api-key-env VAR too",
+                         status=401, code="operator_key_required")
+
     def metrics(self, headers: Mapping[str, str]) -> WireError | None:
         """Why a ``/metrics`` scrape may not pass, or None."""
-        return None if self.metrics_public else self.bearer(headers)
+        if self.metrics_public:
+            return None
+        return self._closed("/metrics") if self.operator_only else self.bearer(headers)
 
     def dashboard(self, headers: Mapping[str, str], cookies: Mapping[str, str],
                   query_key: str | None) -> tuple[WireError | None, bool]:
@@ -92,6 +104,8 @@ class KeyCheck:
         cookies:   its cookies.
         query_key: its ``?key=`` value, if any.
         """
+        if self.operator_only:
+            return self._closed("/dashboard"), False
         if self._key is None:
             return None, False
         if query_key is not None:
