@@ -19,12 +19,14 @@ class EchoEngine:
     """
 
     LOG: list[Generation] = []
+    REQUESTS: list[GenerationRequest] = []  # every request it was given
     chat = True
     context_length = 4096
 
     def __init__(self, model: str = "echo", path: str | None = None, delay: float = 0.0,
-                 repeat: int = 1):
+                 repeat: int = 1, context: int = 4096):
         self.model = model
+        self.context_length = context
         self.delay = delay
         self.repeat = repeat
 
@@ -34,6 +36,7 @@ class EchoEngine:
     def generate(self, requests: Sequence[GenerationRequest],
                  on_token: Any = None) -> list[Generation]:
         out = []
+        EchoEngine.REQUESTS.extend(requests)
         for i, r in enumerate(requests):
             text = r.messages[-1]["content"] if r.messages else r.prompt or ""
             words = (text.split() * self.repeat)[:r.max_tokens]

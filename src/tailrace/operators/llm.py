@@ -2,6 +2,9 @@
 
 ``generate`` calls its engine once per micro-batch (at most ``max_batch`` records, or
 the stage's ``batch`` contract), so concurrent requests share one batched decode.
+With ``messages: FIELD`` (a list of ``{"role", "content"}`` dicts in the record, e.g.
+the ``_messages`` a served chat request carries), the stage answers a conversation; see
+``chat_messages`` for the order and what is dropped when it does not fit.
 Tokens stream as they are produced to a record's ``_stream`` callable when it has
 one, and a record whose ``_cancel`` (a ``threading.Event``) is set stops generating at
 the next token, freeing its engine sequence (fields starting with ``_`` are transient
@@ -101,6 +104,70 @@ register(OpDef(
     prepare=_check_template, doc="fill a template with record fields"))
 
 
+#: tokens a chat template adds around each message (role markers, separators): an
+#: estimate used when fitting a conversation into the context window
+MESSAGE_OVERHEAD = 8
+_SYSTEM_ROLES = ("system", "developer")
+
+
+def chat_messages(system: str | None, conversation: Any, latest: str,
+                  count: Any, limit: int) -> tuple[dict[str, str], ...]:
+    """The chat a ``generate`` stage with ``messages:`` sends, in this order:
+
+    1. one system message: the stage's ``system``, then the conversation's ``system``
+       (and ``developer``) messages, joined by blank lines (omitted if there are none);
+    2. the earlier turns (``user``/``assistant`` messages before the last ``user`` one);
+    3. the latest user turn: ``latest``, the stage's prompt (its ``prompt`` template
+       filled in, with retrieved context etc., or its ``input`` field's text).
+
+    When it does not fit in ``limit`` tokens (the context minus ``max_tokens``; each
+    message counted as its text plus ``MESSAGE_OVERHEAD``), the oldest turns are dropped
+    first (an assistant turn left leading the history goes too); the system message and
+    the latest turn are never dropped: ``ContextOverflow`` if they alone do not fit.
+
+    system:       the stage's system message, or None.
+    conversation: the record's list of ``{"role", "content"}`` messages.
+    latest:       the rendered latest user turn.
+    count:        tokens of a text.
+    limit:        most prompt tokens.
+    """
+    if not isinstance(conversation, (list, tuple)):
+        raise FieldError(f"the conversation must be a list of messages, got "
+                         f"{type(conversation).__name__}")
+    systems = [system] if system else []
+    turns: list[dict[str, str]] = []
+    last_user = max((i for i, m in enumerate(conversation)
+                     if isinstance(m, dict) and m.get("role") == "user"), default=-1)
+    for i, m in enumerate(conversation):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str) \
+                or m.get("role") not in ("user", "assistant", *_SYSTEM_ROLES):
+            raise FieldError(f"conversation message {i} must be {{'role': system|user|"
+                             "assistant, 'content': text}")
+        if m["role"] in _SYSTEM_ROLES:
+            systems.append(m["content"])
+        elif i < last_user:
+            turns.append({"role": m["role"], "content": m["content"]})
+    head = ({"role": "system", "content": "\n\n".join(systems)},) if systems else ()
+    tail = ({"role": "user", "content": latest},)
+
+    def cost(m: dict[str, str]) -> int:
+        return count(m["content"]) + MESSAGE_OVERHEAD
+
+    fixed = sum(cost(m) for m in head + tail)
+    if fixed > limit:
+        raise ContextOverflow(
+            f"the system prompt and the latest question take about {fixed} tokens; the "
+            f"model context leaves {limit} for the prompt (after max_tokens); shorten them "
+            "or lower max_tokens")
+    costs = [cost(m) for m in turns]
+    total = fixed + sum(costs)
+    k = 0
+    while k < len(turns) and (total > limit or k and turns[k]["role"] != "user"):
+        total -= costs[k]
+        k += 1
+    return head + tuple(turns[k:]) + tail
+
+
 def _prepare_generate(params: dict, ctx: Any) -> dict:
     check_prompt_source(params, "generate")
     return link_engine(params, ctx, "generate")
@@ -111,6 +178,10 @@ def _build_generate(params: dict, contract: Any) -> OpRuntime:
     chat = getattr(engine, "chat", True)
     template, inp, out = params.get("prompt"), params.get("input"), params["output"]
     system = params.get("system")
+    conv_field = params.get("messages")
+    if conv_field is not None and not chat:
+        raise ValueError(f"generate: 'messages: {conv_field}' needs a chat model; engine "
+                         f"'{engine.model}' takes a raw prompt (drop 'messages')")
     usage = params.get("usage")
     stop = tuple(params.get("stop") or ())
     max_tokens, temperature = params["max_tokens"], float(params["temperature"])
@@ -118,6 +189,11 @@ def _build_generate(params: dict, contract: Any) -> OpRuntime:
 
     def request(record: Any) -> GenerationRequest:
         text = prompt_text(template, inp, record)
+        conv = record.get(conv_field) if conv_field and isinstance(record, dict) else None
+        if conv is not None:
+            msgs = chat_messages(system, conv, text, engine.count_tokens, limit)
+            return GenerationRequest(messages=msgs, max_tokens=max_tokens,
+                                     temperature=temperature, stop=stop)
         n = engine.count_tokens(text)
         if n > limit:
             raise ContextOverflow(
@@ -175,6 +251,8 @@ register(OpDef(
      *PROMPT_PARAMS,
      Param("output", (str,), default="answer", want="a field name"),
      Param("system", (str,), want="a system message (chat models)"),
+     Param("messages", (str,), want="a field holding the conversation (a list of "
+           "{role, content}), e.g. _messages"),
      count_param("max_tokens", 64),
      TEMPERATURE,
      Param("stop", (list,), want="a list of stop strings"),

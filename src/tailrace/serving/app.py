@@ -360,7 +360,9 @@ def create_app(hub: ServingHub) -> FastAPI:
         b = bindings[req.model]
         if b.problem is not None:
             raise WireError(b.problem, code="pipeline_not_chat")
-        record = {b.input_field: req.text}
+        record: dict[Any, Any] = {b.input_field: req.text}
+        if req.messages is not None:
+            record["_messages"] = list(req.messages)
         who(req.model, record, body, request, tenant, req.text)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())

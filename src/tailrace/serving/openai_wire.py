@@ -103,6 +103,7 @@ class WireRequest:
     stream: bool
     include_usage: bool
     chat: bool
+    messages: tuple[dict[str, str], ...] | None = None  # chat: the conversation, as text
 
 
 def _common(body: dict, chat: bool) -> tuple[str, bool, bool]:
@@ -136,7 +137,12 @@ def _content_text(content: Any, i: int) -> str:
         return content
     if isinstance(content, list):
         parts = []
-        for p in content:
+        for j, p in enumerate(content):
+            kind = p.get("type") if isinstance(p, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise WireError(f"messages[{i}].content[{j}].type: '{kind}' parts are not "
+                                "supported (text only: no image or audio input here)",
+                                code="unsupported_content")
             if not isinstance(p, dict) or p.get("type") != "text" \
                     or not isinstance(p.get("text"), str):
                 raise WireError(f"messages[{i}].content: only text parts "
@@ -148,8 +154,15 @@ def _content_text(content: Any, i: int) -> str:
                     f"{type(content).__name__}", code="invalid_content")
 
 
+_CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
 def parse_chat(body: dict) -> WireRequest:
     """Parse a chat completion request; raises ``WireError`` (400) naming the bad field.
+
+    The conversation keeps ``system``/``developer``, ``user`` and ``assistant`` messages
+    (text only); it must end with a ``user`` message. ``tool``/``function`` messages and
+    assistant ``tool_calls`` are refused: no tool stage answers them here.
 
     body: the decoded JSON object.
     """
@@ -159,16 +172,31 @@ def parse_chat(body: dict) -> WireRequest:
         raise WireError("'messages' must be a non-empty list like "
                         "[{\"role\": \"user\", \"content\": \"...\"}]", code="invalid_messages")
     text = None
+    conv: list[dict[str, str]] = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise WireError(f"messages[{i}] must be an object with a 'role' and 'content'",
                             code="invalid_messages")
-        if m["role"] == "user":
-            text = _content_text(m.get("content"), i)
+        role = m["role"]
+        if role not in _CHAT_ROLES:
+            raise WireError(f"messages[{i}].role: '{role}' is not supported (tailrace "
+                            "pipelines take system, developer, user and assistant messages; "
+                            "no tool stage answers tool messages)", code="unsupported_role")
+        for key in ("tool_calls", "function_call", "audio"):
+            if m.get(key) is not None:
+                raise WireError(f"messages[{i}].{key} is not supported (no tool or audio "
+                                "support here)", code="unsupported_message_field")
+        content = _content_text(m.get("content"), i)
+        conv.append({"role": role, "content": content})
+        if role == "user":
+            text = content
     if text is None:
         raise WireError("'messages' has no user message; the last user message is the "
                         "pipeline's input", code="no_user_message")
-    return WireRequest(model, text, stream, include_usage, chat=True)
+    if conv[-1]["role"] != "user":
+        raise WireError(f"messages[{len(conv) - 1}]: the conversation must end with a user "
+                        f"message (got '{conv[-1]['role']}' last)", code="invalid_messages")
+    return WireRequest(model, text, stream, include_usage, chat=True, messages=tuple(conv))
 
 
 def parse_completion(body: dict) -> WireRequest:
