@@ -248,3 +248,36 @@ def test_text_stream_utf8_and_stop_holdback():
     assert s.finish() == "ST" and s.text == "a STep ST" and not s.stopped
     s = TextStream()
     assert s.feed(b"x\xe2\x82") == "x" and s.finish() == "\ufffd"
+
+
+def test_top_p_near_zero_samples_like_greedy(engine):
+    greedy = engine.generate([chat(QUESTIONS[1], max_tokens=12)])[0]
+    for seed in (1, 2):
+        nucleus = engine.generate([chat(QUESTIONS[1], max_tokens=12, temperature=1.5,
+                                        top_p=1e-6, seed=seed)])[0]
+        assert nucleus.text == greedy.text
+    wide = {engine.generate([chat(QUESTIONS[1], max_tokens=12, temperature=1.5,
+                                  seed=seed)])[0].text for seed in (1, 2, 3)}
+    assert len(wide) > 1  # without top_p the same temperature does sample
+
+
+def test_penalties_change_a_repetitive_greedy_answer(engine):
+    count = GenerationRequest(prompt="1, 2, 3, 4,", max_tokens=12)
+    plain = engine.generate([count])[0]
+    penalised = engine.generate([GenerationRequest(prompt="1, 2, 3, 4,", max_tokens=12,
+                                                   frequency_penalty=2.0)])[0]
+    assert plain.text.count(",") >= 4  # it keeps counting
+    assert penalised.text != plain.text  # the repeated commas and spaces were penalised
+
+
+def test_penalise_and_top_p_on_small_logits():
+    import numpy as np
+
+    from tailrace.engines._sampling import penalise, sample
+
+    logits = np.array([1.0, 2.0, 3.0], dtype=np.float32)
+    out = penalise(logits, {2: 2, 0: 1}, 0.5, 1.0)
+    assert out.tolist() == [-0.5, 2.0, 0.5] and logits.tolist() == [1.0, 2.0, 3.0]
+    rng = np.random.default_rng(0)
+    assert {sample(logits, 5.0, rng, top_p=0.3) for _ in range(50)} == {2}
+    assert len({sample(logits, 5.0, rng) for _ in range(50)}) > 1

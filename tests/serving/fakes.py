@@ -24,8 +24,9 @@ class EchoEngine:
     context_length = 4096
 
     def __init__(self, model: str = "echo", path: str | None = None, delay: float = 0.0,
-                 repeat: int = 1, context: int = 4096):
+                 repeat: int = 1, context: int = 4096, finish: str | None = None):
         self.model = model
+        self.finish = finish  # reported instead of the real finish reason
         self.context_length = context
         self.delay = delay
         self.repeat = repeat
@@ -49,7 +50,8 @@ class EchoEngine:
                 if on_token is not None and on_token(i, piece) is False:
                     reason = "cancelled"
                     break
-            g = Generation("".join(done), len(text.split()), len(done), reason)
+            g = Generation("".join(done), len(text.split()), len(done),
+                           self.finish if self.finish and reason != "cancelled" else reason)
             EchoEngine.LOG.append(g)
             out.append(g)
         return out

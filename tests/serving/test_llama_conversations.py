@@ -41,3 +41,23 @@ def test_an_earlier_turn_reaches_the_model(chat):
     assert turns.usage.prompt_tokens >= alone.usage.prompt_tokens + 15
     assert turns.choices[0].message.content
     assert turns.choices[0].message.content != alone.choices[0].message.content
+
+
+def test_max_tokens_stop_and_seed_are_honoured(chat):
+    ask = [{"role": "user", "content": "Count from 1 to 20, separated by commas."}]
+    short = chat.chat.completions.create(model="chat", messages=ask, max_tokens=3)
+    assert short.usage.completion_tokens == 3 and short.choices[0].finish_reason == "length"
+    full = chat.chat.completions.create(model="chat", messages=ask)
+    assert full.usage.completion_tokens > 3
+    cut = chat.chat.completions.create(model="chat", messages=ask, stop=["3"])
+    assert "3" not in cut.choices[0].message.content
+    assert cut.choices[0].finish_reason == "stop"
+    assert full.choices[0].message.content.startswith(cut.choices[0].message.content)
+
+    def sampled(seed: int) -> str:
+        return chat.chat.completions.create(
+            model="chat", messages=[{"role": "user", "content": "Write a haiku."}],
+            temperature=1.2, seed=seed).choices[0].message.content
+
+    assert sampled(5) == sampled(5)
+    assert len({sampled(5), sampled(6), sampled(7)}) > 1

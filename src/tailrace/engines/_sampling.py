@@ -10,12 +10,33 @@ import codecs
 from typing import Any
 
 
-def sample(logits: Any, temperature: float, rng: Any) -> int:
+def penalise(logits: Any, counts: dict[int, int], presence: float, frequency: float) -> Any:
+    """A copy of ``logits`` with OpenAI's penalties: each token generated ``c`` times so
+    far loses ``c * frequency + presence``.
+
+    logits:    a float32 numpy vector over the vocabulary (not modified).
+    counts:    token id -> times generated.
+    presence:  penalty for having appeared at all.
+    frequency: penalty per appearance.
+    """
+    import numpy as np
+
+    out = logits.copy()
+    if counts:
+        ids = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
+        n = np.fromiter(counts.values(), dtype=np.float32, count=len(counts))
+        out[ids] -= n * np.float32(frequency) + np.float32(presence)
+    return out
+
+
+def sample(logits: Any, temperature: float, rng: Any, top_p: float = 1.0) -> int:
     """The next token id from one row of logits.
 
     logits:      a float32 numpy vector over the vocabulary (not modified).
     temperature: 0 (or less) means greedy argmax; otherwise softmax(logits / temperature).
     rng:         a ``numpy.random.Generator``; unused when greedy.
+    top_p:       below 1: sample only among the most likely tokens whose probabilities
+                 add up to at least ``top_p`` (nucleus sampling).
     """
     if temperature <= 0.0:
         return int(logits.argmax())
@@ -24,6 +45,11 @@ def sample(logits: Any, temperature: float, rng: Any) -> int:
     z = logits * (1.0 / temperature)
     z -= z.max()
     np.exp(z, out=z)
+    if top_p < 1.0:
+        order = np.argsort(z)[::-1]
+        mass = np.cumsum(z[order], dtype=np.float64)
+        keep = int(np.searchsorted(mass, top_p * mass[-1])) + 1
+        z[order[keep:]] = 0.0
     cdf = np.cumsum(z, dtype=np.float64)
     idx = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
     return min(idx, len(cdf) - 1)

@@ -26,6 +26,9 @@ class GenerationRequest:
     seed: int | None = None
     logprobs: bool = False  # report the sampled tokens' mean log-probability as
     # ``Generation.extra["mean_logprob"]`` (engines that can)
+    top_p: float = 1.0  # nucleus sampling: the smallest set of tokens with this much mass
+    presence_penalty: float = 0.0  # subtracted from a token's logit once it was generated
+    frequency_penalty: float = 0.0  # subtracted per time a token was generated
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,8 @@ class Generation:
     text: str
     prompt_tokens: int
     completion_tokens: int
-    finish_reason: str  # "stop" (EOS or a stop string) | "length" (max_tokens)
+    finish_reason: str  # "stop" (EOS or a stop string) | "length" (max_tokens) |
+    # "cancelled" (the caller stopped it)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
 

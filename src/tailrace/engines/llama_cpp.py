@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ContextOverflow, EngineError
-from ._sampling import TextStream, sample
+from ._sampling import TextStream, penalise, sample
 from .base import Generation, GenerationRequest, TokenCallback
 from .models import MODELS, model_info, model_path
 
@@ -99,6 +99,10 @@ class _Seq:
     temperature: float
     rng: Any
     stream: TextStream
+    top_p: float = 1.0
+    presence: float = 0.0
+    frequency: float = 0.0
+    counts: dict[int, int] | None = None  # tokens generated so far (penalties only)
     n_lp: int = -1  # tokens in lp_sum; -1: not asked for (GenerationRequest.logprobs)
     lp_sum: float = 0.0  # summed log-probabilities of the sampled tokens
     n_prompt: int = 0
@@ -459,7 +463,9 @@ class LlamaCppEngine:
                         active.append(_Seq(call, i, heapq.heappop(free),
                                            np.asarray(prompt, dtype=np.int32),
                                            r.max_tokens, r.temperature, rng, stream,
-                                           n_lp=0 if r.logprobs else -1))
+                                           r.top_p, r.presence_penalty, r.frequency_penalty,
+                                           {} if r.presence_penalty or r.frequency_penalty
+                                           else None, n_lp=0 if r.logprobs else -1))
                     active.sort(key=lambda s: s.slot)
                     if not active:
                         continue
@@ -507,7 +513,11 @@ class LlamaCppEngine:
                     addr = ctypes.cast(get_logits(ctx, s.row), void_p).value
                     logits = frombuffer(row_type.from_address(addr),  # type: ignore[arg-type]
                                         dtype=float32)
-                    t = sample(logits, s.temperature, s.rng)
+                    if s.counts is not None:
+                        logits = penalise(logits, s.counts, s.presence, s.frequency)
+                    t = sample(logits, s.temperature, s.rng, s.top_p)
+                    if s.counts is not None:
+                        s.counts[t] = s.counts.get(t, 0) + 1
                     if s.n_lp >= 0:  # log-softmax of the sampled token, stable form
                         m = logits.max()
                         s.lp_sum += float(logits[t] - m) - math.log(float(np.exp(logits - m).sum()))

@@ -273,6 +273,12 @@ class OpenAIEngine:
             kwargs["stop"] = list(req.stop)
         if req.seed is not None:
             kwargs["seed"] = req.seed
+        if req.top_p != 1.0:
+            kwargs["top_p"] = req.top_p
+        if req.presence_penalty:
+            kwargs["presence_penalty"] = req.presence_penalty
+        if req.frequency_penalty:
+            kwargs["frequency_penalty"] = req.frequency_penalty
         if req.messages is not None:
             return client.chat.completions.create(
                 messages=[dict(m) for m in req.messages], **kwargs)

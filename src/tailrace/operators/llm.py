@@ -168,6 +168,15 @@ def chat_messages(system: str | None, conversation: Any, latest: str,
     return head + tuple(turns[k:]) + tail
 
 
+#: the per-request options a generate stage takes from a record's ``_options``
+OPTIONS = ("max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty",
+           "frequency_penalty")
+
+
+def _check_frozen(v: Any) -> bool:
+    return isinstance(v, list) and all(x in OPTIONS for x in v)
+
+
 def _prepare_generate(params: dict, ctx: Any) -> dict:
     check_prompt_source(params, "generate")
     return link_engine(params, ctx, "generate")
@@ -185,15 +194,39 @@ def _build_generate(params: dict, contract: Any) -> OpRuntime:
     usage = params.get("usage")
     stop = tuple(params.get("stop") or ())
     max_tokens, temperature = params["max_tokens"], float(params["temperature"])
+    frozen = frozenset(params.get("frozen") or ())
     limit = engine.context_length - max_tokens
+    base = {"max_tokens": max_tokens, "temperature": temperature, "stop": stop}
+
+    def options(record: Any) -> dict[str, Any]:
+        """The sampling settings for ``record``: the stage's, overridden by the request's
+        ``_options`` meant for this stage (``for`` names its output field), except the
+        ``frozen`` ones; ``max_tokens`` never above the stage's, ``stop`` added to its."""
+        opts = record.get("_options") if isinstance(record, dict) else None
+        if not isinstance(opts, dict) or opts.get("for") != out:
+            return base
+        kw = dict(base)
+        for k in OPTIONS:
+            v = opts.get(k)
+            if v is None or k in frozen:
+                continue
+            if k == "max_tokens":
+                kw[k] = max(1, min(int(v), max_tokens))
+            elif k == "stop":
+                kw[k] = stop + tuple(v)
+            elif k == "seed":
+                kw[k] = int(v)
+            else:
+                kw[k] = float(v)
+        return kw
 
     def request(record: Any) -> GenerationRequest:
         text = prompt_text(template, inp, record)
+        kw = options(record)
         conv = record.get(conv_field) if conv_field and isinstance(record, dict) else None
         if conv is not None:
             msgs = chat_messages(system, conv, text, engine.count_tokens, limit)
-            return GenerationRequest(messages=msgs, max_tokens=max_tokens,
-                                     temperature=temperature, stop=stop)
+            return GenerationRequest(messages=msgs, **kw)
         n = engine.count_tokens(text)
         if n > limit:
             raise ContextOverflow(
@@ -203,10 +236,8 @@ def _build_generate(params: dict, contract: Any) -> OpRuntime:
         if chat:
             msgs = ({"role": "system", "content": system},) if system else ()
             return GenerationRequest(messages=msgs + ({"role": "user", "content": text},),
-                                     max_tokens=max_tokens, temperature=temperature,
-                                     stop=stop)
-        return GenerationRequest(prompt=text, max_tokens=max_tokens, temperature=temperature,
-                                 stop=stop)
+                                     **kw)
+        return GenerationRequest(prompt=text, **kw)
 
     def call(records: list, reqs: list) -> list:
         streams = [r.get("_stream") if isinstance(r, dict) else None for r in records]
@@ -220,11 +251,14 @@ def _build_generate(params: dict, contract: Any) -> OpRuntime:
                 c = cancels[i]
                 return c is None or not c.is_set()  # False: the engine stops this one
         gens = engine.generate(reqs, on_token)
-        if usage is None:
-            return [{**r, out: g.text} for r, g in zip(records, gens, strict=True)]
-        return [{**r, out: g.text, usage: {"prompt_tokens": g.prompt_tokens,
-                                           "completion_tokens": g.completion_tokens}}
-                for r, g in zip(records, gens, strict=True)]
+        result = [{**r, out: g.text} for r, g in zip(records, gens, strict=True)]
+        for r, g in zip(result, gens, strict=True):
+            if usage is not None:
+                r[usage] = {"prompt_tokens": g.prompt_tokens,
+                            "completion_tokens": g.completion_tokens}
+            if "_options" in r:  # a served request: its answer's finish reason
+                r["_finish"] = g.finish_reason
+        return result
 
     def batch_fn(batch: list, errors: list) -> list:
         keep, reqs = each_record(batch, errors, request)
@@ -256,6 +290,8 @@ register(OpDef(
      count_param("max_tokens", 64),
      TEMPERATURE,
      Param("stop", (list,), want="a list of stop strings"),
+     Param("frozen", (list,), want=f"a list of request options the request may not set "
+           f"(of {', '.join(OPTIONS)})", check=_check_frozen),
      count_param("max_batch", 8),
      Param("usage", (str,), want="a field for {prompt_tokens, completion_tokens}")),
     batchable=True, blocking=True,

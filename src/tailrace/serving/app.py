@@ -42,6 +42,7 @@ from .openai_wire import (
     dumps,
     error_body,
     finish_reason,
+    options_record,
     parse_chat,
     parse_completion,
     retry_headers,
@@ -363,6 +364,7 @@ def create_app(hub: ServingHub) -> FastAPI:
         record: dict[Any, Any] = {b.input_field: req.text}
         if req.messages is not None:
             record["_messages"] = list(req.messages)
+        record["_options"] = options_record(b, req, req.model)
         who(req.model, record, body, request, tenant, req.text)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
@@ -376,8 +378,8 @@ def create_app(hub: ServingHub) -> FastAPI:
             return Response(status_code=499)
         answer = _answer(b, out)
         usage = usage_of(b, out, req.text, answer)
-        return _json(completion_body(req, rid, created, answer, finish_reason(b, usage),
-                                     usage))
+        return _json(completion_body(req, rid, created, answer,
+                                     finish_reason(b, usage, out), usage))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -480,7 +482,8 @@ async def _stream_openai(request: Request, service: PipelineService, b: Binding,
             yield sse(error_body(redact(str(e)), e.status, e.code))
             return
         usage = usage_of(b, out, req.text, answer)
-        yield chunk(req, rid, created, None if req.chat else "", finish_reason(b, usage))
+        yield chunk(req, rid, created, None if req.chat else "",
+                    finish_reason(b, usage, out))
         if req.include_usage:
             yield chunk(req, rid, created, None, usage=usage)
 

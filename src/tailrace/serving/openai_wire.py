@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..compiler import Plan
@@ -104,6 +104,108 @@ class WireRequest:
     include_usage: bool
     chat: bool
     messages: tuple[dict[str, str], ...] | None = None  # chat: the conversation, as text
+    options: dict[str, Any] = field(default_factory=dict)  # sampling options it set
+
+
+#: fields every OpenAI request may carry that tailrace accepts and ignores by design
+#: (``user`` and ``metadata`` reach the record only through a pipeline's ``serve:``)
+IGNORED = frozenset({"user", "metadata", "service_tier", "store", "parallel_tool_calls"})
+_HANDLED = frozenset({"model", "stream", "stream_options", "n", "max_tokens", "temperature",
+                      "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
+                      "logprobs", "logit_bias"})
+#: fields only one endpoint has
+CHAT_ONLY = frozenset({"messages", "max_completion_tokens", "top_logprobs", "tools",
+                       "tool_choice", "functions", "function_call", "response_format"})
+COMPLETION_ONLY = frozenset({"prompt", "echo", "best_of", "suffix"})
+#: the sampling options a request may set (see ``options``)
+OPTION_FIELDS = ("max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty",
+                 "frequency_penalty")
+
+
+def _number(body: dict, name: str, lo: float, hi: float) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+        raise WireError(f"'{name}' must be a number from {lo:g} to {hi:g}, got {v!r}",
+                        code="invalid_parameter")
+    return float(v)
+
+
+def _options(body: dict, chat: bool) -> dict[str, Any]:
+    """The sampling options the request sets (absent or null: not set); 400 naming a
+    field with a bad value."""
+    opts: dict[str, Any] = {}
+    for name in ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",):
+        v = body.get(name)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise WireError(f"'{name}' must be a positive integer, got {v!r}",
+                            code="invalid_parameter")
+        opts["max_tokens"] = min(v, opts.get("max_tokens", v))
+    for name, lo, hi in (("temperature", 0, 2), ("top_p", 0, 1),
+                         ("presence_penalty", -2, 2), ("frequency_penalty", -2, 2)):
+        v = _number(body, name, lo, hi)
+        if v is not None:
+            opts[name] = v
+    if opts.get("top_p") == 0:
+        raise WireError("'top_p' must be above 0", code="invalid_parameter")
+    seed = body.get("seed")
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise WireError(f"'seed' must be an integer, got {seed!r}", code="invalid_parameter")
+        opts["seed"] = seed
+    stop = body.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or len(stops) > 4 \
+                or not all(isinstance(x, str) and x for x in stops):
+            raise WireError("'stop' must be a string or a list of at most 4 non-empty "
+                            f"strings, got {stop!r}", code="invalid_parameter")
+        if stops:
+            opts["stop"] = tuple(stops)
+    return opts
+
+
+def _unsupported(name: str, why: str) -> WireError:
+    return WireError(f"'{name}' is not supported: {why}", code="unsupported_parameter")
+
+
+def _refuse_unsupported(body: dict, chat: bool) -> None:
+    """400 naming the first field tailrace cannot honour (see docs/serving.md's table)."""
+    own = CHAT_ONLY if chat else COMPLETION_ONLY
+    for name in body:
+        if name not in _HANDLED and name not in IGNORED and name not in own:
+            raise WireError(f"'{name}' is not a field tailrace accepts on this endpoint "
+                            "(docs/serving.md lists them)", code="unsupported_parameter")
+    n = body.get("n", 1)
+    if n not in (None, 1):
+        raise WireError(f"'n' must be 1 (one answer per request), got {n!r}",
+                        code="unsupported_n")
+    lp = body.get("logprobs")
+    if lp not in (None, False) and not (not chat and lp == 0):
+        raise _unsupported("logprobs", "no token log-probabilities are returned")
+    if body.get("top_logprobs") is not None:
+        raise _unsupported("top_logprobs", "no token log-probabilities are returned")
+    if body.get("logit_bias"):
+        raise _unsupported("logit_bias", "logits cannot be biased per request")
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise _unsupported(name, "no tool stage answers tool calls here")
+    for name in ("tool_choice", "function_call"):
+        if body.get(name) not in (None, "none"):
+            raise _unsupported(name, "no tool stage answers tool calls here")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise _unsupported("response_format", "only {\"type\": \"text\"}; the engine "
+                           "cannot enforce JSON output here")
+    if body.get("echo"):
+        raise _unsupported("echo", "the prompt is not echoed")
+    if body.get("best_of") not in (None, 1):
+        raise _unsupported("best_of", "one answer per request")
+    if body.get("suffix"):
+        raise _unsupported("suffix", "no insertion mode")
 
 
 def _common(body: dict, chat: bool) -> tuple[str, bool, bool]:
@@ -117,10 +219,7 @@ def _common(body: dict, chat: bool) -> tuple[str, bool, bool]:
     if not isinstance(stream, bool):
         raise WireError(f"'stream' must be true or false, got {stream!r}",
                         code="invalid_stream")
-    n = body.get("n", 1)
-    if n not in (None, 1):
-        raise WireError(f"'n' must be 1 (one answer per request), got {n!r}",
-                        code="unsupported_n")
+    _refuse_unsupported(body, chat)
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise WireError("'stream_options' must be an object like {\"include_usage\": true}",
@@ -196,7 +295,8 @@ def parse_chat(body: dict) -> WireRequest:
     if conv[-1]["role"] != "user":
         raise WireError(f"messages[{len(conv) - 1}]: the conversation must end with a user "
                         f"message (got '{conv[-1]['role']}' last)", code="invalid_messages")
-    return WireRequest(model, text, stream, include_usage, chat=True, messages=tuple(conv))
+    return WireRequest(model, text, stream, include_usage, chat=True, messages=tuple(conv),
+                       options=_options(body, True))
 
 
 def parse_completion(body: dict) -> WireRequest:
@@ -211,9 +311,8 @@ def parse_completion(body: dict) -> WireRequest:
     if not isinstance(prompt, str):
         raise WireError("'prompt' must be a string (or a list of one string)",
                         code="invalid_prompt")
-    if body.get("echo"):
-        raise WireError("'echo' is not supported", code="unsupported_echo")
-    return WireRequest(model, prompt, stream, include_usage, chat=False)
+    return WireRequest(model, prompt, stream, include_usage, chat=False,
+                       options=_options(body, False))
 
 
 # -- pipelines as models ---------------------------------------------------------------
@@ -227,6 +326,7 @@ class Binding:
     max_tokens:   that stage's ``max_tokens``.
     engine:       that stage's engine spec (for counting tokens).
     problem:      why the pipeline cannot answer chat/completion requests, or None.
+    frozen:       the options that stage's ``frozen:`` keeps from requests.
     """
 
     input_field: str | None
@@ -235,6 +335,7 @@ class Binding:
     max_tokens: int
     engine: Any
     problem: str | None
+    frozen: frozenset[str] = frozenset()
 
 
 def bind(plan: Plan) -> Binding:
@@ -263,7 +364,25 @@ def bind(plan: Plan) -> Binding:
     return Binding(field, gen.params["output"] if gen else None,
                    gen.params.get("usage") if gen else None,
                    int(gen.params.get("max_tokens") or 0) if gen else 0,
-                   gen.params.get("_engine") if gen else None, problem)
+                   gen.params.get("_engine") if gen else None, problem,
+                   frozenset(gen.params.get("frozen") or ()) if gen else frozenset())
+
+
+def options_record(b: Binding, req: WireRequest, name: str) -> dict[str, Any]:
+    """The transient ``_options`` field for a request: its sampling options, ``for`` the
+    answering stage (its output field); 400 naming an option the pipeline froze.
+
+    b:    the pipeline's binding.
+    req:  the parsed request.
+    name: the pipeline's name (for the message).
+    """
+    for k in req.options:
+        if k in b.frozen:
+            asked = "max_tokens/max_completion_tokens" if k == "max_tokens" else k
+            raise WireError(f"'{asked}' is fixed by pipeline '{name}' (its answering generate "
+                            "stage lists it under frozen:); leave it out of the request",
+                            code="frozen_parameter")
+    return {"for": b.answer_field, **req.options}
 
 
 def _count(engine: Any, text: str) -> int:
@@ -294,12 +413,18 @@ def usage_of(b: Binding, record: dict, text: str, answer: str) -> dict[str, int]
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def finish_reason(b: Binding, usage: dict[str, int]) -> str:
-    """``"length"`` when the answer used all of ``max_tokens``, else ``"stop"``.
+def finish_reason(b: Binding, usage: dict[str, int], record: dict | None = None) -> str:
+    """The engine's finish reason (``stop``, ``length``, ``cancelled``) as the answering
+    stage reported it in the record's ``_finish``; without one, ``"length"`` when the
+    answer used all of ``max_tokens``, else ``"stop"``.
 
-    b:     the pipeline's binding.
-    usage: the answer's usage.
+    b:      the pipeline's binding.
+    usage:  the answer's usage.
+    record: the output record.
     """
+    reported = record.get("_finish") if record is not None else None
+    if isinstance(reported, str):
+        return reported
     return "length" if b.max_tokens and usage["completion_tokens"] >= b.max_tokens \
         else "stop"
 

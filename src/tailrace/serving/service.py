@@ -101,7 +101,9 @@ def _streamer(loop: asyncio.AbstractEventLoop, on_token: Callable[[str], Any],
 
 
 def _clean(record: dict) -> dict:
-    return {k: v for k, v in record.items() if not k.startswith("_")}
+    """The record without transient fields, except ``_finish`` (the answering generate
+    stage's finish reason, set only for OpenAI requests; the HTTP layer takes it out)."""
+    return {k: v for k, v in record.items() if not k.startswith("_") or k == "_finish"}
 
 
 class _Door:
