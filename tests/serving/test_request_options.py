@@ -143,3 +143,17 @@ def test_the_openai_backend_passes_the_options_on(url):
     assert (got.max_tokens, got.temperature, got.top_p, got.seed) == (2, 0.5, 0.8, 11)
     assert (got.presence_penalty, got.frequency_penalty, got.stop) == (0.1, 0.2, ("END", "zz"))
     assert g.text.endswith("a b") and g.finish_reason == "length"  # (the draft streams too)
+
+
+def test_the_docs_table_lists_every_request_field_the_server_knows():
+    import re
+    from pathlib import Path
+
+    from tailrace.serving import openai_wire as w
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
+    table = doc.split("## Request fields", 1)[1].split("\n## ", 1)[0]
+    listed = {f for row in table.splitlines() if row.startswith("| `")
+              for f in re.findall(r"`([a-z_]+)`", row.split("|")[1])}
+    known = w._HANDLED | w.IGNORED | w.CHAT_ONLY | w.COMPLETION_ONLY
+    assert known <= listed and listed <= known | {"messages"}

@@ -5,12 +5,23 @@ How a pipeline answers an OpenAI request (``Binding``):
 - the request's text (the last ``user`` message, or the ``prompt``) becomes the input
   record ``{FIELD: text}``; FIELD is the first of the source's declared ``fields:``,
   else the first field the first stage reads;
-- the answer is the ``output`` field of the pipeline's last ``generate`` stage;
-- usage comes from that stage's ``usage:`` field when it declares one (exact counts
-  from the engine), else the engine's tokenizer counts the text and the answer;
-- ``finish_reason`` is ``"length"`` when the answer used all of the stage's
-  ``max_tokens``, else ``"stop"``. Sampling options in the request (``temperature``,
-  ``max_tokens``, ...) are ignored: the pipeline's YAML decides them.
+- a chat request's whole conversation (text only) goes in the transient field
+  ``_messages``, which a generate stage with ``messages: _messages`` answers;
+- the sampling options the request sets (``max_tokens``/``max_completion_tokens``,
+  ``temperature``, ``top_p``, ``stop``, ``seed``, ``presence_penalty``,
+  ``frequency_penalty``) go in the transient field ``_options`` ``for`` the answering
+  stage (the last ``generate``), which applies them within its YAML limits (its
+  ``max_tokens`` is the ceiling; options it lists under ``frozen:`` are a 400 here);
+- fields tailrace cannot honour (``n > 1``, ``logprobs``, ``tools``, a non-text
+  ``response_format``, ``logit_bias``, image or audio parts, unknown fields) are a 400
+  naming the field; ``IGNORED`` fields are accepted and ignored by design
+  (docs/serving.md, "Request fields", lists every field);
+- the answer is the ``output`` field of that stage; usage comes from its ``usage:``
+  field when it declares one (exact counts from the engine), else the engine's
+  tokenizer counts the text and the answer;
+- ``finish_reason`` is the engine's (``stop``, ``length``, ``cancelled``) as the stage
+  reports it in ``_finish``; only without a report is it inferred (``"length"`` when
+  the answer used all of ``max_tokens``, else ``"stop"``).
 """
 
 from __future__ import annotations
