@@ -180,9 +180,11 @@ class CountingGate:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.gate, name)
 
-    def balance(self) -> list[str]:
-        """Invariant 2, waited for: every admitted ticket released once, gate empty."""
-        end = time.monotonic() + DEADLINE_S
+    def balance(self, wait: bool = True) -> list[str]:
+        """Invariant 2, waited for (``wait``; False: checked once, for a caller on the
+        service's own loop, which must not block it): every admitted ticket released
+        once, gate empty."""
+        end = time.monotonic() + (DEADLINE_S if wait else 0.0)
         while True:
             stats = self.gate.statistics()
             with self._lock:
@@ -485,10 +487,10 @@ def run_service(sc: Scenario, *, here: bool = False) -> Report:
                     # a record's output is seen (hook) a moment before the runtime gives
                     # its ticket back (a blocking stage hands the result to the loop
                     # first): wait for the gate to settle, then a ticket still out leaked
-                    settle_by = time.monotonic() + ANSWER_S
-                    while gate.balance() and time.monotonic() < settle_by:
-                        await pause()
-                    report.problems += [f"while idle: {x}" for x in gate.balance()]
+                    settle_by = time.monotonic() + DEADLINE_S
+                    while gate.balance(wait=False) and time.monotonic() < settle_by:
+                        await pause()  # never a blocking wait: the service may share the loop
+                    report.problems += [f"while idle: {x}" for x in gate.balance(wait=False)]
                 report.problems += queue_problems(svc.stats())
 
             if not here:
