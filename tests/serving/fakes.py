@@ -110,3 +110,20 @@ class Broken(tr.Operator):
 
     def process(self, record: dict) -> dict:
         return record
+
+
+def echo_pipeline(name: str = "echo", **engine: Any) -> tr.Pipeline:
+    """``question`` -> ``generate`` over the EchoEngine -> ``answer`` (+ ``usage``)."""
+    p = tr.Pipeline(name, engines={"llm": echo_spec(**engine)})
+    (p.source(fields=["question"])
+     .apply("generate", id="answer", engine="llm", input="question", output="answer",
+            max_tokens=8, usage="usage")
+     .sink())
+    return p
+
+
+def shout_pipeline(name: str = "shout") -> tr.Pipeline:
+    """``text`` -> ``shout`` (a map) -> ``loud``."""
+    p = tr.Pipeline(name)
+    p.source(fields=["text"]).map(shout, id="shout").sink()
+    return p

@@ -66,12 +66,6 @@ def held_pipeline(name: str = "held") -> tr.Pipeline:
     return p
 
 
-def shout_pipeline() -> tr.Pipeline:
-    p = tr.Pipeline("shout")
-    p.source(fields=["text"]).map(fakes.shout, id="shout").sink()
-    return p
-
-
 def generate_pipeline(contract: dict) -> tr.Pipeline:
     p = tr.Pipeline("gen", engines={"llm": fakes.echo_spec()})
     (p.source(fields=["question"])
@@ -169,7 +163,7 @@ def test_clients_that_disconnect_give_their_tickets_back(monkeypatch):
      .sink())
     gate = AdmissionGate(make_policy("fcfs", max_in_flight=1, max_queue=4))
     hub = ServingHub([PipelineService(p, admission=gate, timeout_s=60),
-                      PipelineService(shout_pipeline(), admission=gate,
+                      PipelineService(fakes.shout_pipeline(), admission=gate,
                                       timeout_s=TIMEOUT_S)], gate=gate)
     body = {"model": "long", "messages": [{"role": "user", "content": "w"}]}
     with running(hub) as url:

@@ -31,21 +31,6 @@ def embed_pipeline() -> tr.Pipeline:
     return p
 
 
-def echo_pipeline() -> tr.Pipeline:
-    p = tr.Pipeline("echo", engines={"llm": fakes.echo_spec()})
-    (p.source(fields=["question"])
-     .apply("generate", id="answer", engine="llm", input="question", output="answer",
-            max_tokens=8, usage="usage")
-     .sink())
-    return p
-
-
-def shout_pipeline() -> tr.Pipeline:
-    p = tr.Pipeline("shout")
-    p.source(fields=["text"]).map(fakes.shout, id="shout").sink()
-    return p
-
-
 @pytest.fixture(scope="module")
 def server():
     """emb (a real embed stage), echo (generate over EchoEngine) and shout (a map), one
@@ -54,8 +39,8 @@ def server():
     pytest.importorskip("tokenizers")
     with pytest.MonkeyPatch.context() as mp:
         fakes.register_echo(mp)
-        hub = ServingHub([PipelineService(embed_pipeline()), PipelineService(echo_pipeline()),
-                          PipelineService(shout_pipeline())], api_key=KEY)
+        hub = ServingHub([PipelineService(embed_pipeline()), PipelineService(fakes.echo_pipeline()),
+                          PipelineService(fakes.shout_pipeline())], api_key=KEY)
         with running(hub) as url:
             yield url
 

@@ -20,27 +20,12 @@ from tests.serving.server import running
 KEY = "test-key"
 
 
-def echo_pipeline(name: str = "echo", **engine) -> tr.Pipeline:
-    p = tr.Pipeline(name, engines={"llm": fakes.echo_spec(**engine)})
-    (p.source(fields=["question"])
-     .apply("generate", id="answer", engine="llm", input="question", output="answer",
-            max_tokens=8, usage="usage")
-     .sink())
-    return p
-
-
-def shout_pipeline() -> tr.Pipeline:
-    p = tr.Pipeline("shout")
-    p.source(fields=["text"]).map(fakes.shout, id="shout").sink()
-    return p
-
-
 @pytest.fixture
 def server(monkeypatch):
     """echo (generate over EchoEngine) and shout (a map) on one server, API key set."""
     fakes.register_echo(monkeypatch)
-    hub = ServingHub([PipelineService(echo_pipeline()), PipelineService(shout_pipeline())],
-                     api_key=KEY, max_body_bytes=4096)
+    hub = ServingHub([PipelineService(fakes.echo_pipeline()),
+                      PipelineService(fakes.shout_pipeline())], api_key=KEY, max_body_bytes=4096)
     with running(hub) as url:
         yield url
 
@@ -82,7 +67,7 @@ def test_streaming_chat_chunks_and_usage(server):
 
 def test_streamed_chunks_arrive_before_the_answer_is_complete(monkeypatch):
     fakes.register_echo(monkeypatch)
-    hub = ServingHub([PipelineService(echo_pipeline("slow", delay=0.05))])
+    hub = ServingHub([PipelineService(fakes.echo_pipeline("slow", delay=0.05))])
     with running(hub) as url:
         t0 = time.perf_counter()
         arrivals = []
@@ -242,7 +227,7 @@ def test_429_with_retry_after_on_admission_rejection():
 
 
 def test_healthz_and_readyz_follow_the_services(monkeypatch):
-    hub = ServingHub([PipelineService(shout_pipeline())])
+    hub = ServingHub([PipelineService(fakes.shout_pipeline())])
     with running(hub, start_hub=False) as url:
         assert httpx.get(url + "/healthz").json() == {"status": "ok"}
         r = httpx.get(url + "/readyz")
@@ -288,7 +273,7 @@ def test_disconnected_client_cancels_its_generation(monkeypatch):
 def test_readyz_reports_a_pipeline_that_failed_to_load():
     p = tr.Pipeline("broken")
     p.source(fields=["text"]).apply(fakes.Broken, id="load").sink()
-    hub = ServingHub([PipelineService(shout_pipeline()), PipelineService(p)])
+    hub = ServingHub([PipelineService(fakes.shout_pipeline()), PipelineService(p)])
     with running(hub, start_hub=False) as url:
         hub.start()
         assert hub.services["broken"].wait_ready(10) is False
