@@ -182,6 +182,32 @@ def test_clients_that_disconnect_give_their_tickets_back(monkeypatch):
         wait_until(lambda: idle(gate), "gate idle")
 
 
+def test_a_list_of_prompts_gives_every_ticket_back(monkeypatch):
+    """A completion request with several prompts is several records: when admission
+    rejects one (the queue is full) the request is a 429 and the others' work is
+    cancelled; when the client goes away, all of it. Every slot comes back."""
+    fakes.register_echo(monkeypatch)
+    p = tr.Pipeline("long", engines={"llm": fakes.echo_spec(delay=0.02, repeat=100)})
+    (p.source(fields=["question"])
+     .apply("generate", engine="llm", input="question", output="answer", max_tokens=500)
+     .sink())
+    gate = AdmissionGate(make_policy("fcfs", max_in_flight=1, max_queue=1))
+    hub = ServingHub([PipelineService(p, admission=gate, timeout_s=60)], gate=gate)
+    with running(hub) as url:
+        r = httpx.post(url + "/v1/completions", timeout=30,
+                       json={"model": "long", "prompt": ["a", "b", "c", "d"]})
+        assert r.status_code == 429 and "queue_full" in r.json()["error"]["message"], r.text
+        wait_until(lambda: idle(gate), "gate idle after the 429")
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", timeout=0.5,
+                       json={"model": "long", "prompt": ["a", "b"]})
+        wait_until(lambda: idle(gate), "gate idle after the client stopped waiting")
+        r = httpx.post(url + "/v1/completions", timeout=30,
+                       json={"model": "long", "prompt": ["a b", "c"], "max_tokens": 2})
+        assert [c["text"] for c in r.json()["choices"]] == ["a b", "c c"]
+        wait_until(lambda: idle(gate), "gate idle")
+
+
 # -- (c) a record generate rejects under retries or a timeout --------------------------------
 
 @pytest.mark.parametrize("contract", [{"retries": 1}, {"timeout_ms": 5000}],

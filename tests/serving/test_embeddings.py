@@ -122,6 +122,18 @@ def test_400_with_the_openai_client_for_a_wrong_dimension(server):
     assert ei.value.status_code == 400
 
 
+def test_an_engine_by_its_name_embeds_as_its_pipeline_stage(server):
+    by_engine = client(server).embeddings.create(model="embedder", input=TEXTS,
+                                                 encoding_format="float")
+    by_pipe = client(server).embeddings.create(model="emb", input=TEXTS,
+                                               encoding_format="float")
+    assert by_engine.model == "embedder" and len(by_engine.data) == 3
+    for a, b in zip(by_engine.data, by_pipe.data, strict=True):
+        np.testing.assert_array_equal(np.asarray(a.embedding), np.asarray(b.embedding))
+    with pytest.raises(openai.BadRequestError, match="'embedder' embeds into 384"):
+        client(server).embeddings.create(model="embedder", input="x", dimensions=3)
+
+
 def test_too_many_inputs(server):
     r = httpx.post(server + "/v1/embeddings", headers=H,
                    json={"model": "emb", "input": ["a"] * 2049})
@@ -146,7 +158,7 @@ def test_401_without_the_key(server):
 
 def test_models_say_what_each_pipeline_accepts(server):
     models = {m.id: m for m in client(server).models.list()}
-    assert list(models) == ["emb", "echo", "shout"]
+    assert list(models) == ["emb", "echo", "shout", "embedder"]
     assert models["emb"].object == "model" and models["emb"].owned_by == "tailrace"
     meta = {k: m.model_extra["metadata"] for k, m in models.items()}
     assert meta["emb"] == {"endpoints": ["embeddings", "pipelines.runs"],
@@ -154,5 +166,8 @@ def test_models_say_what_each_pipeline_accepts(server):
     assert meta["echo"] == {"endpoints": ["chat.completions", "completions",
                                           "pipelines.runs"],
                             "input_field": "question", "max_tokens": 8,
-                            "generate_max_tokens": {"answer": 8}}
+                            "options": ["max_tokens", "temperature", "top_p", "stop", "seed",
+                                        "presence_penalty", "frequency_penalty"],
+                            "frozen": [], "generate_max_tokens": {"answer": 8}}
+    assert meta["embedder"] == {"endpoints": ["embeddings"], "engine": "minilm-l6-int8"}
     assert meta["shout"] == {"endpoints": ["pipelines.runs"], "input_field": "text"}

@@ -157,3 +157,41 @@ def test_the_docs_table_lists_every_request_field_the_server_knows():
               for f in re.findall(r"`([a-z_]+)`", row.split("|")[1])}
     known = w._HANDLED | w.IGNORED | w.CHAT_ONLY | w.COMPLETION_ONLY
     assert known <= listed and listed <= known | {"messages"}
+
+
+def test_completions_take_a_list_of_prompts_one_choice_each(url):
+    r = client(url).completions.create(model="opts", prompt=["a b c", "d e", "f"],
+                                       max_tokens=2, seed=5)
+    assert [(c.index, c.text, c.finish_reason) for c in r.choices] == [
+        (0, "a b", "length"), (1, "d e", "length"), (2, "f", "stop")]
+    answers = [q for q in fakes.EchoEngine.REQUESTS[-6:] if q.stop == ("END",)]
+    assert sorted(q.prompt or q.messages[-1]["content"] for q in answers) == [
+        "a b c", "d e", "f"]
+    assert all((q.max_tokens, q.seed) == (2, 5) for q in answers)
+    assert r.usage.completion_tokens == 5
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 5
+    one = client(url).completions.create(model="opts", prompt=["a b c"], max_tokens=2)
+    assert [c.text for c in one.choices] == ["a b"]
+
+
+@pytest.mark.parametrize(("body", "code"), [
+    ({"prompt": ["a", "b"], "stream": True}, "unsupported_parameter"),
+    ({"prompt": [1, 2, 3]}, "unsupported_prompt"),
+    ({"prompt": [[1, 2], [3]]}, "unsupported_prompt"),
+    ({"prompt": ["a"] * 65}, "too_many_prompts"),
+    ({"prompt": ["a", 3]}, "invalid_prompt"),
+    ({"prompt": []}, "invalid_prompt"),
+])
+def test_bad_prompt_lists_are_a_400(url, body, code):
+    r = httpx.post(url + "/v1/completions", json={"model": "opts", **body})
+    assert r.status_code == 400 and r.json()["error"]["code"] == code, r.text
+    assert "'prompt'" in r.json()["error"]["message"] or "'stream'" in r.text
+
+
+def test_one_failing_prompt_fails_the_request_and_the_server_goes_on(url):
+    long = " ".join(["w"] * 5000)  # over the echo engine's 4096-token context
+    r = httpx.post(url + "/v1/completions",
+                   json={"model": "opts", "prompt": ["a b", long, "c"]})
+    assert r.status_code == 400 and "context" in r.json()["error"]["message"], r.text
+    ok = client(url).completions.create(model="opts", prompt=["x y", "z"])
+    assert [c.text for c in ok.choices] == ["x y", "z"]

@@ -28,7 +28,14 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engines.tokens import approx_tokens
-from .embeddings import accepts, embed_spec, embed_texts, embeddings_body, parse_embeddings
+from .embeddings import (
+    accepts,
+    embed_spec,
+    embed_texts,
+    embeddings_body,
+    engine_specs,
+    parse_embeddings,
+)
 from .errors import RequestFailed, ServiceError, ServiceUnavailable
 from .hub import ServingHub
 from .openai_wire import (
@@ -39,6 +46,7 @@ from .openai_wire import (
     bind,
     chunk,
     completion_body,
+    completions_body,
     dumps,
     error_body,
     finish_reason,
@@ -235,6 +243,8 @@ def create_app(hub: ServingHub) -> FastAPI:
     bindings = {name: bind(s.plan) for name, s in hub.services.items()}
     embed_specs = {name: embed_spec(s.plan) for name, s in hub.services.items()}
     meta = {name: accepts(s.plan, bindings[name]) for name, s in hub.services.items()}
+    engines = {name: spec for name, spec in engine_specs(
+        [s.plan for s in hub.services.values()]).items() if name not in hub.services}
     limit = hub.max_body_bytes
     started = int(time.time())
     tenants: Any = getattr(hub, "tenants", None)
@@ -288,16 +298,17 @@ def create_app(hub: ServingHub) -> FastAPI:
         return None
 
     def who(name: str, record: dict, body: dict, request: Request, tenant: Tenant | None,
-            text: str) -> None:
+            text: str, n: int = 1) -> None:
         """Set the pipeline's ``serve:`` fields in ``record`` (the tenant's last: the
-        caller cannot choose it) and charge the tenant's limits."""
+        caller cannot choose it) and charge the tenant's limits (one request of ``n``
+        records whose texts are ``text``)."""
         serve = serves[name]
         if serve is not None:
             record.update(request_fields(serve, body, request.headers))
         if tenant is not None:
             if serve is not None and serve.tenant:
                 record[serve.tenant] = tenant.name
-            tenants.admit(tenant, approx_tokens(text) + reserve[name])
+            tenants.admit(tenant, approx_tokens(text) + n * reserve[name])
 
     def service_of(name: str) -> PipelineService:
         service = hub.services.get(name)
@@ -326,24 +337,30 @@ def create_app(hub: ServingHub) -> FastAPI:
         check_key(request)  # no limits: listing models costs nothing
         return _json({"object": "list", "data": [
             {"id": name, "object": "model", "created": started, "owned_by": "tailrace",
-             "metadata": meta[name]} for name in hub.services]})
+             "metadata": meta[name]} for name in hub.services] + [
+            {"id": name, "object": "model", "created": started, "owned_by": "tailrace",
+             "metadata": {"endpoints": ["embeddings"], "engine": spec.get("model")}}
+            for name, spec in engines.items()]})
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
         tenant = check_key(request)
         body = await _read_json(request, limit)
         req = parse_embeddings(body)
-        service = service_of(req.model)
+        spec = engines.get(req.model)
+        if spec is None:
+            service = service_of(req.model)
         if tenant is not None:
             tenants.admit(tenant, approx_tokens(dumps(body.get("input")).decode()))
-        spec = embed_specs[req.model]
         if spec is None:
-            raise WireError(f"pipeline '{req.model}' has no embed stage to embed with; "
-                            "serve one with an embed stage for /v1/embeddings",
-                            code="pipeline_not_embedding")
-        if not service.ready:
-            raise ServiceUnavailable(f"pipeline '{req.model}' is not running (loading, "
-                                     "stopped or failed; GET /readyz says which)")
+            spec = embed_specs[req.model]
+            if spec is None:
+                raise WireError(f"pipeline '{req.model}' has no embed stage to embed with; "
+                                "serve one with an embed stage for /v1/embeddings",
+                                code="pipeline_not_embedding")
+            if not service.ready:
+                raise ServiceUnavailable(f"pipeline '{req.model}' is not running (loading, "
+                                         "stopped or failed; GET /readyz says which)")
         try:
             vecs, tokens = await asyncio.to_thread(embed_texts, spec, req)
         except (WireError, ServiceError):
@@ -365,9 +382,13 @@ def create_app(hub: ServingHub) -> FastAPI:
         if req.messages is not None:
             record["_messages"] = list(req.messages)
         record["_options"] = options_record(b, req, req.model)
-        who(req.model, record, body, request, tenant, req.text)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
+        if req.prompts:
+            who(req.model, record, body, request, tenant, "".join(req.prompts),
+                len(req.prompts))
+            return await _several(request, service, b, req, record, rid, created)
+        who(req.model, record, body, request, tenant, req.text)
         if req.stream:
             return await _stream_openai(request, service, b, req, record, rid, created,
                                         redact)
@@ -417,6 +438,37 @@ def create_app(hub: ServingHub) -> FastAPI:
 
     install_observability(app, hub, keys)
     return app
+
+
+async def _several(request: Request, service: PipelineService, b: Binding,
+                   req: WireRequest, record: dict, rid: str, created: int) -> Response:
+    """A completion request with a list of prompts: one record per prompt, submitted
+    together (they share the pipeline's micro-batches); the first failure fails the
+    request and cancels the others' work."""
+    cancel = Cancel()
+    records = [{**record, b.input_field: p} for p in req.prompts]
+
+    async def every() -> list[dict]:
+        tasks = [asyncio.ensure_future(service.submit(r, cancel=cancel)) for r in records]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            cancel.set()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    try:
+        outs = await _unless_gone(request, every(), cancel)
+    except _ClientGone:
+        return Response(status_code=499)
+    answers = []
+    for p, out in zip(req.prompts, outs, strict=True):
+        answer = _answer(b, out)
+        usage = usage_of(b, out, p, answer)
+        answers.append((answer, finish_reason(b, usage, out), usage))
+    return _json(completions_body(req, rid, created, answers))
 
 
 _TRUE = {"true", "1", "yes", "on"}

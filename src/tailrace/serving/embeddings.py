@@ -4,7 +4,9 @@
 ``model`` names a served pipeline with an ``embed`` stage; the request's texts go to
 that stage's engine (the first ``embed`` stage in plan order), opened as the stage
 opens it (``open_engine`` on the stage's linked spec: the same shared engine or pool),
-not through the pipeline's stages. ``input`` is a string or a list of strings (at most
+not through the pipeline's stages. ``model`` may instead name an engine (its name under
+``engines:``) that an ``embed`` stage of a served pipeline uses (``engine_specs``); a
+pipeline of the same name wins. ``input`` is a string or a list of strings (at most
 ``MAX_INPUTS``); token-id arrays are refused. ``encoding_format`` is ``float`` (default)
 or ``base64`` (little-endian float32 bytes, as OpenAI sends them); ``dimensions`` must
 equal the engine's dimension; ``user`` is accepted and ignored. Any other field is a
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..compiler import Plan
-from .openai_wire import Binding, WireError
+from .openai_wire import OPTION_FIELDS, Binding, WireError
 
 #: most texts one embeddings request may carry (OpenAI's own limit).
 MAX_INPUTS = 2048
@@ -101,6 +103,22 @@ def embed_spec(plan: Plan) -> dict | None:
     return None
 
 
+def engine_specs(plans: list[Plan]) -> dict[str, dict]:
+    """Every engine an ``embed`` stage of ``plans`` uses, by its name under ``engines:``
+    (the first spec of a name wins: engines of one name are one shared engine).
+
+    plans: the served pipelines' compiled plans.
+    """
+    out: dict[str, dict] = {}
+    for plan in plans:
+        for s in plan.stages:
+            for o in s.ops:
+                spec = o.params.get("_engine") if o.op.name == "embed" else None
+                if spec and spec.get("_name") and spec["_name"] not in out:
+                    out[spec["_name"]] = dict(spec)
+    return out
+
+
 def _dim(engine: Any) -> int | None:
     try:
         d = getattr(engine, "dim", None)
@@ -110,7 +128,7 @@ def _dim(engine: Any) -> int | None:
 
 
 def _wrong_dims(req: EmbeddingRequest, dim: int) -> WireError:
-    return WireError(f"'dimensions' is {req.dimensions}, but pipeline '{req.model}' embeds "
+    return WireError(f"'dimensions' is {req.dimensions}, but '{req.model}' embeds "
                      f"into {dim} dimensions; omit it or send {dim}",
                      code="unsupported_dimensions")
 
@@ -161,7 +179,8 @@ def embeddings_body(req: EmbeddingRequest, vecs: Any, tokens: int) -> dict[str, 
 def accepts(plan: Plan, b: Binding) -> dict[str, Any]:
     """What ``GET /v1/models`` says a pipeline accepts: its ``endpoints``, the
     ``input_field`` requests fill and, where it has generate stages, the answering
-    stage's ``max_tokens`` ceiling (and every generate stage's, by id).
+    stage's ``max_tokens`` ceiling (and every generate stage's, by id), the sampling
+    ``options`` a request may set and those the stage keeps ``frozen``.
 
     plan: the compiled pipeline.
     b:    its OpenAI binding.
@@ -175,6 +194,9 @@ def accepts(plan: Plan, b: Binding) -> dict[str, Any]:
             if o.op.name == "generate" and o.params.get("max_tokens")}
     if b.answer_field is not None and b.max_tokens:
         out["max_tokens"] = b.max_tokens
+    if b.problem is None:
+        out["options"] = [k for k in OPTION_FIELDS if k not in b.frozen]
+        out["frozen"] = sorted(b.frozen)
     if gens:
         out["generate_max_tokens"] = gens
     return out

@@ -116,6 +116,7 @@ class WireRequest:
     chat: bool
     messages: tuple[dict[str, str], ...] | None = None  # chat: the conversation, as text
     options: dict[str, Any] = field(default_factory=dict)  # sampling options it set
+    prompts: tuple[str, ...] = ()  # completions with a list of prompts: all of them
 
 
 #: fields every OpenAI request may carry that tailrace accepts and ignores by design
@@ -310,20 +311,44 @@ def parse_chat(body: dict) -> WireRequest:
                        options=_options(body, True))
 
 
+#: most prompts one ``/v1/completions`` request may carry (each is a record in the pipeline)
+MAX_PROMPTS = 64
+
+
 def parse_completion(body: dict) -> WireRequest:
     """Parse a (legacy) completion request; raises ``WireError`` (400).
+
+    ``prompt`` is a string or a list of at most ``MAX_PROMPTS`` strings; each prompt of a
+    list is its own record (they go through the pipeline together and share its
+    micro-batches) and its own choice, by index. A list is not streamed (400). Token-id
+    prompts are refused.
 
     body: the decoded JSON object.
     """
     model, stream, include_usage = _common(body, False)
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1:
+    prompts: tuple[str, ...] = ()
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise WireError(f"'prompt' has {len(prompt)} prompts; at most {MAX_PROMPTS} per "
+                            "request", code="too_many_prompts")
+        if len(prompt) > 1:
+            if stream:
+                raise WireError("'stream' with a list of prompts is not supported; stream "
+                                "one prompt per request, or send the list without 'stream'",
+                                code="unsupported_parameter")
+            prompts = tuple(prompt)
         prompt = prompt[0]
+    elif isinstance(prompt, list) and prompt and all(
+            isinstance(p, int) and not isinstance(p, bool)
+            or isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt):
+        raise WireError("'prompt': token-id arrays are not supported; send the text (a "
+                        "string or a list of strings)", code="unsupported_prompt")
     if not isinstance(prompt, str):
-        raise WireError("'prompt' must be a string (or a list of one string)",
+        raise WireError("'prompt' must be a string or a non-empty list of strings",
                         code="invalid_prompt")
     return WireRequest(model, prompt, stream, include_usage, chat=False,
-                       options=_options(body, False))
+                       options=_options(body, False), prompts=prompts)
 
 
 # -- pipelines as models ---------------------------------------------------------------
@@ -461,6 +486,24 @@ def completion_body(req: WireRequest, rid: str, created: int, answer: str, finis
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": req.model,
             "choices": [choice], "usage": usage}
+
+
+def completions_body(req: WireRequest, rid: str, created: int,
+                     answers: list[tuple[str, str, dict[str, int]]]) -> dict[str, Any]:
+    """The response to a completion request with a list of prompts: one choice per
+    prompt (by index), usage summed over them.
+
+    req:     the parsed request.
+    rid:     the response id.
+    created: Unix seconds.
+    answers: (answer, finish reason, usage) of each prompt, in prompt order.
+    """
+    choices = [{"index": i, "text": a, "finish_reason": f, "logprobs": None}
+               for i, (a, f, _) in enumerate(answers)]
+    usage = {k: sum(u[k] for _, _, u in answers)
+             for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
+            "choices": choices, "usage": usage}
 
 
 def chunk(req: WireRequest, rid: str, created: int, text: str | None,
