@@ -37,7 +37,7 @@ $(CHROMIUM): | $(BIN)/python
 test: $(STAMP) $(CHROMIUM)  ## set up and run the tests
 	$(BIN)/python -m pytest
 
-# The fault suite's long profile (~20 minutes): many more random pipelines and faults
+# The fault suite's long profile (~25 minutes on 2 cores): many more random pipelines and faults
 # than the CI profile that `make test` runs.
 chaos: $(STAMP)
 	TAILRACE_FAULT_PROFILE=chaos $(BIN)/python -m pytest tests/fault -x
