@@ -164,9 +164,10 @@ class _Target:
             return GenerationRequest(messages=msgs + ({"role": "user", "content": text},), **kw)
         return GenerationRequest(prompt=(self.system + "\n\n" if self.system else "") + text, **kw)
 
-    def _call(self, rows: list, reqs: list, live: bool) -> list:
+    def _call(self, rows: list, reqs: list, live: bool, sent: set[int]) -> list:
         """The engine's generations of ``reqs``; each row's ``_cancel`` stops its
-        sequence, and with ``live`` its tokens go to its ``_stream`` as they come."""
+        sequence, and with ``live`` its tokens go to its ``_stream`` as they come (the
+        ``id`` of a row that streamed a piece is added to ``sent``)."""
         streams = [stream_of(row[0], self.out) if live else None for row in rows]
         cancels = [row[0].get("_cancel") if isinstance(row[0], dict) else None for row in rows]
         if not any(callable(s) for s in streams) and all(c is None for c in cancels):
@@ -175,6 +176,7 @@ class _Target:
         def on_token(i: int, piece: str) -> bool:
             s, c = streams[i], cancels[i]
             if callable(s):
+                sent.add(id(rows[i]))
                 s(piece)
             return c is None or not c.is_set()  # False: the engine stops this one
 
@@ -192,13 +194,17 @@ class _Target:
                 errors.append((row[0], e))
         if not keep:
             return []
+        sent: set[int] = set()
         try:
-            gens = self._call(keep, reqs, live)
-        except EngineError:  # isolate the request that failed
+            gens = self._call(keep, reqs, live, sent)
+        except EngineError as failure:  # isolate the request that failed
             done = []
             for row, q in zip(keep, reqs, strict=True):
+                if id(row) in sent:  # its pieces are out: a second answer cannot follow
+                    errors.append((row[0], failure))
+                    continue
                 try:
-                    done.append((row, self._call([row], [q], live)[0]))
+                    done.append((row, self._call([row], [q], live, sent)[0]))
                 except EngineError as e:
                     errors.append((row[0], e))
             return done

@@ -228,8 +228,6 @@ class OpenAIChat:
         self.kw = {"max_tokens": params["max_tokens"], "temperature": float(params["temperature"])}
 
     def _one(self, conv: Conversation, tools_on: bool) -> Any:
-        if conv.cancelled():  # its caller gave up: no further round
-            return "", [], (0, 0, "cancelled")
         kw: dict[str, Any] = {**self.kw, **conv.options}
         if kw.get("stop"):
             kw["stop"] = list(kw["stop"])
@@ -312,6 +310,12 @@ def _build_tool_call(params: dict, contract: Any) -> OpRuntime:
         active = convs
         for rnd in range(1, max_rounds + 2):
             final = rnd > max_rounds
+            for conv in active:
+                if conv.cancelled():  # its caller gave up: no further round
+                    conv.answer, conv.finish = "", "cancelled"
+            active = [c for c in active if c.answer is None]
+            if not active:
+                break
             replies = chat(active, not final)
             pending = []
             for conv, reply in zip(active, replies, strict=True):
