@@ -130,6 +130,16 @@ def agent() -> tr.Pipeline:
     return p
 
 
+def generated() -> tr.Pipeline:
+    """A generate answering the conversation, without a ``usage:`` field."""
+    p = tr.Pipeline("generated", engines={"llm": spec("small")})
+    (p.source(fields=["question"])
+     .apply("generate", id="answer", engine="llm", input="question", messages="_messages",
+            system="Be brief.", output="answer", max_tokens=12)
+     .sink())
+    return p
+
+
 def ambiguous() -> tr.Pipeline:
     """Two generate stages on parallel branches: which one answers?"""
     p = tr.Pipeline("forked", engines={"llm": spec("small")})
@@ -162,7 +172,7 @@ def tagged_backend(monkeypatch):
 def url():
     hub = ServingHub([PipelineService(routed()), PipelineService(cascade()),
                       PipelineService(agent()), PipelineService(fakes.shout_pipeline()),
-                      PipelineService(ambiguous())])
+                      PipelineService(ambiguous()), PipelineService(generated())])
     with running(hub) as u:
         yield u
 
@@ -223,6 +233,13 @@ def test_route_rules_stream_the_chosen_engines_tokens(url):
     assert LOG[-1][1].max_tokens == 12  # the YAML's max_tokens is the ceiling
     assert usage.prompt_tokens == LOG[-1][2].prompt_tokens == 3 + 9  # system + question
     assert usage.completion_tokens == 9
+
+
+def test_a_generate_without_a_usage_field_reports_what_the_model_read(url):
+    r = client(url).chat.completions.create(model="generated", messages=CHAT)
+    [(_, _, gen)] = LOG
+    assert r.usage.prompt_tokens == gen.prompt_tokens == 6 + 3 + 2 + 5  # not the question's 4
+    assert r.usage.completion_tokens == gen.completion_tokens == 5
 
 
 def test_a_frozen_option_of_a_route_is_a_400_naming_it(url):
