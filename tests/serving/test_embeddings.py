@@ -161,13 +161,16 @@ def test_models_say_what_each_pipeline_accepts(server):
     assert list(models) == ["emb", "echo", "shout", "embedder"]
     assert models["emb"].object == "model" and models["emb"].owned_by == "tailrace"
     meta = {k: m.model_extra["metadata"] for k, m in models.items()}
+    assert meta["emb"].pop("not_chat").startswith("pipeline 'emb' has no generate")
     assert meta["emb"] == {"endpoints": ["embeddings", "pipelines.runs"],
                            "input_field": "text"}
     assert meta["echo"] == {"endpoints": ["chat.completions", "completions",
                                           "pipelines.runs"],
                             "input_field": "question", "max_tokens": 8,
+                            "answering_stage": {"id": "answer", "kind": "generate"},
                             "options": ["max_tokens", "temperature", "top_p", "stop", "seed",
                                         "presence_penalty", "frequency_penalty"],
                             "frozen": [], "generate_max_tokens": {"answer": 8}}
     assert meta["embedder"] == {"endpoints": ["embeddings"], "engine": "minilm-l6-int8"}
+    assert "no generate, route or tool_call" in meta["shout"].pop("not_chat")
     assert meta["shout"] == {"endpoints": ["pipelines.runs"], "input_field": "text"}

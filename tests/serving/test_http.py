@@ -156,7 +156,8 @@ def test_400_malformed_bodies_name_the_reason(server):
     assert r.status_code == 400 and "'model' is required" in r.json()["error"]["message"]
     r = httpx.post(server + "/v1/completions", json={"model": "shout", "prompt": "a"},
                    headers=h)
-    assert r.status_code == 400 and "no generate stage" in r.json()["error"]["message"]
+    assert r.status_code == 400
+    assert "no generate, route or tool_call stage" in r.json()["error"]["message"]
 
 
 def test_401_without_or_with_a_wrong_key(server):

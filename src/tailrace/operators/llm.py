@@ -6,9 +6,11 @@ With ``messages: FIELD`` (a list of ``{"role", "content"}`` dicts in the record,
 the ``_messages`` a served chat request carries), the stage answers a conversation; see
 ``chat_messages`` for the order and what is dropped when it does not fit.
 Tokens stream as they are produced to a record's ``_stream`` callable when it has
-one, and a record whose ``_cancel`` (a ``threading.Event``) is set stops generating at
-the next token, freeing its engine sequence (fields starting with ``_`` are transient
-and never written to output files).
+one (for a served OpenAI request, only the answering stage's: the one its ``_options``
+are ``for``; that stage also reports ``_finish`` and ``_usage``), and a record whose
+``_cancel`` (a ``threading.Event``) is set stops generating at the next token, freeing
+its engine sequence (fields starting with ``_`` are transient and never written to
+output files).
 """
 
 from __future__ import annotations
@@ -177,6 +179,69 @@ def _check_frozen(v: Any) -> bool:
     return isinstance(v, list) and all(x in OPTIONS for x in v)
 
 
+#: what generate, route and tool_call share: the conversation field and frozen options
+MESSAGES = Param("messages", (str,), want="a field holding the conversation (a list of "
+                 "{role, content}), e.g. _messages")
+FROZEN = Param("frozen", (list,), want=f"a list of request options the request may not set "
+               f"(of {', '.join(OPTIONS)})", check=_check_frozen)
+
+
+def answering(record: Any, out: str) -> dict | None:
+    """The served request's ``_options`` when they are meant for the stage writing field
+    ``out`` (its ``for``): that stage answers the request; else None.
+
+    record: the record.
+    out:    the stage's output field.
+    """
+    opts = record.get("_options") if isinstance(record, dict) else None
+    return opts if isinstance(opts, dict) and opts.get("for") == out else None
+
+
+def stream_of(record: Any, out: str) -> Any:
+    """The record's ``_stream`` callable if the stage writing ``out`` streams to it: the
+    answering stage of a served OpenAI request, or any stage of a record without
+    ``_options`` (``/v1/pipelines/NAME/runs?stream=true``); else None.
+
+    record: the record.
+    out:    the stage's output field.
+    """
+    if not isinstance(record, dict):
+        return None
+    s = record.get("_stream")
+    if not callable(s) or ("_options" in record and answering(record, out) is None):
+        return None
+    return s
+
+
+def request_options(base: dict[str, Any], opts: dict | None,
+                    frozen: frozenset[str]) -> dict[str, Any]:
+    """The sampling settings of one request: the stage's ``base`` (``max_tokens``,
+    ``temperature``, ``stop``), overridden by the request's ``opts`` (None: ``base``),
+    except the ``frozen`` ones; ``max_tokens`` never above the stage's, ``stop`` added
+    to its.
+
+    base:   the stage's settings.
+    opts:   the request's ``_options`` for this stage (``answering``), or None.
+    frozen: the options the stage keeps from requests.
+    """
+    if opts is None:
+        return base
+    kw = dict(base)
+    for k in OPTIONS:
+        v = opts.get(k)
+        if v is None or k in frozen:
+            continue
+        if k == "max_tokens":
+            kw[k] = max(1, min(int(v), base["max_tokens"]))
+        elif k == "stop":
+            kw[k] = tuple(base.get("stop") or ()) + tuple(v)
+        elif k == "seed":
+            kw[k] = int(v)
+        else:
+            kw[k] = float(v)
+    return kw
+
+
 def _prepare_generate(params: dict, ctx: Any) -> dict:
     check_prompt_source(params, "generate")
     return link_engine(params, ctx, "generate")
@@ -198,31 +263,9 @@ def _build_generate(params: dict, contract: Any) -> OpRuntime:
     limit = engine.context_length - max_tokens
     base = {"max_tokens": max_tokens, "temperature": temperature, "stop": stop}
 
-    def options(record: Any) -> dict[str, Any]:
-        """The sampling settings for ``record``: the stage's, overridden by the request's
-        ``_options`` meant for this stage (``for`` names its output field), except the
-        ``frozen`` ones; ``max_tokens`` never above the stage's, ``stop`` added to its."""
-        opts = record.get("_options") if isinstance(record, dict) else None
-        if not isinstance(opts, dict) or opts.get("for") != out:
-            return base
-        kw = dict(base)
-        for k in OPTIONS:
-            v = opts.get(k)
-            if v is None or k in frozen:
-                continue
-            if k == "max_tokens":
-                kw[k] = max(1, min(int(v), max_tokens))
-            elif k == "stop":
-                kw[k] = stop + tuple(v)
-            elif k == "seed":
-                kw[k] = int(v)
-            else:
-                kw[k] = float(v)
-        return kw
-
     def request(record: Any) -> GenerationRequest:
         text = prompt_text(template, inp, record)
-        kw = options(record)
+        kw = request_options(base, answering(record, out), frozen)
         conv = record.get(conv_field) if conv_field and isinstance(record, dict) else None
         if conv is not None:
             msgs = chat_messages(system, conv, text, engine.count_tokens, limit)
@@ -240,7 +283,7 @@ def _build_generate(params: dict, contract: Any) -> OpRuntime:
         return GenerationRequest(prompt=text, **kw)
 
     def call(records: list, reqs: list) -> list:
-        streams = [r.get("_stream") if isinstance(r, dict) else None for r in records]
+        streams = [stream_of(r, out) for r in records]
         cancels = [r.get("_cancel") if isinstance(r, dict) else None for r in records]
         on_token = None
         if any(callable(s) for s in streams) or any(c is not None for c in cancels):
@@ -256,8 +299,10 @@ def _build_generate(params: dict, contract: Any) -> OpRuntime:
             if usage is not None:
                 r[usage] = {"prompt_tokens": g.prompt_tokens,
                             "completion_tokens": g.completion_tokens}
-            if "_options" in r:  # a served request: its answer's finish reason
+            if answering(r, out) is not None:  # it answers a served request
                 r["_finish"] = g.finish_reason
+                r["_usage"] = {"prompt_tokens": g.prompt_tokens,
+                               "completion_tokens": g.completion_tokens}
         return result
 
     def batch_fn(batch: list, errors: list) -> list:
@@ -285,13 +330,11 @@ register(OpDef(
      *PROMPT_PARAMS,
      Param("output", (str,), default="answer", want="a field name"),
      Param("system", (str,), want="a system message (chat models)"),
-     Param("messages", (str,), want="a field holding the conversation (a list of "
-           "{role, content}), e.g. _messages"),
+     MESSAGES,
      count_param("max_tokens", 64),
      TEMPERATURE,
      Param("stop", (list,), want="a list of stop strings"),
-     Param("frozen", (list,), want=f"a list of request options the request may not set "
-           f"(of {', '.join(OPTIONS)})", check=_check_frozen),
+     FROZEN,
      count_param("max_batch", 8),
      Param("usage", (str,), want="a field for {prompt_tokens, completion_tokens}")),
     batchable=True, blocking=True,

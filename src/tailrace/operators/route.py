@@ -13,6 +13,16 @@ Requests routed to the same engine within a micro-batch share one batched engine
 Each output record carries the decision (``route``: engine, confidences, escalated) and
 its cost (``cost``: prompt and completion tokens per engine, including the tokens a
 cascade spent before escalating); ``route_statistics()`` totals them per stage ``label``.
+
+As the answering stage of a served request (its ``_options`` are ``for`` this stage's
+``output``), route applies the request's options like ``generate`` (each engine's
+``max_tokens`` is the ceiling, ``stop`` adds to its, ``frozen:`` keeps some from
+requests), builds the chat from ``messages: FIELD`` like ``generate``, stops a request
+whose ``_cancel`` is set at its next token, and reports ``_finish`` (the final answer's
+finish reason) and ``_usage`` (tokens over every engine it called). Tokens stream to
+``_stream``: with rules, the chosen engine's as they come; in a cascade, the last
+level's as they come, and an earlier level's answer whole once its confidence keeps it
+(a reply that may still be escalated is never streamed).
 """
 
 from __future__ import annotations
@@ -26,11 +36,17 @@ from ..errors import ContextOverflow, EngineError
 from ..registry import Registry
 from .common import count_param, link_engine
 from .llm import (
+    FROZEN,
+    MESSAGES,
     PROMPT_PARAMS,
     TEMPERATURE,
+    answering,
+    chat_messages,
     check_prompt_source,
     prompt_reads,
     prompt_text,
+    request_options,
+    stream_of,
     template_fields,
 )
 from .registry import LinkContext, OpDef, OpRuntime, Param, register
@@ -118,26 +134,57 @@ class _Target:
         self.template, self.inp = opts.get("prompt"), opts.get("input")
         self.system, self.stop = opts.get("system"), tuple(opts.get("stop") or ())
         self.max_tokens, self.temperature = opts["max_tokens"], float(opts["temperature"])
+        self.out, self.conv_field = params["output"], params.get("messages")
+        self.frozen = frozenset(params.get("frozen") or ())
+        if self.conv_field is not None and not getattr(self.engine, "chat", True):
+            raise ValueError(f"route: 'messages: {self.conv_field}' needs chat models; engine "
+                             f"'{name}' takes a raw prompt (drop 'messages')")
 
     def text(self, r: Any) -> str:
         return prompt_text(self.template, self.inp, r)
 
     def request(self, r: Any) -> GenerationRequest:
         text, eng = self.text(r), self.engine
+        base = {"max_tokens": self.max_tokens, "temperature": self.temperature,
+                "stop": self.stop}
+        kw: dict[str, Any] = {**request_options(base, answering(r, self.out), self.frozen),
+                              **({"logprobs": True} if _LOGPROBS else {})}
+        limit = eng.context_length - self.max_tokens
+        conv = r.get(self.conv_field) if self.conv_field and isinstance(r, dict) else None
+        if conv is not None:
+            return GenerationRequest(messages=chat_messages(self.system, conv, text,
+                                                            eng.count_tokens, limit), **kw)
         n = eng.count_tokens(text)
-        if n > eng.context_length - self.max_tokens:
+        if n > limit:
             raise ContextOverflow(f"engine '{self.name}': prompt has {n} tokens; with "
                                   f"max_tokens={self.max_tokens} it exceeds the model context "
                                   f"of {eng.context_length} tokens")
-        kw: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": self.temperature,
-                              "stop": self.stop, **({"logprobs": True} if _LOGPROBS else {})}
         if getattr(eng, "chat", True):
             msgs = ({"role": "system", "content": self.system},) if self.system else ()
             return GenerationRequest(messages=msgs + ({"role": "user", "content": text},), **kw)
         return GenerationRequest(prompt=(self.system + "\n\n" if self.system else "") + text, **kw)
 
-    def generate(self, rows: list, errors: list) -> list:
-        """``(row, Generation)`` for each row ``[record, decision, cost]`` that worked."""
+    def _call(self, rows: list, reqs: list, live: bool, sent: set[int]) -> list:
+        """The engine's generations of ``reqs``; each row's ``_cancel`` stops its
+        sequence, and with ``live`` its tokens go to its ``_stream`` as they come (the
+        ``id`` of a row that streamed a piece is added to ``sent``)."""
+        streams = [stream_of(row[0], self.out) if live else None for row in rows]
+        cancels = [row[0].get("_cancel") if isinstance(row[0], dict) else None for row in rows]
+        if not any(callable(s) for s in streams) and all(c is None for c in cancels):
+            return self.engine.generate(reqs)
+
+        def on_token(i: int, piece: str) -> bool:
+            s, c = streams[i], cancels[i]
+            if callable(s):
+                sent.add(id(rows[i]))
+                s(piece)
+            return c is None or not c.is_set()  # False: the engine stops this one
+
+        return self.engine.generate(reqs, on_token)
+
+    def generate(self, rows: list, errors: list, live: bool) -> list:
+        """``(row, Generation)`` for each row ``[record, decision, cost]`` that worked;
+        ``live``: stream the tokens (see ``_call``)."""
         keep, reqs = [], []
         for row in rows:
             try:
@@ -147,17 +194,26 @@ class _Target:
                 errors.append((row[0], e))
         if not keep:
             return []
+        sent: set[int] = set()
         try:
-            gens = self.engine.generate(reqs)
-        except EngineError:  # isolate the request that failed
+            gens = self._call(keep, reqs, live, sent)
+        except EngineError as failure:  # isolate the request that failed
             done = []
             for row, q in zip(keep, reqs, strict=True):
+                if id(row) in sent:  # its pieces are out: a second answer cannot follow
+                    errors.append((row[0], failure))
+                    continue
                 try:
-                    done.append((row, self.engine.generate([q])[0]))
+                    done.append((row, self._call([row], [q], live, sent)[0]))
                 except EngineError as e:
                     errors.append((row[0], e))
             return done
         return list(zip(keep, gens, strict=True))
+
+
+def _cancelled(record: Any) -> bool:
+    c = record.get("_cancel") if isinstance(record, dict) else None
+    return c is not None and c.is_set()
 
 
 def _build_route(params: dict, contract: Any) -> OpRuntime:
@@ -191,24 +247,31 @@ def _build_route(params: dict, contract: Any) -> OpRuntime:
             groups.setdefault(name, []).append([r, {"engine": name}, {}])
         done = []
         for name, rows in groups.items():
-            for row, g in targets[name].generate(rows, errors):
+            for row, g in targets[name].generate(rows, errors, live=True):
                 spend(row, name, g)
-                done.append((row, g.text))
+                done.append((row, g))
         return done
 
     def by_cascade(batch: list, errors: list) -> list:
+        """Only the last level streams as it generates (its answer is final); an answer
+        an earlier level keeps goes to ``_stream`` whole, once its confidence is known.
+        A cancelled request is not escalated."""
         rows = [[r, {"engine": None, "confidence": [], "escalated": False}, {}] for r in batch]
         done = []
         for level, name in enumerate(cascade):
             last = level == len(cascade) - 1
             nxt = []
-            for row, g in targets[name].generate(rows, errors):
+            for row, g in targets[name].generate(rows, errors, live=last):
                 spend(row, name, g)
                 row[1]["engine"], row[1]["escalated"] = name, level > 0
                 conf = confidence(g.extra)
                 row[1]["confidence"].append(None if conf is None else round(conf, 4))
-                if last or (conf is not None and conf >= thresholds[level]):
-                    done.append((row, g.text))
+                if last or _cancelled(row[0]) or (conf is not None
+                                                  and conf >= thresholds[level]):
+                    done.append((row, g))
+                    s = None if last else stream_of(row[0], out)
+                    if s is not None and g.text:
+                        s(g.text)
                 elif conf is None:
                     errors.append((row[0], EngineError(
                         f"cascade level {level + 1}: engine '{name}' reports no token "
@@ -221,13 +284,21 @@ def _build_route(params: dict, contract: Any) -> OpRuntime:
 
     decide = by_cascade if cascade else by_rules
 
+    def result(row: list, g: Any) -> dict:
+        r = {**row[0], out: g.text, route_f: row[1], cost_f: row[2]}
+        if answering(r, out) is not None:  # it answers a served request
+            r["_finish"] = g.finish_reason
+            r["_usage"] = {k: sum(c[k] for c in row[2].values())
+                           for k in ("prompt_tokens", "completion_tokens")}
+        return r
+
     def batch_fn(batch: list, errors: list) -> list:
         done = decide(batch, errors)
         costs = [row[2] for row, _ in done]
         escalated = sum(row[1].get("escalated", False) for row, _ in done)
         ledger.add(costs, escalated)
         run_ledger.add(costs, escalated)
-        return [{**row[0], out: text, route_f: row[1], cost_f: row[2]} for row, text in done]
+        return [result(row, g) for row, g in done]
 
     def counters() -> dict[str, float]:
         st = run_ledger.statistics()
@@ -295,6 +366,7 @@ register(OpDef(
      Param("per_engine", (dict,), want="engine -> {prompt, system, stop, max_tokens}"),
      *PROMPT_PARAMS,
      Param("system", (str,), want="a system message (chat models)"),
+     MESSAGES,
      Param("output", (str,), default="answer", want="a field name"),
      Param("route", (str,), default="route", want="a field for the routing decision"),
      Param("cost", (str,), default="cost", want="a field for tokens per engine"),
@@ -302,6 +374,7 @@ register(OpDef(
      count_param("max_tokens", 64),
      TEMPERATURE,
      Param("stop", (list,), want="a list of stop strings"),
+     FROZEN,
      count_param("max_batch", 8)),
     batchable=True, blocking=True, fusable=False,
     fields=lambda p: (prompt_reads(p), (p["output"], p["route"], p["cost"])),

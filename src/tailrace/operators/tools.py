@@ -13,6 +13,16 @@ A failed call (unknown tool, invalid arguments, the tool raised, it timed out) m
 record an error record saying which and why (``on_error: record``), or is sent back to the
 model as the tool's result so it can recover (``on_error: model``). A timed-out call is
 abandoned, not killed: Python cannot stop a thread, so its result is discarded.
+
+With ``messages: FIELD`` the conversation starts from the record's chat (e.g. a served
+request's ``_messages``, built like ``generate``'s: ``chat_messages``) and continues with
+the tool rounds. As the answering stage of a served request (its ``_options`` are
+``for`` this stage's ``output``), every round takes the request's options like
+``generate`` (``max_tokens`` at most the stage's, ``stop`` added, ``frozen:`` kept from
+requests); ``_finish`` is the answering round's finish reason and ``_usage`` the tokens
+of all rounds. A reply is only known not to call a tool once it is complete, so the
+answer goes to ``_stream`` whole, and never a round that calls tools; a set ``_cancel``
+stops the round at its next token (local engines) and ends the conversation.
 """
 
 from __future__ import annotations
@@ -25,9 +35,22 @@ from time import monotonic
 from typing import Any
 
 from ..engines import GenerationRequest, open_engine
+from ..engines.tokens import approx_tokens
 from ..errors import EngineError
 from .common import ENGINE_HINT, FieldError, count_param, each_record, link_engine, positive
-from .llm import PROMPT_PARAMS, TEMPERATURE, check_prompt_source, prompt_reads, prompt_text
+from .llm import (
+    FROZEN,
+    MESSAGES,
+    PROMPT_PARAMS,
+    TEMPERATURE,
+    answering,
+    chat_messages,
+    check_prompt_source,
+    prompt_reads,
+    prompt_text,
+    request_options,
+    stream_of,
+)
 from .registry import LinkContext, OpDef, OpRuntime, Param, register, resolve
 from .tool_schema import ToolError, check_schema, parse_json_call, validate
 
@@ -37,15 +60,31 @@ _POOL = ThreadPoolExecutor(max_workers=16, thread_name_prefix="tailrace-tool")
 
 
 class Conversation:
-    """One record's conversation: messages, the calls made, and how it ended."""
+    """One record's conversation: messages, the calls made, and how it ended.
 
-    __slots__ = ("record", "messages", "calls", "answer", "error")
+    options: the sampling settings of every round (the stage's, with a served request's
+             options applied: ``request_options``).
+    finish:  the finish reason of the round that answered.
+    usage:   ``[prompt_tokens, completion_tokens]`` over all its rounds.
+    """
 
-    def __init__(self, record: Any, messages: list[dict]) -> None:
+    __slots__ = ("record", "messages", "calls", "answer", "error", "options", "finish",
+                 "usage")
+
+    def __init__(self, record: Any, messages: list[dict],
+                 options: dict[str, Any] | None = None) -> None:
         self.record, self.messages = record, messages
         self.calls: list[dict] = []
         self.answer: str | None = None
         self.error: Exception | None = None
+        self.options = options or {}
+        self.finish = "stop"
+        self.usage = [0, 0]
+
+    def cancelled(self) -> bool:
+        """Whether the record's ``_cancel`` is set (its caller gave up)."""
+        c = self.record.get("_cancel") if isinstance(self.record, dict) else None
+        return c is not None and c.is_set()
 
 
 class ToolRunner:
@@ -116,24 +155,35 @@ class JsonChat:
 
     def _request(self, conv: Conversation, tools_on: bool) -> GenerationRequest:
         msgs = conv.messages + ([] if tools_on else [{"role": "user", "content": FINAL}])
+        kw = {"max_tokens": self.max_tokens, "temperature": self.temperature,
+              **conv.options}
         if self.chat:
-            return GenerationRequest(messages=tuple(msgs), max_tokens=self.max_tokens,
-                                     temperature=self.temperature)
+            return GenerationRequest(messages=tuple(msgs), **kw)
         text = "".join(m["content"] + "\n\n" if m["role"] == "system" else
                        f"{m['role'].capitalize()}: {m['content']}\n" for m in msgs)
-        return GenerationRequest(prompt=text + "Assistant:", max_tokens=self.max_tokens,
-                                 temperature=self.temperature, stop=("\nUser:",))
+        kw["stop"] = ("\nUser:", *(kw.get("stop") or ()))
+        return GenerationRequest(prompt=text + "Assistant:", **kw)
+
+    def _generate(self, convs: list[Conversation], reqs: list) -> list:
+        """The engine's generations; a conversation whose ``_cancel`` is set stops at its
+        next token (nothing streams: a reply is only known not to call a tool when it is
+        complete)."""
+        if not any(isinstance(c.record, dict) and c.record.get("_cancel") is not None
+                   for c in convs):
+            return self.engine.generate(reqs)
+        return self.engine.generate(reqs, lambda i, piece: not convs[i].cancelled())
 
     def __call__(self, convs: list[Conversation], tools_on: bool) -> list:
-        """Per conversation: ``(text, [(id, name, arguments)])`` or the exception."""
+        """Per conversation: ``(text, [(id, name, arguments)], (prompt_tokens,
+        completion_tokens, finish_reason))`` or the exception."""
         reqs = [self._request(c, tools_on) for c in convs]
         try:
-            gens: list = self.engine.generate(reqs)
+            gens: list = self._generate(convs, reqs)
         except Exception:  # noqa: BLE001 - isolate the record that failed
             gens = []
-            for q in reqs:
+            for c, q in zip(convs, reqs, strict=True):
                 try:
-                    gens += self.engine.generate([q])
+                    gens += self._generate([c], [q])
                 except Exception as e:  # noqa: BLE001
                     gens.append(e)
         out: list = []
@@ -142,7 +192,8 @@ class JsonChat:
                 out.append(g)
                 continue
             call = parse_json_call(g.text)
-            out.append((g.text.strip(), [(None, *call)] if call else []))
+            out.append((g.text.strip(), [(None, *call)] if call else [],
+                        (g.prompt_tokens, g.completion_tokens, g.finish_reason)))
         return out
 
     def assistant(self, text: str, calls: list) -> dict:
@@ -177,14 +228,24 @@ class OpenAIChat:
         self.kw = {"max_tokens": params["max_tokens"], "temperature": float(params["temperature"])}
 
     def _one(self, conv: Conversation, tools_on: bool) -> Any:
+        kw: dict[str, Any] = {**self.kw, **conv.options}
+        if kw.get("stop"):
+            kw["stop"] = list(kw["stop"])
+        else:
+            kw.pop("stop", None)
         try:
-            kw = ({**self.kw, "tools": self.tools, "tool_choice": "auto"} if tools_on else self.kw)
+            if tools_on:
+                kw = {**kw, "tools": self.tools, "tool_choice": "auto"}
             resp = self.client.chat.completions.create(model=self.model,
                                                        messages=conv.messages, **kw)
         except Exception as e:  # noqa: BLE001 - becomes this record's error
             return EngineError(f"openai engine at {self.base_url} (model '{self.model}'): "
                                f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
         msg = resp.choices[0].message
+        u = getattr(resp, "usage", None)
+        spent = (int(getattr(u, "prompt_tokens", 0) or 0),
+                 int(getattr(u, "completion_tokens", 0) or 0),
+                 resp.choices[0].finish_reason or "stop")
         calls = []
         for tc in msg.tool_calls or []:
             try:
@@ -192,10 +253,11 @@ class OpenAIChat:
             except ValueError as e:
                 args = ToolError(f"not valid JSON ({e}): {tc.function.arguments[:80]!r}")
             calls.append((tc.id, tc.function.name, args))
-        return (msg.content or "").strip(), calls
+        return (msg.content or "").strip(), calls, spent
 
     def __call__(self, convs: list[Conversation], tools_on: bool) -> list:
-        """Per conversation: ``(text, [(id, name, arguments)])`` or the exception."""
+        """Per conversation: ``(text, [(id, name, arguments)], (prompt_tokens,
+        completion_tokens, finish_reason))`` or the exception."""
         return list(self.pool.map(lambda c: self._one(c, tools_on), convs))
 
     def assistant(self, text: str, calls: list) -> dict:
@@ -218,29 +280,58 @@ def _build_tool_call(params: dict, contract: Any) -> OpRuntime:
                  else JsonChat(open_engine(spec), params))
     template, inp, out = params.get("prompt"), params.get("input"), params["output"]
     calls_field, max_rounds, on_error = params["calls"], params["max_rounds"], params["on_error"]
+    conv_field, frozen = params.get("messages"), frozenset(params.get("frozen") or ())
+    base = {"max_tokens": params["max_tokens"], "temperature": float(params["temperature"]),
+            "stop": ()}
     system = params.get("system") or ""
     if fmt == "json":
         system = (system + "\n\n" if system else "") + JSON_CONVENTION.format(
             tools=runner.describe())
+    if fmt == "json":
+        count, limit = chat.engine.count_tokens, chat.engine.context_length - base["max_tokens"]
+        if conv_field is not None and not chat.chat:
+            raise ValueError(f"tool_call: 'messages: {conv_field}' needs a chat model; engine "
+                             f"'{chat.engine.model}' takes a raw prompt (drop 'messages')")
+    else:  # no tokenizer for a remote model: the shared estimate, its declared context
+        count, limit = approx_tokens, int(spec.get("context_length") or 1 << 30)
 
     def start(r: Any) -> Conversation:
+        text = prompt_text(template, inp, r)
+        opts = request_options(base, answering(r, out), frozen)
+        conv = r.get(conv_field) if conv_field and isinstance(r, dict) else None
+        if conv is not None:
+            return Conversation(r, list(chat_messages(system or None, conv, text, count,
+                                                      limit)), opts)
         msgs = [{"role": "system", "content": system}] if system else []
-        return Conversation(r, msgs + [{"role": "user", "content": prompt_text(template, inp, r)}])
+        return Conversation(r, msgs + [{"role": "user", "content": text}], opts)
 
     def batch_fn(batch: list, errors: list) -> list:
         convs: list[Conversation] = each_record(batch, errors, start, FieldError)[1]
         active = convs
         for rnd in range(1, max_rounds + 2):
             final = rnd > max_rounds
+            for conv in active:
+                if conv.cancelled():  # its caller gave up: no further round
+                    conv.answer, conv.finish = "", "cancelled"
+            active = [c for c in active if c.answer is None]
+            if not active:
+                break
             replies = chat(active, not final)
             pending = []
             for conv, reply in zip(active, replies, strict=True):
                 if isinstance(reply, Exception):
                     conv.error = reply
                     continue
-                text, calls = reply
-                if not calls:
-                    conv.answer = text
+                text, calls, (p_tokens, c_tokens, finish) = reply
+                conv.usage[0] += p_tokens
+                conv.usage[1] += c_tokens
+                if conv.cancelled():  # its caller gave up: no further round
+                    conv.answer, conv.finish = text, "cancelled"
+                elif not calls:
+                    conv.answer, conv.finish = text, finish
+                    s = stream_of(conv.record, out)
+                    if s is not None and text:
+                        s(text)  # the answer, whole: only now is it known not to be a call
                 elif final:
                     conv.error = ToolError(f"no answer after max_rounds={max_rounds} rounds of "
                                            "tool calls: the model still calls tools")
@@ -265,7 +356,12 @@ def _build_tool_call(params: dict, contract: Any) -> OpRuntime:
             if conv.error is not None:
                 errors.append((conv.record, conv.error))
             else:
-                result.append({**conv.record, out: conv.answer, calls_field: conv.calls})
+                r = {**conv.record, out: conv.answer, calls_field: conv.calls}
+                if answering(r, out) is not None:  # it answers a served request
+                    r["_finish"] = conv.finish
+                    r["_usage"] = {"prompt_tokens": conv.usage[0],
+                                   "completion_tokens": conv.usage[1]}
+                result.append(r)
         return result
 
     return OpRuntime("map", batch_fn=batch_fn, max_batch=params["max_batch"])
@@ -312,6 +408,7 @@ register(OpDef(
      Param("tools", (list,), required=True, want="a list of {name, fn, schema} mappings"),
      *PROMPT_PARAMS,
      Param("system", (str,), want="a system message"),
+     MESSAGES,
      Param("output", (str,), default="answer", want="a field name"),
      Param("calls", (str,), default="tool_calls", want="a field for the calls made"),
      Param("format", (str,), default="auto", want="auto, openai or json",
@@ -323,6 +420,7 @@ register(OpDef(
            check=lambda v: v in ("record", "model")),
      count_param("max_tokens", 128),
      TEMPERATURE,
+     FROZEN,
      count_param("max_batch", 8)),
     batchable=True, blocking=True, fusable=False,
     fields=lambda p: (prompt_reads(p), (p["output"], p["calls"])),

@@ -7,8 +7,8 @@ ending ``data: [DONE]``), ``POST /v1/embeddings`` (a pipeline's embed stage's en
 ``POST /v1/pipelines/{name}/runs`` (any JSON record in, the output record out;
 ``?stream=true`` for SSE), ``GET /healthz`` and ``GET /readyz``.
 Errors use OpenAI's ``{"error": {"message", "type", "code"}}``. A client that
-disconnects cancels its work: the record's ``_cancel`` event is set and the generate
-stage frees its engine sequence at the next token.
+disconnects cancels its work: the record's ``_cancel`` event is set and the answering
+stage (generate, route or tool_call) frees its engine sequence at the next token.
 
 The app does not start or stop the hub; its owner does (``tailrace serve``, tests).
 """
@@ -39,6 +39,7 @@ from .embeddings import (
 from .errors import RequestFailed, ServiceError, ServiceUnavailable
 from .hub import ServingHub
 from .openai_wire import (
+    ANSWERING,
     SSE_DONE,
     Binding,
     WireError,
@@ -147,15 +148,26 @@ def _quiet(task: asyncio.Future) -> None:
         task.exception()  # retrieved: no "exception was never retrieved" warning
 
 
+def _stage_tokens(o: Any) -> int:
+    """Most pieces one attempt of a stage streams: its ``max_tokens`` (a route's largest,
+    over ``per_engine``, plus the one piece a cascade level sends whole)."""
+    n = int(o.params.get("max_tokens") or 0)
+    if o.op.name == "route":
+        n = 1 + max([n] + [int(x.get("max_tokens") or 0) for x in
+                           (o.params.get("per_engine") or {}).values()])
+    return n
+
+
 def piece_budget(plan: Any) -> int:
     """Most text pieces one request may stream: twice the token budget of the plan's
-    generate stages (``max_tokens`` per attempt, ``1 + retries`` attempts), since an
-    engine sends a piece per token (the slack covers servers that split a token's text).
+    generate, route and tool_call stages (``max_tokens`` per attempt, ``1 + retries``
+    attempts), since an engine sends a piece per token (the slack covers servers that
+    split a token's text).
 
     plan: the compiled plan.
     """
-    tokens = sum(int(o.params.get("max_tokens") or 0) * (1 + o.contract.retries)
-                 for s in plan.stages for o in s.ops if o.op.name == "generate")
+    tokens = sum(_stage_tokens(o) * (1 + o.contract.retries) for s in plan.stages
+                 for o in s.ops if o.op.name in ANSWERING)
     return 2 * tokens + 16
 
 

@@ -178,9 +178,10 @@ def embeddings_body(req: EmbeddingRequest, vecs: Any, tokens: int) -> dict[str, 
 
 def accepts(plan: Plan, b: Binding) -> dict[str, Any]:
     """What ``GET /v1/models`` says a pipeline accepts: its ``endpoints``, the
-    ``input_field`` requests fill and, where it has generate stages, the answering
-    stage's ``max_tokens`` ceiling (and every generate stage's, by id), the sampling
-    ``options`` a request may set and those the stage keeps ``frozen``.
+    ``input_field`` requests fill, the ``answering_stage`` (id and kind) or why none
+    answers (``not_chat``) and, where it has one, the answering stage's ``max_tokens``
+    ceiling (and every generate stage's, by id), the sampling ``options`` a request may
+    set and those the stage keeps ``frozen``.
 
     plan: the compiled pipeline.
     b:    its OpenAI binding.
@@ -190,6 +191,10 @@ def accepts(plan: Plan, b: Binding) -> dict[str, Any]:
         endpoints.append("embeddings")
     endpoints.append("pipelines.runs")
     out: dict[str, Any] = {"endpoints": endpoints, "input_field": b.input_field}
+    if b.problem is not None:
+        out["not_chat"] = b.problem  # why chat.completions and completions are refused
+    elif b.stage is not None:
+        out["answering_stage"] = {"id": b.stage, "kind": b.kind}
     gens = {o.id: int(o.params["max_tokens"]) for s in plan.stages for o in s.ops
             if o.op.name == "generate" and o.params.get("max_tokens")}
     if b.answer_field is not None and b.max_tokens:

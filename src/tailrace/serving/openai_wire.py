@@ -7,18 +7,23 @@ How a pipeline answers an OpenAI request (``Binding``):
   else the first field the first stage reads;
 - a chat request's whole conversation (text only) goes in the transient field
   ``_messages``, which a generate stage with ``messages: _messages`` answers;
+- the answering stage is the last ``generate``, ``route`` or ``tool_call`` stage before
+  the sink (``answering_stage``: parallel candidates, or an earlier one writing the same
+  output field, are a ``problem``: 400 ``pipeline_not_chat``);
 - the sampling options the request sets (``max_tokens``/``max_completion_tokens``,
   ``temperature``, ``top_p``, ``stop``, ``seed``, ``presence_penalty``,
   ``frequency_penalty``) go in the transient field ``_options`` ``for`` the answering
-  stage (the last ``generate``), which applies them within its YAML limits (its
+  stage (its output field), which applies them within its YAML limits (its
   ``max_tokens`` is the ceiling; options it lists under ``frozen:`` are a 400 here);
+  only that stage streams tokens to the request;
 - fields tailrace cannot honour (``n > 1``, ``logprobs``, ``tools``, a non-text
   ``response_format``, ``logit_bias``, image or audio parts, unknown fields) are a 400
   naming the field; ``IGNORED`` fields are accepted and ignored by design
   (docs/serving.md, "Request fields", lists every field);
-- the answer is the ``output`` field of that stage; usage comes from its ``usage:``
-  field when it declares one (exact counts from the engine), else the engine's
-  tokenizer counts the text and the answer;
+- the answer is the ``output`` field of that stage; usage is what the stage reports in
+  ``_usage`` (the engine's counts, summed over every call it made: tool rounds, cascade
+  levels), else its ``usage:`` field, else the engine's tokenizer counts the text and
+  the answer;
 - ``finish_reason`` is the engine's (``stop``, ``length``, ``cancelled``) as the stage
   reports it in ``_finish``; only without a report is it inferred (``"length"`` when
   the answer used all of ``max_tokens``, else ``"stop"``).
@@ -352,17 +357,24 @@ def parse_completion(body: dict) -> WireRequest:
 
 
 # -- pipelines as models ---------------------------------------------------------------
+#: the operators that can answer an OpenAI request (they generate its text)
+ANSWERING = ("generate", "route", "tool_call")
+
+
 @dataclass(frozen=True)
 class Binding:
     """Which record fields an OpenAI request maps to for one pipeline.
 
     input_field:  the field that receives the request's text (None: not usable).
-    answer_field: the last generate stage's output field (None: no generate stage).
-    usage_field:  that stage's ``usage`` field, if it declares one.
-    max_tokens:   that stage's ``max_tokens``.
-    engine:       that stage's engine spec (for counting tokens).
+    answer_field: the answering stage's output field (None: no answering stage).
+    usage_field:  that stage's ``usage`` field, if it declares one (generate).
+    max_tokens:   that stage's ``max_tokens`` (route: its largest, over ``per_engine``).
+    engine:       that stage's engine spec (for counting tokens; route: the default or
+                  the cascade's last engine).
     problem:      why the pipeline cannot answer chat/completion requests, or None.
     frozen:       the options that stage's ``frozen:`` keeps from requests.
+    stage:        the answering stage's id (None: none).
+    kind:         its operator: ``generate``, ``route`` or ``tool_call`` (None: none).
     """
 
     input_field: str | None
@@ -372,10 +384,68 @@ class Binding:
     engine: Any
     problem: str | None
     frozen: frozenset[str] = frozenset()
+    stage: str | None = None
+    kind: str | None = None
+
+
+def _downstream(ops: list) -> dict[str, set[str]]:
+    """Each op id -> the ids of every op after it (through any branch port)."""
+    after: dict[str, set[str]] = {o.id: set() for o in ops}
+    for o in ops:
+        for ref in o.spec.upstream:
+            after.setdefault(ref.split(".")[0], set()).add(o.id)
+    reach: dict[str, set[str]] = {}
+
+    def walk(i: str) -> set[str]:
+        if i not in reach:
+            reach[i] = set()
+            for d in after.get(i, ()):
+                reach[i] |= {d} | walk(d)
+        return reach[i]
+
+    for o in ops:
+        walk(o.id)
+    return reach
+
+
+def answering_stage(plan: Plan) -> tuple[Any, str | None]:
+    """The op that answers OpenAI requests, or ``(None, why not)``.
+
+    It is the last ``generate``, ``route`` or ``tool_call`` stage before the sink: of
+    those from which the sink can be reached, the one no other is downstream of. Two
+    such stages on parallel branches (a fan-out), or an earlier one writing the same
+    output field (the request's options would reach both), make it ambiguous.
+
+    plan: the compiled pipeline.
+    """
+    ops = [o for s in plan.stages for o in s.ops]
+    reach = _downstream(ops)
+    sinks = {o.id for o in ops if o.op.kind == "sink"}
+    cands = [o for o in ops if o.op.name in ANSWERING
+             and (not sinks or reach[o.id] & sinks)]
+    if not cands:
+        return None, (f"pipeline '{plan.name}' has no generate, route or tool_call stage to "
+                      f"answer with; send records to POST /v1/pipelines/{plan.name}/runs "
+                      "instead")
+    last = [o for o in cands if not any(c.id in reach[o.id] for c in cands)]
+    if len(last) > 1:
+        names = ", ".join(f"'{o.id}' ({o.op.name})" for o in last)
+        return None, (f"pipeline '{plan.name}': stages {names} are on parallel branches, so "
+                      "which one answers is ambiguous; join them into one stage that answers "
+                      "(e.g. a generate after the merge)")
+    ans = last[0]
+    same = [o.id for o in cands if o is not ans and o.params.get("output")
+            == ans.params["output"]]
+    if same:
+        return None, (f"pipeline '{plan.name}': stages '{same[0]}' and '{ans.id}' both write "
+                      f"field '{ans.params['output']}', so the request's options would reach "
+                      f"both; give the answering stage '{ans.id}' its own output field")
+    return ans, None
 
 
 def bind(plan: Plan) -> Binding:
-    """Work out a pipeline's ``Binding`` from its compiled plan.
+    """Work out a pipeline's ``Binding`` from its compiled plan (``answering_stage``
+    chooses the stage that answers).
 
     plan: the compiled pipeline.
     """
@@ -388,20 +458,24 @@ def bind(plan: Plan) -> Binding:
         first = next((o for o in ops if source.id in o.spec.upstream), None)
         reads = first.op.fields(first.params)[0] if first is not None else None
         field = reads[0] if reads else None
-    gens = [o for o in ops if o.op.name == "generate"]
-    gen = gens[-1] if gens else None
-    problem = None
+    gen, problem = answering_stage(plan)
     if field is None:
         problem = (f"pipeline '{plan.name}' has no text input field: declare it, like "
                    "source: {fields: [question]}")
-    elif gen is None:
-        problem = (f"pipeline '{plan.name}' has no generate stage to answer with; send "
-                   f"records to POST /v1/pipelines/{plan.name}/runs instead")
-    return Binding(field, gen.params["output"] if gen else None,
-                   gen.params.get("usage") if gen else None,
-                   int(gen.params.get("max_tokens") or 0) if gen else 0,
-                   gen.params.get("_engine") if gen else None, problem,
-                   frozenset(gen.params.get("frozen") or ()) if gen else frozenset())
+    if gen is None:
+        return Binding(field, None, None, 0, None, problem)
+    p = gen.params
+    engine = p.get("_engine")
+    max_tokens = int(p.get("max_tokens") or 0)
+    if gen.op.name == "route":
+        engines = p.get("_engines") or {}
+        engine = engines.get(p.get("default") or (p.get("cascade") or [""])[-1])
+        max_tokens = max([max_tokens] + [int(o["max_tokens"]) for o in
+                                         (p.get("per_engine") or {}).values()
+                                         if isinstance(o, dict) and o.get("max_tokens")])
+    return Binding(field, p["output"], p.get("usage") if gen.op.name == "generate" else None,
+                   max_tokens, engine, problem, frozenset(p.get("frozen") or ()), gen.id,
+                   gen.op.name)
 
 
 def options_record(b: Binding, req: WireRequest, name: str) -> dict[str, Any]:
@@ -415,8 +489,8 @@ def options_record(b: Binding, req: WireRequest, name: str) -> dict[str, Any]:
     for k in req.options:
         if k in b.frozen:
             asked = "max_tokens/max_completion_tokens" if k == "max_tokens" else k
-            raise WireError(f"'{asked}' is fixed by pipeline '{name}' (its answering generate "
-                            "stage lists it under frozen:); leave it out of the request",
+            raise WireError(f"'{asked}' is fixed by pipeline '{name}' (its answering stage "
+                            f"'{b.stage}' lists it under frozen:); leave it out of the request",
                             code="frozen_parameter")
     return {"for": b.answer_field, **req.options}
 
@@ -440,7 +514,9 @@ def usage_of(b: Binding, record: dict, text: str, answer: str) -> dict[str, int]
     text:   the request's input text.
     answer: the answer text.
     """
-    u = record.get(b.usage_field) if b.usage_field else None
+    u = record.get("_usage")
+    if not isinstance(u, dict):
+        u = record.get(b.usage_field) if b.usage_field else None
     if isinstance(u, dict) and isinstance(u.get("prompt_tokens"), int) \
             and isinstance(u.get("completion_tokens"), int):
         p, c = u["prompt_tokens"], u["completion_tokens"]

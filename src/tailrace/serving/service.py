@@ -100,10 +100,14 @@ def _streamer(loop: asyncio.AbstractEventLoop, on_token: Callable[[str], Any],
     return stream
 
 
+_KEPT = frozenset({"_finish", "_usage"})
+
+
 def _clean(record: dict) -> dict:
-    """The record without transient fields, except ``_finish`` (the answering generate
-    stage's finish reason, set only for OpenAI requests; the HTTP layer takes it out)."""
-    return {k: v for k, v in record.items() if not k.startswith("_") or k == "_finish"}
+    """The record without transient fields, except ``_finish`` and ``_usage`` (the
+    answering stage's finish reason and tokens, set only for OpenAI requests; the HTTP
+    layer takes them out)."""
+    return {k: v for k, v in record.items() if not k.startswith("_") or k in _KEPT}
 
 
 class _Door:
