@@ -332,3 +332,16 @@ def test_the_answering_stage_is_the_last_before_the_sink():
     b = bind(compile_pipeline(same_field()))
     assert b.problem is not None and "stages 'first' and 'again' both write field " \
         "'answer'" in b.problem
+
+
+def test_token_reservations_count_every_model_stage():
+    """Tenants' token reservations and the admission cost model: a generate's
+    max_tokens, a cascade's at every level, a tool_call's at every round."""
+    from tailrace.serving.openai_wire import output_tokens
+
+    assert output_tokens(compile_pipeline(routed())) == 12
+    assert output_tokens(compile_pipeline(cascade())) == 12 + 2 * 12
+    agent_plan = compile_pipeline(agent())
+    [tc] = [o for s in agent_plan.stages for o in s.ops if o.op.name == "tool_call"]
+    assert tc.params["max_rounds"] >= 1
+    assert output_tokens(agent_plan) == 16 * (tc.params["max_rounds"] + 1)

@@ -57,10 +57,11 @@ def add_parser(sub: Any) -> None:
 
 def build_gate(policy: str, plans: list[Any], max_in_flight: int) -> Any:
     """One admission gate of ``policy`` (simultaneous | fcfs | slo) for the compiled
-    ``plans``, read for their ``slo:`` and generate ``max_tokens``; ``max_in_flight``:
+    ``plans``, read for their ``slo:`` and their model stages' ``max_tokens``; ``max_in_flight``:
     records admitted at once (fcfs, slo). ``tailrace run --admission`` uses it too."""
     from ..control import PipelineSLO, make_policy
     from ..control.gate import AdmissionGate
+    from ..serving.openai_wire import output_tokens
 
     slos: dict[str, Any] = {}
     max_tokens: dict[str, int] = {}
@@ -71,8 +72,7 @@ def build_gate(policy: str, plans: list[Any], max_in_flight: int) -> Any:
                 slos[p.name] = PipelineSLO.from_config(p.name, p.slo)
             except ValueError as e:
                 raise TailraceError(f"{p.source_file}: {e}") from None
-        max_tokens[p.name] = sum(o.params.get("max_tokens") or 0 for s in plan.stages
-                                 for o in s.ops if o.op.name == "generate") or 64
+        max_tokens[p.name] = output_tokens(plan) or 64
     options: dict[str, Any] = {"slos": slos} if slos else {}
     if policy != "simultaneous":
         options["max_in_flight"] = max_in_flight

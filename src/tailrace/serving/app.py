@@ -52,6 +52,7 @@ from .openai_wire import (
     error_body,
     finish_reason,
     options_record,
+    output_tokens,
     parse_chat,
     parse_completion,
     retry_headers,
@@ -265,9 +266,7 @@ def create_app(hub: ServingHub) -> FastAPI:
     redact = hub_redactor(hub)
     serves = {name: getattr(getattr(s.plan, "pipeline", None), "serve", None)
               for name, s in hub.services.items()}
-    reserve = {name: sum(int(o.params.get("max_tokens") or 0) for st in s.plan.stages
-                         for o in st.ops if o.op.name == "generate")
-               for name, s in hub.services.items()}
+    reserve = {name: output_tokens(s.plan) for name, s in hub.services.items()}
 
     @app.exception_handler(WireError)
     async def _wire_error(request: Request, e: WireError) -> Response:

@@ -209,10 +209,11 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
         raise _unsupported("logit_bias", "logits cannot be biased per request")
     for name in ("tools", "functions"):
         if body.get(name):
-            raise _unsupported(name, "no tool stage answers tool calls here")
+            raise _unsupported(name, "client-side tools are not called here (a pipeline's "
+                               "tool_call stage calls its own registered tools)")
     for name in ("tool_choice", "function_call"):
         if body.get(name) not in (None, "none"):
-            raise _unsupported(name, "no tool stage answers tool calls here")
+            raise _unsupported(name, "client-side tools are not called here")
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise _unsupported("response_format", "only {\"type\": \"text\"}; the engine "
@@ -359,6 +360,30 @@ def parse_completion(body: dict) -> WireRequest:
 # -- pipelines as models ---------------------------------------------------------------
 #: the operators that can answer an OpenAI request (they generate its text)
 ANSWERING = ("generate", "route", "tool_call")
+
+
+def output_tokens(plan: Plan) -> int:
+    """Most tokens the plan's model stages generate for one record (one attempt each):
+    a generate stage's ``max_tokens``; a route's largest (over ``per_engine``), times
+    the levels of its cascade; a tool_call's times ``max_rounds + 1`` rounds. Tenants'
+    token reservations and the admission cost model use it.
+
+    plan: the compiled plan.
+    """
+    total = 0
+    for s in plan.stages:
+        for o in s.ops:
+            if o.op.name not in ANSWERING:
+                continue
+            n = int(o.params.get("max_tokens") or 0)
+            if o.op.name == "route":
+                n = max([n] + [int(x.get("max_tokens") or 0) for x in
+                               (o.params.get("per_engine") or {}).values()])
+                n *= max(1, len(o.params.get("cascade") or ()))
+            elif o.op.name == "tool_call":
+                n *= int(o.params.get("max_rounds") or 0) + 1
+            total += n
+    return total
 
 
 @dataclass(frozen=True)
