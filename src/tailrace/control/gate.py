@@ -60,10 +60,23 @@ class AdmissionGate:
 
     # -- runtime protocol ------------------------------------------------------------
     async def admit(self, pipeline: str, record: Any) -> Ticket:
-        """Wait until the policy admits ``record``; raises ``AdmissionRejected``."""
-        req = Request(f"{pipeline}-{next(self._ids)}", pipeline, arrival=self._clock(),
+        """Wait until the policy admits ``record``; raises ``AdmissionRejected``.
+
+        A record's transient ``_urgency`` field (``{"priority": CLASS, "deadline_ms": MS}``,
+        either optional; set by the HTTP layer) gives the request its own priority class
+        and a deadline ``deadline_ms`` after its arrival, instead of its pipeline's SLO.
+        """
+        arrival = self._clock()
+        urgency = record.get("_urgency") if isinstance(record, dict) else None
+        priority = deadline = None
+        if urgency:
+            priority = urgency.get("priority")
+            ms = urgency.get("deadline_ms")
+            deadline = arrival + ms / 1000.0 if ms is not None else None
+        req = Request(f"{pipeline}-{next(self._ids)}", pipeline, arrival=arrival,
                       prompt_tokens=self.prompt_tokens(record),
-                      max_tokens=self.max_tokens.get(pipeline, 64))
+                      max_tokens=self.max_tokens.get(pipeline, 64), deadline=deadline,
+                      priority=priority)
         loop = asyncio.get_running_loop()
         with self._lock:
             ticket = self.policy.try_admit(req)
