@@ -7,10 +7,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..api.pipeline import PRIORITY_CLASSES
+
 if TYPE_CHECKING:
     from .admission import Request
 
-PRIORITIES = {"batch": 0, "standard": 1, "interactive": 2}
+PRIORITIES = PRIORITY_CLASSES  # name -> class; higher is more urgent
 
 
 def is_number(x: object) -> bool:
