@@ -5,7 +5,8 @@ through the same gate, so one policy sees all the contention. The runtime calls
 ``admit(pipeline, record)`` for each arriving record and ``done(token)`` when the
 record leaves (output or error record); the gate turns records into ``Request``s
 (predicted prompt tokens from the record's text, ``max_tokens`` from the pipeline's
-generate stages), waits while the policy queues them, and raises ``AdmissionRejected``
+generate stages, the request's own priority class and deadline from the record's
+transient ``_urgency`` field), waits while the policy queues them, and raises ``AdmissionRejected``
 when it rejects them. A background thread polls the policy so queued requests whose
 deadline can no longer be met are rejected on time, not when capacity frees up.
 """
