@@ -133,20 +133,26 @@ class Admission:
     max_in_flight: int = 2
     max_queue: int = 4
     p99_ms: float = 60_000.0
+    quick: bool = False  # predict ~2 ms a request (these operators' speed), not ~1.3 s
 
     def gate(self) -> Any:
-        from tailrace.control import AdmissionGate, PipelineSLO, make_policy
+        from tailrace.control import AdmissionGate, CostModel
+
+        if self.quick:  # deadlines of a few ms can be met at arrival and expire queued
+            cost = CostModel(prefill_tps=1e6, decode_tps=64_000.0, overhead_s=0.001)
+            return AdmissionGate(self._policy(cost_model=cost))
+        return AdmissionGate(self._policy())
+
+    def _policy(self, **common: Any) -> Any:
+        from tailrace.control import PipelineSLO, make_policy
 
         if self.policy == "simultaneous":
-            policy = make_policy("simultaneous")
-        elif self.policy == "fcfs":
-            policy = make_policy("fcfs", max_in_flight=self.max_in_flight,
-                                 max_queue=self.max_queue)
-        else:
-            policy = make_policy("slo", max_in_flight=self.max_in_flight,
-                                 max_queue=self.max_queue,
-                                 slos={PIPELINE: PipelineSLO(p99_ms=self.p99_ms)})
-        return AdmissionGate(policy)
+            return make_policy("simultaneous", **common)
+        if self.policy == "fcfs":
+            return make_policy("fcfs", max_in_flight=self.max_in_flight,
+                               max_queue=self.max_queue, **common)
+        return make_policy("slo", max_in_flight=self.max_in_flight, max_queue=self.max_queue,
+                           slos={PIPELINE: PipelineSLO(p99_ms=self.p99_ms)}, **common)
 
 
 @dataclass(frozen=True)
@@ -161,6 +167,8 @@ class Scenario:
     stop:      serving: stop the service while the requests are in flight.
     max_pending: serving: the service's limit of waiting requests (None: plenty).
     kill:      Ray: the step whose actor is killed once the first output arrived.
+    urgency:   serving: per request (by lid), its own ``(priority, deadline_ms)`` for
+               admission (the record's ``_urgency``; None, or a None part: not set).
     """
 
     n: int
@@ -173,6 +181,7 @@ class Scenario:
     stop: bool = False
     max_pending: int | None = None
     kill: int | None = None
+    urgency: tuple[tuple[str | int | None, float | None] | None, ...] = ()
 
 
 PIPELINE = "fault"

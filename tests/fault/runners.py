@@ -407,7 +407,8 @@ def run_service(sc: Scenario, *, here: bool = False) -> Report:
                                 f"the service never became ready: {svc.failure!r}")
                             return
                         await asyncio.sleep(0.01)
-                tasks = {r["lid"]: asyncio.create_task(svc.submit(r)) for r in inputs(sc.n)}
+                tasks = {r["lid"]: asyncio.create_task(svc.submit(r))
+                         for r in with_urgency(sc, inputs(sc.n))}
 
                 def cancel(lid: int) -> None:
                     with contextlib.suppress(RuntimeError):  # this loop ended: all answered
@@ -459,6 +460,10 @@ def run_service(sc: Scenario, *, here: bool = False) -> Report:
                     if isinstance(a, dict | RequestFailed | RecordDropped):
                         if isinstance(a, dict) and a.get("lid") != lid:
                             report.problems.append(f"request {lid} got another's answer: {a}")
+                        if isinstance(a, RequestFailed) and a.status == 429 \
+                                and not (a.retry_after or 0) > 0:
+                            report.problems.append(f"request {lid}: a 429 without a "
+                                                   f"retry-after: {a!r}")
                     elif a == "cancelled" and lid in cancelled:
                         pass
                     elif isinstance(a, str | ServiceTimeout | ServiceUnavailable):
@@ -518,7 +523,19 @@ def run_service(sc: Scenario, *, here: bool = False) -> Report:
 
 #: transient fields of served records: submit() adds the first three, the runtime the
 #: ticket; the service strips them all from the caller's answer
-SERVING_FIELDS = frozenset({"_rid", "_cancel", "_stream", "_admission"})
+SERVING_FIELDS = frozenset({"_rid", "_cancel", "_stream", "_admission", "_urgency"})
+
+
+def with_urgency(sc: Scenario, records: list[dict]) -> list[dict]:
+    """The records, each with its request's own priority and deadline (``sc.urgency``) in
+    ``_urgency`` where the scenario gives any, as ``tailrace serve`` sets them."""
+    for r, own in zip(records, sc.urgency, strict=False):
+        if own is not None:
+            u = {k: v for k, v in zip(("priority", "deadline_ms"), own, strict=True)
+                 if v is not None}
+            if u:
+                r["_urgency"] = u
+    return records
 ANSWER_S = 1.0  # how long callers may wait for an answer once their records ended
 
 

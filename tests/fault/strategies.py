@@ -102,6 +102,13 @@ def scenarios(draw, target: str = "local", policy: str | None = None, interrupt:
             sc = _replace(sc, cancel=tuple(cancel))
         sc = _replace(sc, stop=draw(st.integers(0, 3)) == 0,
                       max_pending=draw(st.sampled_from([None, None, 4])))
+        if n and draw(st.booleans()):  # requests with their own priority and deadline
+            own = st.none() | st.tuples(
+                st.sampled_from([None, "batch", "standard", "interactive", 0, 5, -1]),
+                st.sampled_from([None, 1.0, 5.0, 20.0, 60.0, 500.0, 60_000.0]))
+            sc = _replace(sc, urgency=tuple(draw(st.lists(own, min_size=n, max_size=n))))
+            if sc.admission is not None and draw(st.booleans()):
+                sc = _replace(sc, admission=_replace(sc.admission, quick=True))
     if target == "ray":
         hosted = [i for i, s in enumerate(steps)]
         if hosted and n and draw(st.booleans()):

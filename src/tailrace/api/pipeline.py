@@ -14,6 +14,7 @@ Records are any Python objects. Stages that name record fields (``input=``,
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -76,37 +77,83 @@ class StageSpec:
 
 
 _SERVE_SOURCES = "user, metadata.KEY or header:NAME"
+#: priority class names and their ranks (higher is more urgent); any int is a class too
+PRIORITY_CLASSES = {"batch": 0, "standard": 1, "interactive": 2}
+_CLASSES = "'interactive', 'standard', 'batch' or integers (higher is more urgent)"
 
 
 @dataclass(frozen=True)
 class ServeSpec:
     """How ``tailrace serve`` fills record fields from an HTTP request (``serve:``).
 
-    fields: record field -> source: ``user`` (the OpenAI request's ``user``),
-            ``metadata.KEY`` (its ``metadata`` object) or ``header:NAME`` (a request
-            header, any case). A source the request lacks leaves its field unset.
-    tenant: the record field that holds the tenant: with ``--keys-file`` the server sets
-            it to the API key's tenant on every endpoint, whatever the caller sent.
+    fields:      record field -> source: ``user`` (the OpenAI request's ``user``),
+                 ``metadata.KEY`` (its ``metadata`` object) or ``header:NAME`` (a request
+                 header, any case). A source the request lacks leaves its field unset.
+    tenant:      the record field that holds the tenant: with ``--keys-file`` the server
+                 sets it to the API key's tenant on every endpoint, whatever the caller sent.
+    priorities:  the priority classes a request may choose for its admission (None: a
+                 request may not choose one).
+    deadline_ms: (least, most) milliseconds a request may give as its deadline (either
+                 None: unbounded on that side); None: a request may not give one.
     """
 
     fields: tuple[tuple[str, str], ...] = ()
     tenant: str | None = None
+    priorities: tuple[str | int, ...] | None = None
+    deadline_ms: tuple[float | None, float | None] | None = None
+
+
+def _is_ms(v: Any) -> bool:
+    return (isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+            and v > 0)
+
+
+def _serve_priorities(raw: Any) -> tuple[str | int, ...]:
+    ok = isinstance(raw, list) and raw and all(
+        (isinstance(c, str) and c in PRIORITY_CLASSES)
+        or (isinstance(c, int) and not isinstance(c, bool)) for c in raw)
+    if not ok:
+        raise ValueError(f"'serve.priorities' must be a non-empty list of the priority "
+                         f"classes a request may choose ({_CLASSES}), got {raw!r}")
+    return tuple(raw)
+
+
+def _serve_deadline(raw: Any) -> tuple[float | None, float | None]:
+    if not isinstance(raw, dict) or not raw:
+        raise ValueError("'serve.deadline_ms' must be a mapping like {min: 200, max: 30000} "
+                         f"(milliseconds a request may give as its deadline), got {raw!r}")
+    unknown = [str(k) for k in raw if k not in ("min", "max")]
+    if unknown:
+        raise ValueError(f"unknown key 'serve.deadline_ms.{unknown[0]}' (allowed: min, max)")
+    lo, hi = raw.get("min"), raw.get("max")
+    for name, v in (("min", lo), ("max", hi)):
+        if v is not None and not _is_ms(v):
+            raise ValueError(f"'serve.deadline_ms.{name}' must be a positive number of "
+                             f"milliseconds, got {v!r}")
+    if lo is not None and hi is not None and lo > hi:
+        raise ValueError(f"'serve.deadline_ms': min ({lo!r}) is above max ({hi!r})")
+    return (float(lo) if lo is not None else None, float(hi) if hi is not None else None)
+
+
+_SERVE_KEYS = ("fields", "tenant", "priorities", "deadline_ms")
 
 
 def make_serve(raw: Any) -> ServeSpec:
     """The ``ServeSpec`` of a ``serve:`` mapping (or a ``ServeSpec``); ValueError saying
     what is wrong otherwise.
 
-    raw: ``{"fields": {FIELD: SOURCE, ...}, "tenant": FIELD}`` (both optional).
+    raw: ``{"fields": {FIELD: SOURCE, ...}, "tenant": FIELD, "priorities": [CLASS, ...],
+         "deadline_ms": {"min": MS, "max": MS}}`` (all optional).
     """
     if isinstance(raw, ServeSpec):
         return raw
     if not isinstance(raw, dict):
         raise ValueError("'serve' must be a mapping like {fields: {user_id: user}, "
                          "tenant: user_id}")
-    unknown = [str(k) for k in raw if k not in ("fields", "tenant")]
+    unknown = [str(k) for k in raw if k not in _SERVE_KEYS]
     if unknown:
-        raise ValueError(f"unknown key 'serve.{unknown[0]}' (allowed: fields, tenant)")
+        raise ValueError(f"unknown key 'serve.{unknown[0]}' (allowed: "
+                         f"{', '.join(_SERVE_KEYS)})")
     fields = raw.get("fields") or {}
     if not isinstance(fields, dict):
         raise ValueError("'serve.fields' must be a mapping of record field -> source "
@@ -127,7 +174,11 @@ def make_serve(raw: Any) -> ServeSpec:
     if tenant is not None and (not isinstance(tenant, str) or not tenant
                                or tenant.startswith("_")):
         raise ValueError(f"'serve.tenant' must name a record field, got {tenant!r}")
-    return ServeSpec(tuple(out), tenant)
+    priorities = raw.get("priorities")
+    deadline = raw.get("deadline_ms")
+    return ServeSpec(tuple(out), tenant,
+                     _serve_priorities(priorities) if priorities is not None else None,
+                     _serve_deadline(deadline) if deadline is not None else None)
 
 
 def _caller_location() -> str:

@@ -137,12 +137,13 @@ def loads_pipeline(text: str, path: str = "<string>") -> Pipeline:
 def _serve(raw: Any, where: str) -> ServeSpec:
     """The ``serve:`` block; PlanError at its line (or its ``fields:``'s) if bad."""
     line = f"{where.rpartition(':')[0]}:{raw.line}" if isinstance(raw, _Map) else where
-    fields = raw.get("fields") if isinstance(raw, dict) else None
     try:
         return make_serve(raw)
     except ValueError as e:
-        if isinstance(fields, _Map) and "serve.fields" in str(e):
-            line = f"{where.rpartition(':')[0]}:{fields.line}"
+        for key in ("fields", "deadline_ms"):  # a nested mapping: its own line
+            inner = raw.get(key) if isinstance(raw, dict) else None
+            if isinstance(inner, _Map) and f"serve.{key}" in str(e):
+                line = f"{where.rpartition(':')[0]}:{inner.line}"
         raise PlanError(str(e), where=line) from None
 
 

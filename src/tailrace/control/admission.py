@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ..errors import TailraceError
-from .slo import CostModel, PipelineSLO, require
+from .slo import CostModel, PipelineSLO, is_priority, rank_of, require
 from .slo import is_count as _is_count
 from .slo import is_number as _is_number
 
@@ -70,6 +70,7 @@ class Request:
     prompt_tokens: int = 0  # prompt length in tokens (for the cost model)
     max_tokens: int = 0  # output tokens to generate at most (for the cost model)
     deadline: float | None = None  # absolute, clock seconds; None: arrival + the SLO's p99
+    priority: str | int | None = None  # its own class (a name or an int); None: the SLO's
 
     def __post_init__(self) -> None:
         where = f"request {self.id!r}"
@@ -82,6 +83,9 @@ class Request:
             require(_is_count(value), where, name, "a non-negative integer", value)
         require(self.deadline is None or _is_number(self.deadline), where, "deadline",
                 "a finite number of clock seconds or None", self.deadline)
+        require(self.priority is None or is_priority(self.priority), where, "priority",
+                "'interactive', 'standard', 'batch', an integer class or None",
+                self.priority)
 
 
 class Verdict(enum.Enum):
@@ -162,6 +166,7 @@ class Pending:
     cost: float
     deadline: float
     seq: int
+    rank: int = 1  # its priority class: the request's own, else its pipeline's
 
 
 class AdmissionPolicy:
@@ -204,9 +209,16 @@ class AdmissionPolicy:
 
     def _pending(self, request: Request) -> Pending:
         deadline = request.deadline
+        slo = None
         if deadline is None:
-            deadline = request.arrival + self.slo_for(request.pipeline).p99_ms / 1000.0
-        return Pending(request, self.cost_model.predict(request), deadline, next(self._seq))
+            slo = self.slo_for(request.pipeline)
+            deadline = request.arrival + slo.p99_ms / 1000.0
+        if request.priority is not None:
+            rank = rank_of(request.priority)
+        else:
+            rank = (slo or self.slo_for(request.pipeline)).rank
+        return Pending(request, self.cost_model.predict(request), deadline, next(self._seq),
+                       rank)
 
     def decide(self, request: Request) -> Decision:
         """What ``try_admit`` would do with ``request`` now; changes nothing."""

@@ -5,7 +5,8 @@ through the same gate, so one policy sees all the contention. The runtime calls
 ``admit(pipeline, record)`` for each arriving record and ``done(token)`` when the
 record leaves (output or error record); the gate turns records into ``Request``s
 (predicted prompt tokens from the record's text, ``max_tokens`` from the pipeline's
-generate stages), waits while the policy queues them, and raises ``AdmissionRejected``
+generate stages, the request's own priority class and deadline from the record's
+transient ``_urgency`` field), waits while the policy queues them, and raises ``AdmissionRejected``
 when it rejects them. A background thread polls the policy so queued requests whose
 deadline can no longer be met are rejected on time, not when capacity frees up.
 """
@@ -60,10 +61,23 @@ class AdmissionGate:
 
     # -- runtime protocol ------------------------------------------------------------
     async def admit(self, pipeline: str, record: Any) -> Ticket:
-        """Wait until the policy admits ``record``; raises ``AdmissionRejected``."""
-        req = Request(f"{pipeline}-{next(self._ids)}", pipeline, arrival=self._clock(),
+        """Wait until the policy admits ``record``; raises ``AdmissionRejected``.
+
+        A record's transient ``_urgency`` field (``{"priority": CLASS, "deadline_ms": MS}``,
+        either optional; set by the HTTP layer) gives the request its own priority class
+        and a deadline ``deadline_ms`` after its arrival, instead of its pipeline's SLO.
+        """
+        arrival = self._clock()
+        urgency = record.get("_urgency") if isinstance(record, dict) else None
+        priority = deadline = None
+        if urgency:
+            priority = urgency.get("priority")
+            ms = urgency.get("deadline_ms")
+            deadline = arrival + ms / 1000.0 if ms is not None else None
+        req = Request(f"{pipeline}-{next(self._ids)}", pipeline, arrival=arrival,
                       prompt_tokens=self.prompt_tokens(record),
-                      max_tokens=self.max_tokens.get(pipeline, 64))
+                      max_tokens=self.max_tokens.get(pipeline, 64), deadline=deadline,
+                      priority=priority)
         loop = asyncio.get_running_loop()
         with self._lock:
             ticket = self.policy.try_admit(req)

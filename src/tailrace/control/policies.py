@@ -3,9 +3,11 @@
 - ``simultaneous`` admits everything at once: the baseline admission is measured against.
 - ``fcfs`` admits up to a concurrency limit; the rest wait in arrival order in a bounded queue;
   a full queue rejects (``queue_full``) with the time until the next predicted completion.
-- ``slo`` keeps one deadline-ordered queue per pipeline. Dispatch picks, among the pipelines
+  It (like ``simultaneous``) ignores priority classes and deadlines.
+- ``slo`` keeps one deadline-ordered queue per pipeline and priority class (a request's
+  own class, ``Request.priority``, else its pipeline's). Dispatch picks, among the pipelines
   within ``max_lead`` of the most-behind one in weighted virtual time (predicted seconds
-  admitted / weight), the highest priority class, then the earliest deadline. Saturated
+  admitted / weight), the highest class waiting, then the earliest deadline. Saturated
   pipelines therefore split capacity by weight whatever their class, an idle pipeline banks
   no credit, a higher class jumps the line only within its lead, and a lower class never
   starves. A request whose predicted queueing delay plus cost overshoots its deadline is
@@ -123,19 +125,39 @@ class FCFSPolicy(_Limited):
 
 
 @dataclass(slots=True)
+class _Band:
+    """The waiting requests of one priority class in one pipeline: a deadline heap."""
+
+    heap: list[tuple[float, int, Pending]] = field(default_factory=list)
+    cost: float = 0.0  # predicted seconds queued
+    last_deadline: float = -math.inf  # at least the latest deadline queued
+
+
+@dataclass(slots=True)
 class _Flow:
-    """One pipeline's waiting requests (a deadline heap) and its fair-share account."""
+    """One pipeline's waiting requests (a band per priority class) and its fair-share
+    account. Requests take their pipeline's class unless they chose their own."""
 
     weight: float
-    rank: int
-    heap: list[tuple[float, int, Pending]] = field(default_factory=list)
+    bands: dict[int, _Band] = field(default_factory=dict)  # rank -> band; none empty
+    top: int = 0  # the highest rank with a band (while any waits)
+    waiting: int = 0
     queued_cost: float = 0.0
     vtime: float = 0.0  # virtual time: predicted seconds admitted / weight
-    last_deadline: float = -math.inf  # at least the latest deadline queued
+
+    def cost_from(self, rank: int) -> float:
+        """Predicted seconds queued in classes ``rank`` and above."""
+        if len(self.bands) == 1:
+            return self.queued_cost if self.top >= rank else 0.0
+        return sum(b.cost for r, b in self.bands.items() if r >= rank)
 
 
 class SLOPolicy(_Limited):
     """Deadline- and priority-ordered admission with weighted fair share and early rejection.
+
+    A request's class is its own (``Request.priority``) or else its pipeline's SLO class.
+    Within a pipeline, a higher class goes first, then the earliest deadline; across
+    pipelines, each pipeline competes with the class of its best waiting request.
 
     max_lead: weighted seconds a pipeline may run ahead of its fair share for urgency's sake.
     reserve: lanes (of max_in_flight) that lower priority classes may not take while a higher
@@ -171,54 +193,63 @@ class SLOPolicy(_Limited):
     def _flow(self, pipeline: str) -> _Flow:
         flow = self._flows.get(pipeline)
         if flow is None:
-            slo = self.slo_for(pipeline)
-            flow = self._flows[pipeline] = _Flow(slo.weight, slo.rank)
+            flow = self._flows[pipeline] = _Flow(self.slo_for(pipeline).weight)
         return flow
 
     def _virtual_now(self) -> float:
-        return min((f.vtime for f in self._flows.values() if f.heap), default=self._vnow)
+        return min((f.vtime for f in self._flows.values() if f.waiting), default=self._vnow)
 
-    def _predicted_delay(self, flow: _Flow, cost: float, deadline: float, now: float) -> float:
-        """Seconds before a request of ``cost`` and ``deadline`` in ``flow`` is predicted to start.
+    def _predicted_delay(self, flow: _Flow, rank: int, cost: float, deadline: float,
+                         now: float) -> float:
+        """Seconds before a request of class ``rank``, ``cost`` and ``deadline`` in ``flow``
+        is predicted to start.
 
         It starts when a lane frees up (the earliest in-flight completion when all lanes are
         busy) and the work queued ahead of it has drained over the lanes: its flow's
-        earlier-deadline requests, plus, from each other backlogged flow of the same or a
-        higher priority class, its weight's share of that (capped by its queue). Lower
-        classes wait behind it (within ``max_lead``), so they do not delay it.
+        higher-class and same-class earlier-deadline requests, plus, from each other
+        backlogged flow, its weight's share of what it queues in the same or higher classes
+        (capped by that). Lower classes wait behind it (within ``max_lead``), so they do not
+        delay it.
         """
-        ahead = flow.queued_cost
-        if flow.heap and deadline < flow.last_deadline:  # EDF: only earlier deadlines go first
-            ahead = sum(e.cost for d, _, e in flow.heap if d <= deadline)
+        ahead = 0.0
+        band = flow.bands.get(rank)
+        if band is not None:
+            ahead = band.cost
+            if deadline < band.last_deadline:  # EDF: only earlier deadlines go first
+                ahead = sum(e.cost for d, _, e in band.heap if d <= deadline)
+        if flow.top > rank:
+            ahead += flow.cost_from(rank + 1)
         mine = ahead + cost
         for other in self._flows.values():
-            if other is not flow and other.heap and other.rank >= flow.rank:
-                ahead += min(other.queued_cost, mine * other.weight / flow.weight)
+            if other is not flow and other.waiting and other.top >= rank:
+                ahead += min(other.cost_from(rank), mine * other.weight / flow.weight)
         busy = len(self._in_flight) >= self._lanes
         first_free = self._next_completion(now) if busy else 0.0
         return first_free + ahead / self._lanes
 
-    def _room(self, flow: _Flow, cost: float, now: float) -> bool:
-        """Capacity for ``flow`` now, keeping ``reserve`` lanes for active higher classes."""
+    def _room(self, rank: int, cost: float, now: float) -> bool:
+        """Capacity for a request of class ``rank`` now, keeping ``reserve`` lanes for
+        active higher classes."""
         if not self._fits(cost):
             return False
         if self.reserve and len(self._in_flight) >= self._lanes - self.reserve:
             active = (r for r, t in self._seen.items() if now - t <= self.reserve_window)
-            return flow.rank >= max(active, default=flow.rank)
+            return rank >= max(active, default=rank)
         return True
 
     def _decide(self, entry: Pending, now: float) -> Decision:
         flow = self._flow(entry.request.pipeline)
-        self._seen[flow.rank] = max(self._seen.get(flow.rank, now), now)
-        ahead = any(f.heap for f in self._flows.values() if f.rank >= flow.rank)
-        if not ahead and self._room(flow, entry.cost, now):
+        rank = entry.rank
+        self._seen[rank] = max(self._seen.get(rank, now), now)
+        ahead = any(f.top >= rank for f in self._flows.values() if f.waiting)
+        if not ahead and self._room(rank, entry.cost, now):
             # nothing of its class or above waits (lower classes wait behind it anyway);
             # never reject on a system with room: predictions are only predictions
             return ADMIT
-        if len(flow.heap) >= self.max_queue:
-            weights = sum(f.weight for f in self._flows.values() if f.heap or f is flow)
+        if flow.waiting >= self.max_queue:
+            weights = sum(f.weight for f in self._flows.values() if f.waiting or f is flow)
             return _refuse(QUEUE_FULL, self._next_completion(now) * weights / flow.weight)
-        delay = self._predicted_delay(flow, entry.cost, entry.deadline, now)
+        delay = self._predicted_delay(flow, rank, entry.cost, entry.deadline, now)
         finish = now + delay + entry.cost
         if finish > entry.deadline:  # a retry that late meets its fresh default deadline
             return _refuse(DEADLINE_UNMEETABLE, finish - entry.deadline)
@@ -226,42 +257,61 @@ class SLOPolicy(_Limited):
 
     def _enqueue(self, entry: Pending, now: float) -> None:
         flow = self._flow(entry.request.pipeline)
-        if not flow.heap:  # newly backlogged: no credit for the time it was idle
+        if not flow.waiting:  # newly backlogged: no credit for the time it was idle
             flow.vtime = max(flow.vtime, self._virtual_now())
-        heapq.heappush(flow.heap, (entry.deadline, entry.seq, entry))
-        flow.last_deadline = max(flow.last_deadline, entry.deadline)
+            flow.top = entry.rank
+        band = flow.bands.get(entry.rank)
+        if band is None:
+            band = flow.bands[entry.rank] = _Band()
+            flow.top = max(flow.top, entry.rank)
+        heapq.heappush(band.heap, (entry.deadline, entry.seq, entry))
+        band.last_deadline = max(band.last_deadline, entry.deadline)
+        band.cost += entry.cost
         flow.queued_cost += entry.cost
+        flow.waiting += 1
         self._waiting += 1
 
-    def _pop(self, flow: _Flow) -> Pending:
-        entry = heapq.heappop(flow.heap)[2]
-        flow.queued_cost = flow.queued_cost - entry.cost if flow.heap else 0.0
-        flow.last_deadline = flow.last_deadline if flow.heap else -math.inf
+    def _pop(self, flow: _Flow, rank: int) -> Pending:
+        band = flow.bands[rank]
+        entry = heapq.heappop(band.heap)[2]
+        band.cost -= entry.cost
+        flow.waiting -= 1
+        flow.queued_cost = flow.queued_cost - entry.cost if flow.waiting else 0.0
+        if not band.heap:
+            del flow.bands[rank]
+            if rank == flow.top and flow.bands:
+                flow.top = max(flow.bands)
         self._waiting -= 1
         return entry
 
     def _expire(self, now: float) -> None:
-        """Reject queued requests that can no longer finish by their deadline (heads first)."""
+        """Reject queued requests that can no longer finish by their deadline (each
+        band's heads first)."""
         for flow in list(self._flows.values()):
-            while flow.heap and now + flow.heap[0][2].cost > flow.heap[0][0]:
-                entry = self._pop(flow)  # retry when a fresh one is predicted to make it
-                budget = self.slo_for(entry.request.pipeline).p99_ms / 1000.0
-                finish = self._predicted_delay(flow, entry.cost, math.inf, now) + entry.cost
-                self._reject(entry.request, DEADLINE_EXPIRED, finish - budget, now)
+            if not flow.waiting:
+                continue
+            for rank, band in list(flow.bands.items()):
+                while band.heap and now + band.heap[0][2].cost > band.heap[0][0]:
+                    entry = self._pop(flow, rank)  # retry when a fresh one would make it
+                    budget = entry.deadline - entry.request.arrival
+                    finish = self._predicted_delay(flow, rank, entry.cost, math.inf,
+                                                   now) + entry.cost
+                    self._reject(entry.request, DEADLINE_EXPIRED, finish - budget, now)
 
     def _next(self, now: float) -> Pending | None:
         if not self._waiting:
             return None
         self._expire(now)
-        backlogged = [f for f in self._flows.values() if f.heap]
+        backlogged = [f for f in self._flows.values() if f.waiting]
         if not backlogged:
             return None
         horizon = min(f.vtime for f in backlogged) + self.max_lead
         flow = min((f for f in backlogged if f.vtime <= horizon),
-                   key=lambda f: (-f.rank, f.heap[0][0], f.vtime))
-        if not self._room(flow, flow.heap[0][2].cost, now):
+                   key=lambda f: (-f.top, f.bands[f.top].heap[0][0], f.vtime))
+        head = flow.bands[flow.top].heap[0][2]
+        if not self._room(flow.top, head.cost, now):
             return None  # the policy's pick waits for room; nothing overtakes it
-        return self._pop(flow)
+        return self._pop(flow, flow.top)
 
     def _charge(self, entry: Pending, immediate: bool) -> None:
         flow = self._flow(entry.request.pipeline)
@@ -271,7 +321,7 @@ class SLOPolicy(_Limited):
         flow.vtime += max(entry.cost, 1e-9) / flow.weight
 
     def _queue_depths(self) -> dict[str, int]:
-        return {pipe: len(f.heap) for pipe, f in self._flows.items() if f.heap}
+        return {pipe: f.waiting for pipe, f in self._flows.items() if f.waiting}
 
 
 POLICIES: dict[str, type[AdmissionPolicy]] = {

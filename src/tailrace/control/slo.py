@@ -7,10 +7,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..api.pipeline import PRIORITY_CLASSES
+
 if TYPE_CHECKING:
     from .admission import Request
 
-PRIORITIES = {"batch": 0, "standard": 1, "interactive": 2}
+PRIORITIES = PRIORITY_CLASSES  # name -> class; higher is more urgent
 
 
 def is_number(x: object) -> bool:
@@ -21,6 +23,17 @@ def is_number(x: object) -> bool:
 def is_count(x: object) -> bool:
     """True for an int >= 0 (not a bool)."""
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def is_priority(x: object) -> bool:
+    """True for a priority class: a name in ``PRIORITIES`` or an int (not a bool)."""
+    return x in PRIORITIES if isinstance(x, str) else (
+        isinstance(x, int) and not isinstance(x, bool))
+
+
+def rank_of(priority: str | int) -> int:
+    """A priority class as an int; higher is more urgent (``interactive`` is 2)."""
+    return PRIORITIES[priority] if isinstance(priority, str) else priority
 
 
 def require(ok: bool, where: str, name: str, want: str, value: object) -> None:
@@ -42,8 +55,7 @@ class PipelineSLO:
         where = f"slo for pipeline {self.pipeline!r}" if self.pipeline else "slo"
         require(is_number(self.p99_ms) and self.p99_ms > 0, where, "p99_ms",
                 "a positive number of milliseconds", self.p99_ms)
-        require(self.priority in PRIORITIES or isinstance(self.priority, int)
-                and not isinstance(self.priority, bool), where, "priority",
+        require(is_priority(self.priority), where, "priority",
                 "'interactive', 'standard', 'batch' or an integer class (higher is more "
                 "urgent)", self.priority)
         require(is_number(self.weight) and self.weight > 0, where, "weight",
@@ -52,7 +64,7 @@ class PipelineSLO:
     @property
     def rank(self) -> int:
         """The priority as an int class; higher is more urgent."""
-        return PRIORITIES[self.priority] if isinstance(self.priority, str) else self.priority
+        return rank_of(self.priority)
 
     @classmethod
     def from_config(cls, pipeline: str, config: Mapping[str, Any]) -> PipelineSLO:

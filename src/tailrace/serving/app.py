@@ -5,7 +5,9 @@
 ending ``data: [DONE]``), ``POST /v1/embeddings`` (a pipeline's embed stage's engine;
 ``embeddings.py``), ``GET /v1/models`` (with what each pipeline accepts),
 ``POST /v1/pipelines/{name}/runs`` (any JSON record in, the output record out;
-``?stream=true`` for SSE), ``GET /healthz`` and ``GET /readyz``.
+``?stream=true`` for SSE), ``GET /healthz`` and ``GET /readyz``. A request's priority
+and deadline for admission (body fields or ``X-Tailrace-*`` headers) are checked
+against its pipeline's ``serve:`` bounds (``urgency.py``).
 Errors use OpenAI's ``{"error": {"message", "type", "code"}}``. A client that
 disconnects cancels its work: the record's ``_cancel`` event is set and the answering
 stage (generate, route or tool_call) frees its engine sequence at the next token.
@@ -62,6 +64,7 @@ from .openai_wire import (
 from .security import KeyCheck, Redactor, hub_redactor
 from .service import Cancel, PipelineService
 from .tenants import Tenant, request_fields
+from .urgency import bounds, urgency
 
 _END = object()  # end of a request's token stream
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -266,6 +269,8 @@ def create_app(hub: ServingHub) -> FastAPI:
     redact = hub_redactor(hub)
     serves = {name: getattr(getattr(s.plan, "pipeline", None), "serve", None)
               for name, s in hub.services.items()}
+    for name in meta:
+        meta[name].update(bounds(serves[name]))
     reserve = {name: output_tokens(s.plan) for name, s in hub.services.items()}
 
     @app.exception_handler(WireError)
@@ -393,6 +398,9 @@ def create_app(hub: ServingHub) -> FastAPI:
         if req.messages is not None:
             record["_messages"] = list(req.messages)
         record["_options"] = options_record(b, req, req.model)
+        urgent = urgency(serves[req.model], req.model, body, request.headers)
+        if urgent is not None:
+            record["_urgency"] = urgent
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if req.prompts:
@@ -431,9 +439,12 @@ def create_app(hub: ServingHub) -> FastAPI:
         if bad:
             raise WireError(f"record fields starting with '_' are reserved (transient); "
                             f"got {', '.join(bad)}", code="reserved_field")
+        urgent = urgency(serves[service.name], service.name, None, request.headers)
         if tenant is not None or serves[service.name] is not None:
             who(service.name, record, dict(record), request, tenant,
                 dumps(record).decode() if tenant is not None else "")
+        if urgent is not None:
+            record["_urgency"] = urgent
         if stream:
             return await _stream_runs(request, service, record, redact)
         cancel = Cancel()

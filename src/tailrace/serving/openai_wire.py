@@ -16,6 +16,9 @@ How a pipeline answers an OpenAI request (``Binding``):
   stage (its output field), which applies them within its YAML limits (its
   ``max_tokens`` is the ceiling; options it lists under ``frozen:`` are a 400 here);
   only that stage streams tokens to the request;
+- ``priority`` and ``deadline_ms`` (or their ``X-Tailrace-*`` headers) go to admission
+  in the transient field ``_urgency``, within the pipeline's ``serve:`` bounds
+  (``urgency.py``);
 - fields tailrace cannot honour (``n > 1``, ``logprobs``, ``tools``, a non-text
   ``response_format``, ``logit_bias``, image or audio parts, unknown fields) are a 400
   naming the field; ``IGNORED`` fields are accepted and ignored by design
@@ -129,7 +132,8 @@ class WireRequest:
 IGNORED = frozenset({"user", "metadata", "service_tier", "store", "parallel_tool_calls"})
 _HANDLED = frozenset({"model", "stream", "stream_options", "n", "max_tokens", "temperature",
                       "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
-                      "logprobs", "logit_bias"})
+                      "logprobs", "logit_bias",
+                      "priority", "deadline_ms"})  # admission: urgency.py
 #: fields only one endpoint has
 CHAT_ONLY = frozenset({"messages", "max_completion_tokens", "top_logprobs", "tools",
                        "tool_choice", "functions", "function_call", "response_format"})

@@ -1,0 +1,135 @@
+"""A request's own priority class and deadline for admission, within its pipeline's bounds.
+
+A request to ``/v1/chat/completions`` or ``/v1/completions`` may carry the body fields
+``priority`` (``interactive``, ``standard``, ``batch`` or an integer class; higher is more
+urgent) and ``deadline_ms`` (milliseconds from its arrival); any request, ``/runs``
+included (whose body is the record), may send them as the headers
+``X-Tailrace-Priority`` and ``X-Tailrace-Deadline-Ms``. A body field and its header that
+disagree, a malformed value, a class the pipeline's ``serve.priorities`` does not list, a
+deadline outside its ``serve.deadline_ms`` range, or either one on a pipeline that
+declares no such bound: 400 naming the field. ``urgency`` returns what the record's
+transient ``_urgency`` field carries to the admission gate (``AdmissionGate.admit``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from ..api import ServeSpec
+from ..api.pipeline import PRIORITY_CLASSES
+from .openai_wire import WireError
+
+PRIORITY_HEADER = "X-Tailrace-Priority"
+DEADLINE_HEADER = "X-Tailrace-Deadline-Ms"
+_CLASSES = "'interactive', 'standard', 'batch' or an integer class (higher is more urgent)"
+
+
+def _rank(priority: str | int) -> int:
+    return PRIORITY_CLASSES[priority] if isinstance(priority, str) else priority
+
+
+def _priority(value: Any, where: str, header: bool) -> str | int:
+    if header:
+        text = value.strip()
+        if text in PRIORITY_CLASSES:
+            return text
+        try:
+            return int(text)
+        except ValueError:
+            pass
+    elif (isinstance(value, str) and value in PRIORITY_CLASSES) or (
+            isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    raise WireError(f"{where} must be {_CLASSES}, got {value!r}", code="invalid_parameter")
+
+
+def _deadline(value: Any, where: str, header: bool) -> float:
+    v = value
+    if header:
+        try:
+            v = float(value.strip())
+        except ValueError:
+            v = None
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) \
+            or v <= 0:
+        raise WireError(f"{where} must be a positive number of milliseconds from the "
+                        f"request's arrival, got {value!r}", code="invalid_parameter")
+    return float(v)
+
+
+def _one(body: Mapping[str, Any] | None, headers: Mapping[str, str], field: str,
+         header: str, parse: Any, same: Any) -> Any:
+    """The value of ``field`` from the body and/or ``header``; 400 when they disagree."""
+    raw = body.get(field) if body is not None else None
+    got = parse(raw, f"'{field}'", False) if raw is not None else None
+    hraw = headers.get(header)
+    if hraw is not None:
+        hv = parse(hraw, f"header {header}", True)
+        if got is not None and not same(got, hv):
+            raise WireError(f"'{field}' ({raw!r}) and header {header} ({hraw!r}) disagree; "
+                            "send one of them", code="conflicting_parameter")
+        got = hv if got is None else got
+    return got
+
+
+def _ms(x: float) -> str:
+    return f"{x:g}"  # 30000.0 -> 30000
+
+
+def urgency(serve: ServeSpec | None, name: str, body: Mapping[str, Any] | None,
+            headers: Mapping[str, str]) -> dict[str, Any] | None:
+    """The request's ``{"priority": CLASS, "deadline_ms": MS}`` (the keys it set), or None
+    when it set neither; 400 naming the field for a bad, conflicting or disallowed value.
+
+    serve:   the pipeline's ``serve:`` (its ``priorities`` and ``deadline_ms`` bounds).
+    name:    the pipeline's name (for messages).
+    body:    the OpenAI request's JSON object, or None (``/runs``: headers only).
+    headers: the request's headers (case-insensitive mapping).
+    """
+    priority = _one(body, headers, "priority", PRIORITY_HEADER, _priority,
+                    lambda a, b: _rank(a) == _rank(b))
+    deadline = _one(body, headers, "deadline_ms", DEADLINE_HEADER, _deadline,
+                    lambda a, b: a == b)
+    if priority is None and deadline is None:
+        return None
+    out: dict[str, Any] = {}
+    if priority is not None:
+        allowed = serve.priorities if serve is not None else None
+        if allowed is None:
+            raise WireError(f"pipeline '{name}' does not let a request choose its priority; "
+                            "allow classes in its YAML, e.g. serve: {priorities: [batch, "
+                            "standard]}", code="priority_not_allowed")
+        if _rank(priority) not in {_rank(c) for c in allowed}:
+            raise WireError(f"'priority' {priority!r} is not allowed by pipeline '{name}'; "
+                            f"allowed: {', '.join(str(c) for c in allowed)}",
+                            code="priority_not_allowed")
+        out["priority"] = priority
+    if deadline is not None:
+        bounds = serve.deadline_ms if serve is not None else None
+        if bounds is None:
+            raise WireError(f"pipeline '{name}' does not let a request set its deadline; "
+                            "allow a range in its YAML, e.g. serve: {deadline_ms: {min: "
+                            "200, max: 30000}}", code="deadline_not_allowed")
+        lo, hi = bounds
+        if (lo is not None and deadline < lo) or (hi is not None and deadline > hi):
+            span = " and ".join(part for part in (
+                f"at least {_ms(lo)}" if lo is not None else "",
+                f"at most {_ms(hi)}" if hi is not None else "") if part)
+            raise WireError(f"'deadline_ms' must be {span} for pipeline '{name}', got "
+                            f"{_ms(deadline)}", code="deadline_not_allowed")
+        out["deadline_ms"] = deadline
+    return out
+
+
+def bounds(serve: ServeSpec | None) -> dict[str, Any]:
+    """What ``GET /v1/models`` shows of a pipeline's bounds: ``priorities`` (the classes a
+    request may choose) and ``deadline_ms`` (``{"min", "max"}``), where it declares them."""
+    out: dict[str, Any] = {}
+    if serve is not None and serve.priorities is not None:
+        out["priorities"] = list(serve.priorities)
+    if serve is not None and serve.deadline_ms is not None:
+        lo, hi = serve.deadline_ms
+        out["deadline_ms"] = {"min": lo, "max": hi}
+    return out
