@@ -13,28 +13,43 @@ generate starts at the next step instead of waiting for them to finish.
 Context: the KV cache is split per sequence (llama.cpp's non-unified cache), created
 with ``n_ctx * n_seq_max`` cells, so every sequence gets its own ``n_ctx`` tokens:
 ``context_length == n_ctx`` (capped at the model's training context).
+
+Structured output: a request with a ``response_format`` (``json_object``, or
+``json_schema`` turned into a GBNF grammar by llama-cpp-python's ``json_schema_to_gbnf``)
+gets its own llama.cpp grammar sampler, cloned from a compiled grammar cached by schema
+(``GRAMMAR_CACHE`` of them). Each step its token is sampled from the logits as usual and
+then checked against the grammar; only a token the grammar rejects costs a pass of the
+grammar over the whole vocabulary and a new draw from the allowed tokens (the same
+distribution as sampling from the masked logits). End-of-generation is allowed only
+where the grammar is complete, and stop strings do not apply to such a sequence (the
+grammar decides where the JSON ends). Constrained and free sequences share each step.
 """
 
 from __future__ import annotations
 
 import ctypes
 import heapq
+import json
 import logging
 import math
 import os
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ContextOverflow, EngineError
+from ..errors import ContextOverflow, EngineError, StructuredOutputError
 from ._sampling import TextStream, penalise, sample
 from .base import Generation, GenerationRequest, TokenCallback
 from .models import MODELS, model_info, model_path
+from .structured import schema_of
+
+#: compiled grammars (one per distinct JSON schema) an engine keeps for reuse
+GRAMMAR_CACHE = 32
 
 _BACKEND_LOCK = threading.Lock()
 _BACKEND_READY = False
@@ -49,6 +64,27 @@ def _on_llama_log(level: int, text: bytes | None, _user: Any) -> None:
         _LOG_STATE["level"] = level
     if _LOG_STATE["level"] == 4 and text:
         _LOG.error("llama.cpp: %s", text.decode("utf-8", errors="replace").rstrip())
+
+
+def grammar_text(fmt: dict[str, Any]) -> str:
+    """The GBNF grammar of a checked ``response_format``; StructuredOutputError naming the
+    schema when llama-cpp-python cannot turn it into one.
+
+    fmt: ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {...}}``.
+    """
+    from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
+
+    schema = schema_of(fmt)
+    if schema is None:
+        return JSON_GBNF
+    try:
+        text = json_schema_to_gbnf(json.dumps(schema))
+    except Exception as e:  # noqa: BLE001 - the converter raises many kinds
+        raise StructuredOutputError(f"response_format.json_schema.schema: llama.cpp cannot "
+                                    f"build a grammar from it ({type(e).__name__}: {e})"
+                                    ) from None
+    # JSON strings may not hold raw control characters (the converter's char rule allows them)
+    return text.replace('char ::= [^"\\\\] |', 'char ::= [^"\\\\\\x7F\\x00-\\x1F] |')
 
 
 def llama_lib() -> Any:
@@ -103,6 +139,7 @@ class _Seq:
     presence: float = 0.0
     frequency: float = 0.0
     counts: dict[int, int] | None = None  # tokens generated so far (penalties only)
+    grammar: Any = None  # the llama.cpp grammar sampler (response_format), freed at the end
     n_lp: int = -1  # tokens in lp_sum; -1: not asked for (GenerationRequest.logprobs)
     lp_sum: float = 0.0  # summed log-probabilities of the sampled tokens
     n_prompt: int = 0
@@ -121,6 +158,9 @@ class LlamaCppEngine:
 
     Thread-safe: concurrent ``generate`` calls share the decode loop (continuous batching).
     """
+
+    #: ``GenerationRequest.response_format`` types enforced (by a grammar)
+    response_formats = frozenset({"json_object", "json_schema"})
 
     def __init__(self, model: str = "smollm2-135m-instruct", *, path: str | None = None,
                  n_threads: int | None = None, n_ctx: int = 2048, n_seq_max: int = 8,
@@ -160,7 +200,8 @@ class LlamaCppEngine:
         self.seed = seed
         self._rng = np.random.default_rng(seed)
         self._lock = threading.Lock()  # guards the context's life and the inbox
-        self._inbox: deque[tuple[_Call, int, GenerationRequest, list[int]]] = deque()
+        self._inbox: deque[tuple[_Call, int, GenerationRequest, list[int], Any]] = deque()
+        self._grammars: OrderedDict[str, Any] = OrderedDict()  # schema -> compiled sampler
         self._looping = False  # the decode loop is running (or queued) on _decoder
         self._idle = threading.Event()
         self._idle.set()
@@ -246,12 +287,15 @@ class LlamaCppEngine:
                         f"exceeds the model context of {self.context_length} tokens; shorten "
                         "the prompt (e.g. a refine stage's max_tokens) or lower max_tokens")
             call = _Call(len(requests), on_token)
+            grammars = self._grammar_samplers(requests)
             for i, (r, p) in enumerate(zip(requests, prompts, strict=True)):
                 if r.max_tokens <= 0:
                     call.results[i] = Generation("", len(p), 0, "length")
                     call.remaining -= 1
+                    if grammars[i] is not None:
+                        self._lib.llama_sampler_free(grammars[i])
                 else:
-                    self._inbox.append((call, i, r, p))
+                    self._inbox.append((call, i, r, p, grammars[i]))
             if call.remaining == 0:
                 return call.results  # type: ignore[return-value]
             if not self._looping:
@@ -281,6 +325,9 @@ class LlamaCppEngine:
                 break
             lock.release()
         try:
+            for g in getattr(self, "_grammars", {}).values():
+                lib.llama_sampler_free(g)
+            self._grammars = OrderedDict()
             if getattr(self, "_ctx", None) is not None:
                 lib.llama_free(self._ctx)
                 self._ctx = None
@@ -377,6 +424,59 @@ class LlamaCppEngine:
         self._pieces[tok] = piece
         return piece
 
+    # -- grammars (response_format) ----------------------------------------------------
+
+    def _grammar_samplers(self, requests: Sequence[GenerationRequest]) -> list[Any]:
+        """A fresh grammar sampler for each constrained request (None for free ones),
+        cloned from the cached compiled grammar of its schema; the caller holds the lock."""
+        lib = self._lib
+        out: list[Any] = []
+        try:
+            for r in requests:
+                fmt = r.response_format
+                if fmt is None:
+                    out.append(None)
+                    continue
+                if fmt.get("type") not in self.response_formats:
+                    raise EngineError(f"response_format type {fmt.get('type')!r} is not "
+                                      "supported (json_object or json_schema)")
+                schema = schema_of(fmt)
+                key = "" if schema is None else json.dumps(schema, sort_keys=True)
+                proto = self._grammars.get(key)
+                if proto is None:
+                    proto = lib.llama_sampler_init_grammar(
+                        self._vocab, grammar_text(fmt).encode(), b"root")
+                    if not proto:
+                        raise StructuredOutputError("response_format.json_schema.schema: "
+                                                    "llama.cpp could not compile the grammar "
+                                                    "built from it")
+                    self._grammars[key] = proto
+                    while len(self._grammars) > GRAMMAR_CACHE:
+                        lib.llama_sampler_free(self._grammars.popitem(last=False)[1])
+                else:
+                    self._grammars.move_to_end(key)
+                out.append(lib.llama_sampler_clone(proto))
+        except BaseException:
+            for g in out:
+                if g is not None:
+                    lib.llama_sampler_free(g)
+            raise
+        return out
+
+    def _grammar_arrays(self) -> tuple[Any, Any, Any, Any]:
+        """(one-token data, its llama_token_data_array, whole-vocabulary data, its array):
+        numpy ``llama_token_data`` records the grammar sampler masks in place."""
+        np, lib = self._np, self._lib
+        dtype = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+        assert dtype.itemsize == ctypes.sizeof(lib.llama_token_data)
+        one = np.zeros(1, dtype=dtype)
+        full = np.zeros(self.n_vocab, dtype=dtype)
+        full["id"] = np.arange(self.n_vocab, dtype=np.int32)
+        ptr = lib.llama_token_data_p
+        return (one, lib.llama_token_data_array(one.ctypes.data_as(ptr), 1, -1, False),
+                full, lib.llama_token_data_array(full.ctypes.data_as(ptr), self.n_vocab, -1,
+                                                 False))
+
     # -- batch decoding ---------------------------------------------------------------
 
     def _init_batch(self) -> None:
@@ -412,8 +512,30 @@ class LlamaCppEngine:
         get_logits, decode = lib.llama_get_logits_ith, lib.llama_decode
         void_p = ctypes.c_void_p
         stops_default = () if self.chat else self.default_stop
+        apply, accept, free_grammar = (lib.llama_sampler_apply, lib.llama_sampler_accept,
+                                       lib.llama_sampler_free)
+        one, one_arr, full, full_arr = self._grammar_arrays()
+        one_ref, full_ref, full_data = ctypes.byref(one_arr), ctypes.byref(full_arr), full_arr.data
+        neg_inf = -math.inf
 
-        waiting: deque[tuple[_Call, int, GenerationRequest, list[int]]] = deque()
+        def constrain(s: _Seq, logits: Any, t: int) -> int:
+            """``t`` if the grammar allows it, else a new draw among the tokens it allows
+            (-1: it allows none, which a well-formed grammar never does)."""
+            one[0] = (t, 0.0, 0.0)
+            one_arr.size, one_arr.selected, one_arr.sorted = 1, -1, False
+            apply(s.grammar, one_ref)
+            if one["logit"][0] != neg_inf:
+                return t
+            full["logit"] = logits
+            full_arr.data, full_arr.size, full_arr.selected, full_arr.sorted = (
+                full_data, self.n_vocab, -1, False)
+            apply(s.grammar, full_ref)
+            masked = full["logit"]
+            if masked.max() == neg_inf:
+                return -1
+            return sample(masked, s.temperature, s.rng, s.top_p)
+
+        waiting: deque[tuple[_Call, int, GenerationRequest, list[int], Any]] = deque()
         inbox, lock = self._inbox, self._lock
         free = list(range(self.n_seq_max))
         active: list[_Seq] = []  # kept sorted by slot: llama.cpp splits per-seq streams
@@ -437,6 +559,9 @@ class LlamaCppEngine:
             call = s.call
             extra = {"mean_logprob": s.lp_sum / s.n_lp} if s.n_lp > 0 else {}
             call.results[s.index] = Generation(s.stream.text, s.n_prompt, s.n_gen, reason, extra)
+            if s.grammar is not None:
+                free_grammar(s.grammar)
+                s.grammar = None
             lib.llama_memory_seq_rm(mem, s.slot, -1, -1)
             heapq.heappush(free, s.slot)
             call.remaining -= 1
@@ -454,18 +579,21 @@ class LlamaCppEngine:
                         return
                 if waiting and free:
                     while waiting and free:
-                        call, i, r, prompt = waiting.popleft()
+                        call, i, r, prompt, grammar = waiting.popleft()
                         if call.error is not None:  # its call already failed
+                            if grammar is not None:
+                                free_grammar(grammar)
                             continue
                         rseed = r.seed if r.seed is not None else int(self._rng.integers(1 << 63))
                         rng = np.random.default_rng(rseed) if r.temperature > 0 else None
-                        stream = TextStream(tuple(r.stop) + stops_default)
+                        stream = TextStream(() if grammar is not None
+                                            else tuple(r.stop) + stops_default)
                         active.append(_Seq(call, i, heapq.heappop(free),
                                            np.asarray(prompt, dtype=np.int32),
                                            r.max_tokens, r.temperature, rng, stream,
                                            r.top_p, r.presence_penalty, r.frequency_penalty,
                                            {} if r.presence_penalty or r.frequency_penalty
-                                           else None, n_lp=0 if r.logprobs else -1))
+                                           else None, grammar, n_lp=0 if r.logprobs else -1))
                     active.sort(key=lambda s: s.slot)
                     if not active:
                         continue
@@ -516,6 +644,13 @@ class LlamaCppEngine:
                     if s.counts is not None:
                         logits = penalise(logits, s.counts, s.presence, s.frequency)
                     t = sample(logits, s.temperature, s.rng, s.top_p)
+                    if s.grammar is not None:
+                        t = constrain(s, logits, t)
+                        if t < 0:  # a dead end: the JSON cannot go on
+                            finish(s, "stop")
+                            s.row = -2
+                            done = True
+                            continue
                     if s.counts is not None:
                         s.counts[t] = s.counts.get(t, 0) + 1
                     if s.n_lp >= 0:  # log-softmax of the sampled token, stable form
@@ -528,6 +663,8 @@ class LlamaCppEngine:
                         s.row = -2
                         done = True
                         continue
+                    if s.grammar is not None:
+                        accept(s.grammar, t)
                     s.n_gen += 1
                     text = s.stream.feed(piece)
                     if text and not emit(s, text) or s.call.error is not None:
@@ -550,9 +687,15 @@ class LlamaCppEngine:
                 inbox.clear()
                 self._looping = False
                 self._idle.set()
+            for s in active:
+                if s.grammar is not None:
+                    free_grammar(s.grammar)
+                    s.grammar = None
             for call in {id(x.call): x.call for x in active}.values():
                 call.fail(e)
-            for call, *_ in waiting:
+            for call, *_, grammar in waiting:
+                if grammar is not None:
+                    free_grammar(grammar)
                 call.fail(e)
             if not isinstance(e, Exception):
                 raise

@@ -12,8 +12,11 @@ How a pipeline answers an OpenAI request (``Binding``):
   ``frequency_penalty``) go in the transient field ``_options`` ``for`` the answering
   stage (the last ``generate``), which applies them within its YAML limits (its
   ``max_tokens`` is the ceiling; options it lists under ``frozen:`` are a 400 here);
-- fields tailrace cannot honour (``n > 1``, ``logprobs``, ``tools``, a non-text
-  ``response_format``, ``logit_bias``, image or audio parts, unknown fields) are a 400
+- a chat request's ``response_format`` (``json_object``, ``json_schema``) goes in
+  ``_options`` too, checked here (a malformed one, or an invalid JSON Schema, is a 400
+  naming the field); a 400 too when the answering stage's engine cannot enforce it;
+- fields tailrace cannot honour (``n > 1``, ``logprobs``, ``tools``, ``logit_bias``,
+  image or audio parts, unknown fields) are a 400
   naming the field; ``IGNORED`` fields are accepted and ignored by design
   (docs/serving.md, "Request fields", lists every field);
 - the answer is the ``output`` field of that stage; usage comes from its ``usage:``
@@ -32,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..compiler import Plan
+from ..engines.structured import check_response_format, enforced_by
 
 #: The ``error.type`` OpenAI clients expect for each HTTP status.
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
@@ -176,6 +180,13 @@ def _options(body: dict, chat: bool) -> dict[str, Any]:
                             f"strings, got {stop!r}", code="invalid_parameter")
         if stops:
             opts["stop"] = tuple(stops)
+    if chat:
+        try:
+            fmt = check_response_format(body.get("response_format"))
+        except ValueError as e:
+            raise WireError(str(e), code="invalid_response_format") from None
+        if fmt is not None:
+            opts["response_format"] = fmt
     return opts
 
 
@@ -207,10 +218,6 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
     for name in ("tool_choice", "function_call"):
         if body.get(name) not in (None, "none"):
             raise _unsupported(name, "no tool stage answers tool calls here")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise _unsupported("response_format", "only {\"type\": \"text\"}; the engine "
-                           "cannot enforce JSON output here")
     if body.get("echo"):
         raise _unsupported("echo", "the prompt is not echoed")
     if body.get("best_of") not in (None, 1):
@@ -338,6 +345,7 @@ class Binding:
     engine:       that stage's engine spec (for counting tokens).
     problem:      why the pipeline cannot answer chat/completion requests, or None.
     frozen:       the options that stage's ``frozen:`` keeps from requests.
+    response_formats: the ``response_format`` types that stage's engine enforces.
     """
 
     input_field: str | None
@@ -347,6 +355,7 @@ class Binding:
     engine: Any
     problem: str | None
     frozen: frozenset[str] = frozenset()
+    response_formats: frozenset[str] = frozenset()
 
 
 def bind(plan: Plan) -> Binding:
@@ -376,12 +385,14 @@ def bind(plan: Plan) -> Binding:
                    gen.params.get("usage") if gen else None,
                    int(gen.params.get("max_tokens") or 0) if gen else 0,
                    gen.params.get("_engine") if gen else None, problem,
-                   frozenset(gen.params.get("frozen") or ()) if gen else frozenset())
+                   frozenset(gen.params.get("frozen") or ()) if gen else frozenset(),
+                   enforced_by(gen.params.get("_engine")) if gen else frozenset())
 
 
 def options_record(b: Binding, req: WireRequest, name: str) -> dict[str, Any]:
     """The transient ``_options`` field for a request: its sampling options, ``for`` the
-    answering stage (its output field); 400 naming an option the pipeline froze.
+    answering stage (its output field); 400 naming an option the pipeline froze, or a
+    ``response_format`` its engine cannot enforce.
 
     b:    the pipeline's binding.
     req:  the parsed request.
@@ -393,6 +404,12 @@ def options_record(b: Binding, req: WireRequest, name: str) -> dict[str, Any]:
             raise WireError(f"'{asked}' is fixed by pipeline '{name}' (its answering generate "
                             "stage lists it under frozen:); leave it out of the request",
                             code="frozen_parameter")
+    fmt = req.options.get("response_format")
+    if fmt is not None and fmt["type"] not in b.response_formats:
+        raise WireError(f"'response_format' ({fmt['type']}) cannot be enforced by pipeline "
+                        f"'{name}': its answering generate stage's engine has no JSON "
+                        "constraint (llama_cpp and openai engines do)",
+                        code="unsupported_response_format")
     return {"for": b.answer_field, **req.options}
 
 
