@@ -26,13 +26,24 @@ from .models import backend
 RESPONSE_FORMATS = ("json_object", "json_schema")
 
 
+def _jsonschema() -> Any:
+    try:
+        import jsonschema
+    except ImportError:
+        from ..errors import EngineError
+
+        raise EngineError("structured output (response_format, json_schema) needs the "
+                          "jsonschema package; install it with: pip install jsonschema"
+                          ) from None
+    return jsonschema
+
+
 def check_schema(schema: Any, where: str) -> dict[str, Any]:
     """``schema`` if it is a valid JSON Schema (an object); ValueError naming ``where``."""
     if not isinstance(schema, dict):
         raise ValueError(f"{where} must be an object (a JSON Schema like {{\"type\": "
                          f"\"object\", \"properties\": {{...}}}}), got {type(schema).__name__}")
-    import jsonschema
-
+    jsonschema = _jsonschema()
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:
@@ -149,8 +160,7 @@ def check_answer(text: str, fmt: dict[str, Any], finish_reason: str,
         if not isinstance(value, dict):
             return f"the answer is JSON but not an object: {text[:80]!r}"
         return None
-    import jsonschema
-
+    jsonschema = _jsonschema()
     schema = schema_of(fmt)
     error = jsonschema.exceptions.best_match(
         jsonschema.validators.validator_for(schema)(schema).iter_errors(value))
