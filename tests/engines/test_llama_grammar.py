@@ -107,6 +107,13 @@ def test_an_invalid_schema_is_a_clear_error(engine):
                                                     r"llama.cpp cannot build a grammar from it "
                                                     r"\(AssertionError: Unrecognized schema"):
         engine.generate([chat(), chat(response_format=fmt({"not": {"type": "string"}}))])
+    # a request built by hand is checked too, naming the field
+    for bad, message in (({"type": "xml"}, r"response_format.type must be 'text', "
+                                           r"'json_object' or 'json_schema', got 'xml'"),
+                         ({"type": "json_schema", "json_schema": {"schema": [1]}},
+                          r"response_format.json_schema.schema must be an object")):
+        with pytest.raises(StructuredOutputError, match=message):
+            engine.generate([chat(response_format=bad)])
     assert engine.generate([chat(max_tokens=2)])[0].completion_tokens == 2  # still serves
 
 

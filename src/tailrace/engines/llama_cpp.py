@@ -46,7 +46,7 @@ from ..errors import ContextOverflow, EngineError, StructuredOutputError
 from ._sampling import TextStream, penalise, sample
 from .base import Generation, GenerationRequest, TokenCallback
 from .models import MODELS, model_info, model_path
-from .structured import schema_of
+from .structured import check_response_format, schema_of
 
 #: compiled grammars (one per distinct JSON schema) an engine keeps for reuse
 GRAMMAR_CACHE = 32
@@ -434,16 +434,22 @@ class LlamaCppEngine:
         try:
             for r in requests:
                 fmt = r.response_format
-                if fmt is None:
+                if fmt is None or fmt.get("type") == "text":
                     out.append(None)
                     continue
-                if fmt.get("type") not in self.response_formats:
-                    raise EngineError(f"response_format type {fmt.get('type')!r} is not "
-                                      "supported (json_object or json_schema)")
-                schema = schema_of(fmt)
-                key = "" if schema is None else json.dumps(schema, sort_keys=True)
+                js = fmt.get("json_schema")
+                key = "" if fmt.get("type") == "json_object" else json.dumps(
+                    js.get("schema") if isinstance(js, dict) else None, sort_keys=True,
+                    default=repr)
                 proto = self._grammars.get(key)
                 if proto is None:
+                    try:  # a new schema: checked once (cached ones passed)
+                        fmt = check_response_format(fmt)
+                    except ValueError as e:
+                        raise StructuredOutputError(str(e)) from None
+                    if fmt is None:  # (only {"type": "text"} normalises to None)
+                        out.append(None)
+                        continue
                     proto = lib.llama_sampler_init_grammar(
                         self._vocab, grammar_text(fmt).encode(), b"root")
                     if not proto:
