@@ -1,6 +1,7 @@
 """Structured output from the embedded SmolLM2-135M over HTTP with the official ``openai``
 client: ``response_format`` json_schema answers (plain and streamed) that validate, a
-pipeline whose stage declares the schema, and a schema llama.cpp cannot enforce."""
+pipeline whose stage declares the schema, and a schema llama.cpp cannot enforce (a 400,
+or a compile error for a stage's schema)."""
 
 from __future__ import annotations
 
@@ -68,9 +69,18 @@ def test_json_object_and_a_stage_declared_schema(client):
     jsonschema.validate(json.loads(r.choices[0].message.content), CITY)
 
 
-def test_a_schema_llama_cpp_cannot_enforce_fails_clearly(client):
+def test_a_schema_llama_cpp_cannot_enforce_is_a_400(client):
     bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "not": {"type": "string"}}}}
-    with pytest.raises(openai.InternalServerError, match="llama.cpp cannot build a grammar "
-                                                         "from it"):
+    with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="chat", messages=ASK, response_format=bad)
+    assert e.value.body["message"].startswith(
+        "response_format.json_schema.schema: llama.cpp cannot build a grammar from it "
+        "(AssertionError: Unrecognized schema")
+    assert e.value.body["code"] == "unsupported_schema"
+
+
+def test_a_stage_schema_llama_cpp_cannot_enforce_fails_at_compile_time():
+    with pytest.raises(tr.PlanError, match=r"generate: json_schema: response_format.json_schema"
+                                           r".schema: llama.cpp cannot build a grammar from it"):
+        tr.compile_pipeline(pipeline("bad", json_schema={"not": {"type": "string"}}))

@@ -28,6 +28,7 @@ grammar decides where the JSON ends). Constrained and free sequences share each 
 from __future__ import annotations
 
 import ctypes
+import functools
 import heapq
 import json
 import logging
@@ -72,13 +73,21 @@ def grammar_text(fmt: dict[str, Any]) -> str:
 
     fmt: ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {...}}``.
     """
-    from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
-
     schema = schema_of(fmt)
     if schema is None:
-        return JSON_GBNF
+        from llama_cpp.llama_grammar import JSON_GBNF
+
+        return str(JSON_GBNF)
+    return _schema_grammar(json.dumps(schema, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=GRAMMAR_CACHE)
+def _schema_grammar(schema: str) -> str:
+    """The GBNF grammar of a JSON Schema's text (cached: the wire checks each request's)."""
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
+
     try:
-        text = json_schema_to_gbnf(json.dumps(schema))
+        text = json_schema_to_gbnf(schema)
     except Exception as e:  # noqa: BLE001 - the converter raises many kinds
         raise StructuredOutputError(f"response_format.json_schema.schema: llama.cpp cannot "
                                     f"build a grammar from it ({type(e).__name__}: {e})"
@@ -161,6 +170,12 @@ class LlamaCppEngine:
 
     #: ``GenerationRequest.response_format`` types enforced (by a grammar)
     response_formats = frozenset({"json_object", "json_schema"})
+
+    @staticmethod
+    def check_constraint(fmt: dict[str, Any]) -> None:
+        """StructuredOutputError if the checked ``response_format`` cannot become a grammar
+        (a JSON Schema feature llama-cpp-python's converter lacks, e.g. ``not``)."""
+        grammar_text(fmt)
 
     def __init__(self, model: str = "smollm2-135m-instruct", *, path: str | None = None,
                  n_threads: int | None = None, n_ctx: int = 2048, n_seq_max: int = 8,

@@ -108,20 +108,39 @@ def schema_of(fmt: dict[str, Any]) -> dict[str, Any] | None:
     return fmt["json_schema"]["schema"] if fmt["type"] == "json_schema" else None
 
 
+def _engine_class(spec: Any) -> Any:
+    """The engine class of ``spec`` (a pool's too), imported but not opened; None if
+    unknown."""
+    if not isinstance(spec, dict):
+        return None
+    try:
+        module, cls, _ = backend(spec.get("backend"))
+        return getattr(importlib.import_module(module), cls)
+    except Exception:  # noqa: BLE001 - an unknown or broken backend enforces nothing
+        return None
+
+
 def enforced_by(spec: Any) -> frozenset[str]:
     """The constraint types the engine of ``spec`` (an engine spec, a pool's too)
     enforces: its class's ``response_formats``, found without opening it (empty if none).
 
     spec: an engine spec like ``{backend: llama_cpp, model: ...}``.
     """
-    if not isinstance(spec, dict):
-        return frozenset()
-    try:
-        module, cls, _ = backend(spec.get("backend"))
-        kinds = getattr(getattr(importlib.import_module(module), cls), "response_formats", ())
-    except Exception:  # noqa: BLE001 - an unknown or broken backend enforces nothing
-        return frozenset()
-    return frozenset(kinds)
+    return frozenset(getattr(_engine_class(spec), "response_formats", ()))
+
+
+def check_enforceable(spec: Any, fmt: dict[str, Any]) -> None:
+    """Raise the engine's own error (e.g. ``StructuredOutputError``) if the engine of
+    ``spec`` cannot turn the checked constraint ``fmt`` into one: its class's optional
+    ``check_constraint(fmt)`` (llama.cpp: the schema converts to a grammar). Lets callers
+    refuse such a schema up front (a 400, a compile error) instead of at generation.
+
+    spec: an engine spec.
+    fmt:  a checked constraint.
+    """
+    check = getattr(_engine_class(spec), "check_constraint", None)
+    if check is not None:
+        check(fmt)
 
 
 def refuse(engine: Any, requests: Any) -> None:

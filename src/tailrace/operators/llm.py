@@ -20,7 +20,7 @@ import string
 from typing import Any
 
 from ..engines import GenerationRequest, open_engine
-from ..engines.structured import check_answer, check_schema, enforced_by
+from ..engines.structured import check_answer, check_enforceable, check_schema, enforced_by
 from ..errors import ContextOverflow, EngineError, StructuredOutputError
 from .common import (
     ENGINE_HINT,
@@ -190,6 +190,11 @@ def _prepare_generate(params: dict, ctx: Any) -> dict:
             raise ValueError(f"generate: json_schema needs an engine that enforces it "
                              f"(llama_cpp or openai); engine '{params['engine']}' (backend "
                              f"'{params['_engine'].get('backend')}') cannot")
+        try:  # e.g. a schema llama.cpp cannot turn into a grammar
+            check_enforceable(params["_engine"], {"type": "json_schema", "json_schema": {
+                "name": params["output"], "schema": params["json_schema"]}})
+        except EngineError as e:
+            raise ValueError(f"generate: json_schema: {e}") from None
     return params
 
 

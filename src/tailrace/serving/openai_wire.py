@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..compiler import Plan
-from ..engines.structured import check_response_format, enforced_by
+from ..engines.structured import check_enforceable, check_response_format, enforced_by
+from ..errors import EngineError
 
 #: The ``error.type`` OpenAI clients expect for each HTTP status.
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
@@ -392,7 +393,7 @@ def bind(plan: Plan) -> Binding:
 def options_record(b: Binding, req: WireRequest, name: str) -> dict[str, Any]:
     """The transient ``_options`` field for a request: its sampling options, ``for`` the
     answering stage (its output field); 400 naming an option the pipeline froze, or a
-    ``response_format`` its engine cannot enforce.
+    ``response_format`` its engine cannot enforce (or whose schema it cannot).
 
     b:    the pipeline's binding.
     req:  the parsed request.
@@ -410,6 +411,11 @@ def options_record(b: Binding, req: WireRequest, name: str) -> dict[str, Any]:
                         f"'{name}': its answering generate stage's engine has no JSON "
                         "constraint (llama_cpp and openai engines do)",
                         code="unsupported_response_format")
+    if fmt is not None:
+        try:
+            check_enforceable(b.engine, fmt)
+        except EngineError as e:  # e.g. a schema llama.cpp cannot turn into a grammar
+            raise WireError(str(e), code="unsupported_schema") from None
     return {"for": b.answer_field, **req.options}
 
 
