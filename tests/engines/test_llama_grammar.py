@@ -156,3 +156,15 @@ def test_the_constraint_crosses_a_pool_process(person):
     with EnginePool("json", spec, replicas=1) as pool:
         [g] = pool.generate([chat(response_format=fmt(PERSON))])
     assert g.text == person.text  # the replica process enforced the same grammar
+
+
+def test_the_docs_example_runs(capsys):
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "engines.md").read_text()
+    [code] = [b for b in re.findall(r"```python\n(.*?)```", doc, re.S)
+              if "response_format" in b]
+    exec(code, {})  # noqa: S102
+    text, finish = capsys.readouterr().out.strip().rsplit(" ", 1)
+    assert json.loads(text) == {"city": "Paris"} and finish == "stop"

@@ -84,3 +84,15 @@ def test_a_stage_schema_llama_cpp_cannot_enforce_fails_at_compile_time():
     with pytest.raises(tr.PlanError, match=r"generate: json_schema: response_format.json_schema"
                                            r".schema: llama.cpp cannot build a grammar from it"):
         tr.compile_pipeline(pipeline("bad", json_schema={"not": {"type": "string"}}))
+
+
+def test_the_docs_example_runs(client, capsys):
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
+    [code] = [b for b in re.findall(r"```python\n(.*?)```", doc, re.S)
+              if "response_format" in b]
+    assert 'base_url="http://127.0.0.1:8000/v1"' in code
+    exec(code.replace("http://127.0.0.1:8000/v1", str(client.base_url)), {})  # noqa: S102
+    assert capsys.readouterr().out.strip() == "Paris"
