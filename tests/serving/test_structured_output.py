@@ -81,7 +81,8 @@ def url(jsonecho):
     hub = ServingHub([PipelineService(answering("echo", fakes.echo_spec())),
                       PipelineService(answering("json", json_spec())),
                       PipelineService(answering("frozen", json_spec(),
-                                                frozen=["response_format"]))])
+                                                frozen=["response_format"])),
+                      PipelineService(answering("people", json_spec(), json_schema=PERSON))])
     with running(hub) as u:
         yield u
 
@@ -243,3 +244,14 @@ def test_a_yaml_json_schema_is_checked_at_compile_time(jsonecho, engine, schema,
     with pytest.raises(PlanError, match=None) as e:
         tr.compile_pipeline(answering("p", spec, json_schema=schema))
     assert message in str(e.value)
+
+
+def test_a_stage_schema_applies_unless_the_request_brings_its_own(url):
+    stage = {"type": "json_schema", "json_schema": {"name": "answer", "schema": PERSON}}
+    for fmt in (None, {"type": "text"}):
+        r = ask(url, model="people", **({"response_format": fmt} if fmt else {}))
+        assert r.status_code == 200 and json.loads(
+            r.json()["choices"][0]["message"]["content"]) == {"name": "Ada", "age": 7}
+        assert fakes.EchoEngine.REQUESTS[-1].response_format == stage
+    assert ask(url, model="people", response_format={"type": "json_object"}).status_code == 200
+    assert fakes.EchoEngine.REQUESTS[-1].response_format == {"type": "json_object"}
