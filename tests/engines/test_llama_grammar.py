@@ -11,6 +11,7 @@ import jsonschema
 import pytest
 
 from tailrace.engines import llama_cpp as llama_module
+from tailrace.engines import llama_grammar
 from tailrace.engines.base import GenerationRequest
 from tailrace.engines.llama_cpp import LlamaCppEngine
 from tailrace.engines.structured import check_answer, check_response_format
@@ -132,7 +133,7 @@ def test_grammar_samplers_are_freed_and_the_cache_is_bounded(engine, monkeypatch
     freed: list = []
     monkeypatch.setattr(lib, "llama_sampler_clone", counted_clone)
     monkeypatch.setattr(lib, "llama_sampler_free", lambda s: (freed.append(s), free(s)))
-    monkeypatch.setattr(llama_module, "GRAMMAR_CACHE", 2)
+    monkeypatch.setattr(llama_grammar, "GRAMMAR_CACHE", 2)
     schemas = [{"type": "object", "required": [k], "properties": {k: {"type": "integer"}}}
                for k in ("a", "b", "c")]
     cancel_after_one = lambda i, piece: i != 1  # noqa: E731 - the caller of #1 went away
@@ -145,7 +146,7 @@ def test_grammar_samplers_are_freed_and_the_cache_is_bounded(engine, monkeypatch
     made = counted_clone.made
     assert len(made) == 4
     assert all(any(f is m for f in freed) for m in made)  # every sequence's sampler freed
-    assert len(engine._grammars) == 2  # the oldest compiled grammar was evicted (and freed)
+    assert len(engine._grammars) == 2  # the oldest compiled grammars were evicted (and freed)
 
 
 def test_the_constraint_crosses_a_pool_process(person):

@@ -17,7 +17,7 @@ with ``n_ctx * n_seq_max`` cells, so every sequence gets its own ``n_ctx`` token
 Structured output: a request with a ``response_format`` (``json_object``, or
 ``json_schema`` turned into a GBNF grammar by llama-cpp-python's ``json_schema_to_gbnf``)
 gets its own llama.cpp grammar sampler, cloned from a compiled grammar cached by schema
-(``GRAMMAR_CACHE`` of them). Each step its token is sampled from the logits as usual and
+(``llama_grammar``). Each step its token is sampled from the logits as usual and
 then checked against the grammar; only a token the grammar rejects costs a pass of the
 grammar over the whole vocabulary and a new draw from the allowed tokens (the same
 distribution as sampling from the masked logits). End-of-generation is allowed only
@@ -28,29 +28,24 @@ grammar decides where the JSON ends). Constrained and free sequences share each 
 from __future__ import annotations
 
 import ctypes
-import functools
 import heapq
-import json
 import logging
 import math
 import os
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ContextOverflow, EngineError, StructuredOutputError
+from ..errors import ContextOverflow, EngineError
 from ._sampling import TextStream, penalise, sample
 from .base import Generation, GenerationRequest, TokenCallback
+from .llama_grammar import Grammars, grammar_text, token_arrays
 from .models import MODELS, model_info, model_path
-from .structured import check_response_format, schema_of
-
-#: compiled grammars (one per distinct JSON schema) an engine keeps for reuse
-GRAMMAR_CACHE = 32
 
 _BACKEND_LOCK = threading.Lock()
 _BACKEND_READY = False
@@ -65,35 +60,6 @@ def _on_llama_log(level: int, text: bytes | None, _user: Any) -> None:
         _LOG_STATE["level"] = level
     if _LOG_STATE["level"] == 4 and text:
         _LOG.error("llama.cpp: %s", text.decode("utf-8", errors="replace").rstrip())
-
-
-def grammar_text(fmt: dict[str, Any]) -> str:
-    """The GBNF grammar of a checked ``response_format``; StructuredOutputError naming the
-    schema when llama-cpp-python cannot turn it into one.
-
-    fmt: ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {...}}``.
-    """
-    schema = schema_of(fmt)
-    if schema is None:
-        from llama_cpp.llama_grammar import JSON_GBNF
-
-        return str(JSON_GBNF)
-    return _schema_grammar(json.dumps(schema, sort_keys=True))
-
-
-@functools.lru_cache(maxsize=GRAMMAR_CACHE)
-def _schema_grammar(schema: str) -> str:
-    """The GBNF grammar of a JSON Schema's text (cached: the wire checks each request's)."""
-    from llama_cpp.llama_grammar import json_schema_to_gbnf
-
-    try:
-        text = json_schema_to_gbnf(schema)
-    except Exception as e:  # noqa: BLE001 - the converter raises many kinds
-        raise StructuredOutputError(f"response_format.json_schema.schema: llama.cpp cannot "
-                                    f"build a grammar from it ({type(e).__name__}: {e})"
-                                    ) from None
-    # JSON strings may not hold raw control characters (the converter's char rule allows them)
-    return text.replace('char ::= [^"\\\\] |', 'char ::= [^"\\\\\\x7F\\x00-\\x1F] |')
 
 
 def llama_lib() -> Any:
@@ -216,7 +182,6 @@ class LlamaCppEngine:
         self._rng = np.random.default_rng(seed)
         self._lock = threading.Lock()  # guards the context's life and the inbox
         self._inbox: deque[tuple[_Call, int, GenerationRequest, list[int], Any]] = deque()
-        self._grammars: OrderedDict[str, Any] = OrderedDict()  # schema -> compiled sampler
         self._looping = False  # the decode loop is running (or queued) on _decoder
         self._idle = threading.Event()
         self._idle.set()
@@ -240,6 +205,7 @@ class LlamaCppEngine:
             raise EngineError(f"llama.cpp could not load the model file {self.path}")
         try:
             self._vocab = lib.llama_model_get_vocab(self._model)
+            self._grammars = Grammars(lib, self._vocab)  # compiled response_format grammars
             self.n_vocab = int(lib.llama_vocab_n_tokens(self._vocab))
             n_ctx = min(n_ctx, int(lib.llama_model_n_ctx_train(self._model)) or n_ctx)
             cparams = lib.llama_context_default_params()
@@ -302,7 +268,7 @@ class LlamaCppEngine:
                         f"exceeds the model context of {self.context_length} tokens; shorten "
                         "the prompt (e.g. a refine stage's max_tokens) or lower max_tokens")
             call = _Call(len(requests), on_token)
-            grammars = self._grammar_samplers(requests)
+            grammars = self._grammars.samplers(requests)
             for i, (r, p) in enumerate(zip(requests, prompts, strict=True)):
                 if r.max_tokens <= 0:
                     call.results[i] = Generation("", len(p), 0, "length")
@@ -340,9 +306,8 @@ class LlamaCppEngine:
                 break
             lock.release()
         try:
-            for g in getattr(self, "_grammars", {}).values():
-                lib.llama_sampler_free(g)
-            self._grammars = OrderedDict()
+            if getattr(self, "_grammars", None) is not None:
+                self._grammars.close()
             if getattr(self, "_ctx", None) is not None:
                 lib.llama_free(self._ctx)
                 self._ctx = None
@@ -439,65 +404,6 @@ class LlamaCppEngine:
         self._pieces[tok] = piece
         return piece
 
-    # -- grammars (response_format) ----------------------------------------------------
-
-    def _grammar_samplers(self, requests: Sequence[GenerationRequest]) -> list[Any]:
-        """A fresh grammar sampler for each constrained request (None for free ones),
-        cloned from the cached compiled grammar of its schema; the caller holds the lock."""
-        lib = self._lib
-        out: list[Any] = []
-        try:
-            for r in requests:
-                fmt = r.response_format
-                if fmt is None or fmt.get("type") == "text":
-                    out.append(None)
-                    continue
-                js = fmt.get("json_schema")
-                key = "" if fmt.get("type") == "json_object" else json.dumps(
-                    js.get("schema") if isinstance(js, dict) else None, sort_keys=True,
-                    default=repr)
-                proto = self._grammars.get(key)
-                if proto is None:
-                    try:  # a new schema: checked once (cached ones passed)
-                        fmt = check_response_format(fmt)
-                    except ValueError as e:
-                        raise StructuredOutputError(str(e)) from None
-                    if fmt is None:  # (only {"type": "text"} normalises to None)
-                        out.append(None)
-                        continue
-                    proto = lib.llama_sampler_init_grammar(
-                        self._vocab, grammar_text(fmt).encode(), b"root")
-                    if not proto:
-                        raise StructuredOutputError("response_format.json_schema.schema: "
-                                                    "llama.cpp could not compile the grammar "
-                                                    "built from it")
-                    self._grammars[key] = proto
-                    while len(self._grammars) > GRAMMAR_CACHE:
-                        lib.llama_sampler_free(self._grammars.popitem(last=False)[1])
-                else:
-                    self._grammars.move_to_end(key)
-                out.append(lib.llama_sampler_clone(proto))
-        except BaseException:
-            for g in out:
-                if g is not None:
-                    lib.llama_sampler_free(g)
-            raise
-        return out
-
-    def _grammar_arrays(self) -> tuple[Any, Any, Any, Any]:
-        """(one-token data, its llama_token_data_array, whole-vocabulary data, its array):
-        numpy ``llama_token_data`` records the grammar sampler masks in place."""
-        np, lib = self._np, self._lib
-        dtype = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
-        assert dtype.itemsize == ctypes.sizeof(lib.llama_token_data)
-        one = np.zeros(1, dtype=dtype)
-        full = np.zeros(self.n_vocab, dtype=dtype)
-        full["id"] = np.arange(self.n_vocab, dtype=np.int32)
-        ptr = lib.llama_token_data_p
-        return (one, lib.llama_token_data_array(one.ctypes.data_as(ptr), 1, -1, False),
-                full, lib.llama_token_data_array(full.ctypes.data_as(ptr), self.n_vocab, -1,
-                                                 False))
-
     # -- batch decoding ---------------------------------------------------------------
 
     def _init_batch(self) -> None:
@@ -535,7 +441,7 @@ class LlamaCppEngine:
         stops_default = () if self.chat else self.default_stop
         apply, accept, free_grammar = (lib.llama_sampler_apply, lib.llama_sampler_accept,
                                        lib.llama_sampler_free)
-        one, one_arr, full, full_arr = self._grammar_arrays()
+        one, one_arr, full, full_arr = token_arrays(lib, self.n_vocab)
         one_ref, full_ref, full_data = ctypes.byref(one_arr), ctypes.byref(full_arr), full_arr.data
         neg_inf = -math.inf
 
