@@ -255,3 +255,34 @@ def test_a_stage_schema_applies_unless_the_request_brings_its_own(url):
         assert fakes.EchoEngine.REQUESTS[-1].response_format == stage
     assert ask(url, model="people", response_format={"type": "json_object"}).status_code == 200
     assert fakes.EchoEngine.REQUESTS[-1].response_format == {"type": "json_object"}
+
+
+def test_the_latency_model_server_refuses_response_format():
+    """The benchmark's OpenAI-compatible latency server writes no real text: it says so
+    (a 400) rather than answering unconstrained; the openai engine reports it."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from tailrace.engines.openai import OpenAIEngine
+    from tailrace.errors import EngineError
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "latency_server.py"
+    ls = sys.modules.get("latency_server")
+    if ls is None:
+        spec = importlib.util.spec_from_file_location("latency_server", path)
+        ls = importlib.util.module_from_spec(spec)
+        sys.modules["latency_server"] = ls
+        spec.loader.exec_module(ls)
+    with ls.start_server() as srv:
+        eng = OpenAIEngine(srv.url, "m", retries=0)
+        try:
+            with pytest.raises(EngineError, match="'response_format' cannot be enforced: "
+                                                  "this latency-model server"):
+                eng.generate([GenerationRequest(messages=({"role": "user", "content": "x"},),
+                                                max_tokens=2, response_format=FORMAT)])
+            [g] = eng.generate([GenerationRequest(
+                messages=({"role": "user", "content": "x"},), max_tokens=2)])
+        finally:
+            eng.close()
+    assert g.completion_tokens == 2
