@@ -286,3 +286,35 @@ def test_the_latency_model_server_refuses_response_format():
         finally:
             eng.close()
     assert g.completion_tokens == 2
+
+
+def test_validating_an_answer_never_fetches_a_schema_ref():
+    """A client's schema with a ``$ref`` URL must not make the server fetch it."""
+    import http.server
+    import threading
+
+    from tailrace.engines.structured import check_answer, check_response_format
+
+    hits: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the http.server hook
+            hits.append(self.path)
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b'{"type": "string"}')
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        fmt = check_response_format({"type": "json_schema", "json_schema": {"name": "r", "schema": {
+            "$ref": f"http://127.0.0.1:{srv.server_port}/s.json"}}})
+        why = check_answer("{}", fmt, "stop", 8)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert why.startswith("the answer could not be checked against the json_schema 'r': ")
+    assert "Unresolvable" in why and hits == []

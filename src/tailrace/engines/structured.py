@@ -181,8 +181,14 @@ def check_answer(text: str, fmt: dict[str, Any], finish_reason: str,
         return None
     jsonschema = _jsonschema()
     schema = schema_of(fmt)
-    error = jsonschema.exceptions.best_match(
-        jsonschema.validators.validator_for(schema)(schema).iter_errors(value))
+    from referencing import Registry  # (a jsonschema dependency)
+
+    try:  # an empty registry: a client's schema never makes the server fetch a $ref URL
+        validator = jsonschema.validators.validator_for(schema)(schema, registry=Registry())
+        error = jsonschema.exceptions.best_match(validator.iter_errors(value))
+    except Exception as e:  # noqa: BLE001 - e.g. a $ref to a schema not at hand
+        return (f"the answer could not be checked against the json_schema "
+                f"'{fmt['json_schema']['name']}': {type(e).__name__}: {e}")
     if error is None:
         return None
     at = "/".join(str(p) for p in error.absolute_path)
