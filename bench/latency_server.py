@@ -388,6 +388,10 @@ def _parse(body: Any, chat: bool, config: LatencyConfig) -> _Job:
         raise _BadRequest(f"'max_tokens' must be a non-negative integer, got {max_tokens!r}")
     if body.get("n", 1) not in (1, None):
         raise _BadRequest("this server supports only n=1")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise _BadRequest("'response_format' cannot be enforced: this latency-model server "
+                          "generates no real text (only {\"type\": \"text\"})")
     marker = LEN_MARKER.search(last)
     if marker is not None and int(marker.group(1)) <= max_tokens:
         completion_tokens, finish = int(marker.group(1)), "stop"

@@ -64,6 +64,12 @@ class ContextOverflow(EngineError):
     """A prompt (plus ``max_tokens``) does not fit in the model's context window."""
 
 
+class StructuredOutputError(EngineError):
+    """A ``response_format`` the engine cannot turn into a constraint (a JSON schema it
+    cannot compile), or a generated answer that does not satisfy it (not JSON, cut by
+    ``max_tokens``, or not valid against its JSON schema)."""
+
+
 class StoreError(TailraceError):
     """A store (vector or live index, memory store, corpus) is missing, corrupt, or
     incompatible with what uses it (e.g. the query embedder)."""

@@ -9,6 +9,7 @@ from typing import Any
 
 import tailrace as tr
 from tailrace.engines import Generation, GenerationRequest
+from tailrace.engines.structured import refuse
 
 
 class EchoEngine:
@@ -36,6 +37,7 @@ class EchoEngine:
 
     def generate(self, requests: Sequence[GenerationRequest],
                  on_token: Any = None) -> list[Generation]:
+        refuse(self, requests)  # no JSON constraint here (no ``response_formats``)
         out = []
         EchoEngine.REQUESTS.extend(requests)
         for i, r in enumerate(requests):

@@ -345,3 +345,20 @@ def test_token_reservations_count_every_model_stage():
     [tc] = [o for s in agent_plan.stages for o in s.ops if o.op.name == "tool_call"]
     assert tc.params["max_rounds"] >= 1
     assert output_tokens(agent_plan) == 16 * (tc.params["max_rounds"] + 1)
+
+
+def test_response_format_needs_a_generate_stage_to_answer(monkeypatch):
+    """Only a generate stage validates a JSON answer: a route or tool_call answering
+    stage refuses ``response_format`` even when its engine could constrain decoding."""
+    monkeypatch.setattr(Tagged, "response_formats", ("json_object", "json_schema"),
+                        raising=False)
+    hub = ServingHub([PipelineService(routed()), PipelineService(agent())])
+    with running(hub) as u:
+        for model in ("routed", "agent"):
+            with pytest.raises(openai.BadRequestError) as e:
+                client(u).chat.completions.create(model=model, messages=CHAT,
+                                                  response_format={"type": "json_object"})
+            assert e.value.body["code"] == "unsupported_response_format"
+            assert "'response_format' (json_object)" in e.value.body["message"]
+    assert bind(compile_pipeline(generated())).response_formats == {"json_object",
+                                                                    "json_schema"}

@@ -29,6 +29,10 @@ class GenerationRequest:
     top_p: float = 1.0  # nucleus sampling: the smallest set of tokens with this much mass
     presence_penalty: float = 0.0  # subtracted from a token's logit once it was generated
     frequency_penalty: float = 0.0  # subtracted per time a token was generated
+    response_format: dict[str, Any] | None = None  # structured output: a constraint checked
+    # by ``structured.check_response_format`` ({"type": "json_object"} or {"type":
+    # "json_schema", "json_schema": {"name", "schema", ...}}); None: free text. Engines
+    # whose ``response_formats`` lacks its type refuse the request
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,8 @@ class GenerationEngine(Protocol):
 
     model: str  # the model name it was created with (e.g. "smollm2-135m-instruct")
     context_length: int  # tokens of context per sequence
+    # optional class attribute ``response_formats: frozenset[str]``: the
+    # ``GenerationRequest.response_format`` types it enforces (absent: none)
 
     def count_tokens(self, text: str) -> int:
         """Tokens ``text`` takes in this model's tokenizer."""

@@ -13,6 +13,16 @@ generate starts at the next step instead of waiting for them to finish.
 Context: the KV cache is split per sequence (llama.cpp's non-unified cache), created
 with ``n_ctx * n_seq_max`` cells, so every sequence gets its own ``n_ctx`` tokens:
 ``context_length == n_ctx`` (capped at the model's training context).
+
+Structured output: a request with a ``response_format`` (``json_object``, or
+``json_schema`` turned into a GBNF grammar by llama-cpp-python's ``json_schema_to_gbnf``)
+gets its own llama.cpp grammar sampler, cloned from a compiled grammar cached by schema
+(``llama_grammar``). Each step its token is sampled from the logits as usual and
+then checked against the grammar; only a token the grammar rejects costs a pass of the
+grammar over the whole vocabulary and a new draw from the allowed tokens (the same
+distribution as sampling from the masked logits). End-of-generation is allowed only
+where the grammar is complete, and stop strings do not apply to such a sequence (the
+grammar decides where the JSON ends). Constrained and free sequences share each step.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ from typing import Any
 from ..errors import ContextOverflow, EngineError
 from ._sampling import TextStream, penalise, sample
 from .base import Generation, GenerationRequest, TokenCallback
+from .llama_grammar import Grammars, grammar_text, token_arrays
 from .models import MODELS, model_info, model_path
 
 _BACKEND_LOCK = threading.Lock()
@@ -103,6 +114,7 @@ class _Seq:
     presence: float = 0.0
     frequency: float = 0.0
     counts: dict[int, int] | None = None  # tokens generated so far (penalties only)
+    grammar: Any = None  # the llama.cpp grammar sampler (response_format), freed at the end
     n_lp: int = -1  # tokens in lp_sum; -1: not asked for (GenerationRequest.logprobs)
     lp_sum: float = 0.0  # summed log-probabilities of the sampled tokens
     n_prompt: int = 0
@@ -121,6 +133,15 @@ class LlamaCppEngine:
 
     Thread-safe: concurrent ``generate`` calls share the decode loop (continuous batching).
     """
+
+    #: ``GenerationRequest.response_format`` types enforced (by a grammar)
+    response_formats = frozenset({"json_object", "json_schema"})
+
+    @staticmethod
+    def check_constraint(fmt: dict[str, Any]) -> None:
+        """StructuredOutputError if the checked ``response_format`` cannot become a grammar
+        (a JSON Schema feature llama-cpp-python's converter lacks, e.g. ``not``)."""
+        grammar_text(fmt)
 
     def __init__(self, model: str = "smollm2-135m-instruct", *, path: str | None = None,
                  n_threads: int | None = None, n_ctx: int = 2048, n_seq_max: int = 8,
@@ -160,7 +181,7 @@ class LlamaCppEngine:
         self.seed = seed
         self._rng = np.random.default_rng(seed)
         self._lock = threading.Lock()  # guards the context's life and the inbox
-        self._inbox: deque[tuple[_Call, int, GenerationRequest, list[int]]] = deque()
+        self._inbox: deque[tuple[_Call, int, GenerationRequest, list[int], Any]] = deque()
         self._looping = False  # the decode loop is running (or queued) on _decoder
         self._idle = threading.Event()
         self._idle.set()
@@ -184,6 +205,7 @@ class LlamaCppEngine:
             raise EngineError(f"llama.cpp could not load the model file {self.path}")
         try:
             self._vocab = lib.llama_model_get_vocab(self._model)
+            self._grammars = Grammars(lib, self._vocab)  # compiled response_format grammars
             self.n_vocab = int(lib.llama_vocab_n_tokens(self._vocab))
             n_ctx = min(n_ctx, int(lib.llama_model_n_ctx_train(self._model)) or n_ctx)
             cparams = lib.llama_context_default_params()
@@ -246,12 +268,15 @@ class LlamaCppEngine:
                         f"exceeds the model context of {self.context_length} tokens; shorten "
                         "the prompt (e.g. a refine stage's max_tokens) or lower max_tokens")
             call = _Call(len(requests), on_token)
+            grammars = self._grammars.samplers(requests)
             for i, (r, p) in enumerate(zip(requests, prompts, strict=True)):
                 if r.max_tokens <= 0:
                     call.results[i] = Generation("", len(p), 0, "length")
                     call.remaining -= 1
+                    if grammars[i] is not None:
+                        self._lib.llama_sampler_free(grammars[i])
                 else:
-                    self._inbox.append((call, i, r, p))
+                    self._inbox.append((call, i, r, p, grammars[i]))
             if call.remaining == 0:
                 return call.results  # type: ignore[return-value]
             if not self._looping:
@@ -281,6 +306,8 @@ class LlamaCppEngine:
                 break
             lock.release()
         try:
+            if getattr(self, "_grammars", None) is not None:
+                self._grammars.close()
             if getattr(self, "_ctx", None) is not None:
                 lib.llama_free(self._ctx)
                 self._ctx = None
@@ -412,8 +439,30 @@ class LlamaCppEngine:
         get_logits, decode = lib.llama_get_logits_ith, lib.llama_decode
         void_p = ctypes.c_void_p
         stops_default = () if self.chat else self.default_stop
+        apply, accept, free_grammar = (lib.llama_sampler_apply, lib.llama_sampler_accept,
+                                       lib.llama_sampler_free)
+        one, one_arr, full, full_arr = token_arrays(lib, self.n_vocab)
+        one_ref, full_ref, full_data = ctypes.byref(one_arr), ctypes.byref(full_arr), full_arr.data
+        neg_inf = -math.inf
 
-        waiting: deque[tuple[_Call, int, GenerationRequest, list[int]]] = deque()
+        def constrain(s: _Seq, logits: Any, t: int) -> int:
+            """``t`` if the grammar allows it, else a new draw among the tokens it allows
+            (-1: it allows none, which a well-formed grammar never does)."""
+            one[0] = (t, 0.0, 0.0)
+            one_arr.size, one_arr.selected, one_arr.sorted = 1, -1, False
+            apply(s.grammar, one_ref)
+            if one["logit"][0] != neg_inf:
+                return t
+            full["logit"] = logits
+            full_arr.data, full_arr.size, full_arr.selected, full_arr.sorted = (
+                full_data, self.n_vocab, -1, False)
+            apply(s.grammar, full_ref)
+            masked = full["logit"]
+            if masked.max() == neg_inf:
+                return -1
+            return sample(masked, s.temperature, s.rng, s.top_p)
+
+        waiting: deque[tuple[_Call, int, GenerationRequest, list[int], Any]] = deque()
         inbox, lock = self._inbox, self._lock
         free = list(range(self.n_seq_max))
         active: list[_Seq] = []  # kept sorted by slot: llama.cpp splits per-seq streams
@@ -437,6 +486,9 @@ class LlamaCppEngine:
             call = s.call
             extra = {"mean_logprob": s.lp_sum / s.n_lp} if s.n_lp > 0 else {}
             call.results[s.index] = Generation(s.stream.text, s.n_prompt, s.n_gen, reason, extra)
+            if s.grammar is not None:
+                free_grammar(s.grammar)
+                s.grammar = None
             lib.llama_memory_seq_rm(mem, s.slot, -1, -1)
             heapq.heappush(free, s.slot)
             call.remaining -= 1
@@ -454,18 +506,21 @@ class LlamaCppEngine:
                         return
                 if waiting and free:
                     while waiting and free:
-                        call, i, r, prompt = waiting.popleft()
+                        call, i, r, prompt, grammar = waiting.popleft()
                         if call.error is not None:  # its call already failed
+                            if grammar is not None:
+                                free_grammar(grammar)
                             continue
                         rseed = r.seed if r.seed is not None else int(self._rng.integers(1 << 63))
                         rng = np.random.default_rng(rseed) if r.temperature > 0 else None
-                        stream = TextStream(tuple(r.stop) + stops_default)
+                        stream = TextStream(() if grammar is not None
+                                            else tuple(r.stop) + stops_default)
                         active.append(_Seq(call, i, heapq.heappop(free),
                                            np.asarray(prompt, dtype=np.int32),
                                            r.max_tokens, r.temperature, rng, stream,
                                            r.top_p, r.presence_penalty, r.frequency_penalty,
                                            {} if r.presence_penalty or r.frequency_penalty
-                                           else None, n_lp=0 if r.logprobs else -1))
+                                           else None, grammar, n_lp=0 if r.logprobs else -1))
                     active.sort(key=lambda s: s.slot)
                     if not active:
                         continue
@@ -516,6 +571,13 @@ class LlamaCppEngine:
                     if s.counts is not None:
                         logits = penalise(logits, s.counts, s.presence, s.frequency)
                     t = sample(logits, s.temperature, s.rng, s.top_p)
+                    if s.grammar is not None:
+                        t = constrain(s, logits, t)
+                        if t < 0:  # a dead end: the JSON cannot go on
+                            finish(s, "stop")
+                            s.row = -2
+                            done = True
+                            continue
                     if s.counts is not None:
                         s.counts[t] = s.counts.get(t, 0) + 1
                     if s.n_lp >= 0:  # log-softmax of the sampled token, stable form
@@ -528,6 +590,8 @@ class LlamaCppEngine:
                         s.row = -2
                         done = True
                         continue
+                    if s.grammar is not None:
+                        accept(s.grammar, t)
                     s.n_gen += 1
                     text = s.stream.feed(piece)
                     if text and not emit(s, text) or s.call.error is not None:
@@ -550,9 +614,15 @@ class LlamaCppEngine:
                 inbox.clear()
                 self._looping = False
                 self._idle.set()
+            for s in active:
+                if s.grammar is not None:
+                    free_grammar(s.grammar)
+                    s.grammar = None
             for call in {id(x.call): x.call for x in active}.values():
                 call.fail(e)
-            for call, *_ in waiting:
+            for call, *_, grammar in waiting:
+                if grammar is not None:
+                    free_grammar(grammar)
                 call.fail(e)
             if not isinstance(e, Exception):
                 raise

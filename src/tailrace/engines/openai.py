@@ -55,7 +55,13 @@ def _server_message(exc: Any) -> str:
 
 
 class OpenAIEngine:
-    """Generation or embedding engine talking to an OpenAI-compatible server."""
+    """Generation or embedding engine talking to an OpenAI-compatible server.
+
+    A chat request's ``response_format`` is passed on to the server, which enforces it.
+    """
+
+    #: ``GenerationRequest.response_format`` types passed on (chat requests)
+    response_formats = frozenset({"json_object", "json_schema"})
 
     def __init__(self, base_url: str, model: str, *, kind: str = "generate",
                  api_key: str | None = None, api_key_env: str | None = None,
@@ -237,6 +243,9 @@ class OpenAIEngine:
             if (req.prompt is None) == (req.messages is None):
                 raise EngineError(f"{self._where()}: a request needs exactly one of 'prompt' "
                                   "and 'messages'")
+            if req.response_format is not None and req.messages is None:
+                raise EngineError(f"{self._where()}: response_format is passed on with chat "
+                                  "requests only ('messages'), not with a raw 'prompt'")
         if not requests:
             return []
         cancel = threading.Event()
@@ -279,6 +288,8 @@ class OpenAIEngine:
             kwargs["presence_penalty"] = req.presence_penalty
         if req.frequency_penalty:
             kwargs["frequency_penalty"] = req.frequency_penalty
+        if req.response_format is not None:
+            kwargs["response_format"] = req.response_format
         if req.messages is not None:
             return client.chat.completions.create(
                 messages=[dict(m) for m in req.messages], **kwargs)

@@ -5,6 +5,9 @@ the stage's ``batch`` contract), so concurrent requests share one batched decode
 With ``messages: FIELD`` (a list of ``{"role", "content"}`` dicts in the record, e.g.
 the ``_messages`` a served chat request carries), the stage answers a conversation; see
 ``chat_messages`` for the order and what is dropped when it does not fit.
+With ``json_schema: {...}`` (or a request's ``response_format`` in ``_options``), the
+engine constrains the answer to JSON and every answer is checked afterwards: one that
+is not valid JSON for its schema makes the record an error record.
 Tokens stream as they are produced to a record's ``_stream`` callable when it has
 one (for a served OpenAI request, only the answering stage's: the one its ``_options``
 are ``for``; that stage also reports ``_finish`` and ``_usage``), and a record whose
@@ -19,7 +22,8 @@ import string
 from typing import Any
 
 from ..engines import GenerationRequest, open_engine
-from ..errors import ContextOverflow
+from ..engines.structured import check_answer, check_enforceable, check_schema, enforced_by
+from ..errors import ContextOverflow, EngineError, StructuredOutputError
 from .common import (
     ENGINE_HINT,
     FieldError,
@@ -172,7 +176,7 @@ def chat_messages(system: str | None, conversation: Any, latest: str,
 
 #: the per-request options a generate stage takes from a record's ``_options``
 OPTIONS = ("max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty",
-           "frequency_penalty")
+           "frequency_penalty", "response_format")
 
 
 def _check_frozen(v: Any) -> bool:
@@ -237,6 +241,8 @@ def request_options(base: dict[str, Any], opts: dict | None,
             kw[k] = tuple(base.get("stop") or ()) + tuple(v)
         elif k == "seed":
             kw[k] = int(v)
+        elif k == "response_format":
+            kw[k] = v  # checked by the wire (engines.structured.check_response_format)
         else:
             kw[k] = float(v)
     return kw
@@ -244,7 +250,19 @@ def request_options(base: dict[str, Any], opts: dict | None,
 
 def _prepare_generate(params: dict, ctx: Any) -> dict:
     check_prompt_source(params, "generate")
-    return link_engine(params, ctx, "generate")
+    params = link_engine(params, ctx, "generate")
+    if params.get("json_schema") is not None:
+        check_schema(params["json_schema"], "generate: json_schema")
+        if "json_schema" not in enforced_by(params["_engine"]):
+            raise ValueError(f"generate: json_schema needs an engine that enforces it "
+                             f"(llama_cpp or openai); engine '{params['engine']}' (backend "
+                             f"'{params['_engine'].get('backend')}') cannot")
+        try:  # e.g. a schema llama.cpp cannot turn into a grammar
+            check_enforceable(params["_engine"], {"type": "json_schema", "json_schema": {
+                "name": params["output"], "schema": params["json_schema"]}})
+        except EngineError as e:
+            raise ValueError(f"generate: json_schema: {e}") from None
+    return params
 
 
 def _build_generate(params: dict, contract: Any) -> OpRuntime:
@@ -261,11 +279,19 @@ def _build_generate(params: dict, contract: Any) -> OpRuntime:
     max_tokens, temperature = params["max_tokens"], float(params["temperature"])
     frozen = frozenset(params.get("frozen") or ())
     limit = engine.context_length - max_tokens
-    base = {"max_tokens": max_tokens, "temperature": temperature, "stop": stop}
+    base: dict[str, Any] = {"max_tokens": max_tokens, "temperature": temperature, "stop": stop}
+    if params.get("json_schema") is not None:
+        base["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": out, "schema": params["json_schema"]}}
+    enforced = enforced_by(params["_engine"])
 
     def request(record: Any) -> GenerationRequest:
         text = prompt_text(template, inp, record)
         kw = request_options(base, answering(record, out), frozen)
+        fmt = kw.get("response_format")
+        if fmt is not None and fmt.get("type") not in enforced:
+            raise EngineError(f"response_format '{fmt.get('type')}' cannot be enforced by "
+                              f"engine '{params['engine']}'; use a llama_cpp or openai engine")
         conv = record.get(conv_field) if conv_field and isinstance(record, dict) else None
         if conv is not None:
             msgs = chat_messages(system, conv, text, engine.count_tokens, limit)
@@ -282,7 +308,7 @@ def _build_generate(params: dict, contract: Any) -> OpRuntime:
                                      **kw)
         return GenerationRequest(prompt=text, **kw)
 
-    def call(records: list, reqs: list) -> list:
+    def call(records: list, reqs: list, errors: list) -> list:
         streams = [stream_of(r, out) for r in records]
         cancels = [r.get("_cancel") if isinstance(r, dict) else None for r in records]
         on_token = None
@@ -294,8 +320,14 @@ def _build_generate(params: dict, contract: Any) -> OpRuntime:
                 c = cancels[i]
                 return c is None or not c.is_set()  # False: the engine stops this one
         gens = engine.generate(reqs, on_token)
-        result = [{**r, out: g.text} for r, g in zip(records, gens, strict=True)]
-        for r, g in zip(result, gens, strict=True):
+        result = []
+        for rec, q, g in zip(records, reqs, gens, strict=True):
+            fmt = q.response_format
+            why = fmt and check_answer(g.text, fmt, g.finish_reason, q.max_tokens)
+            if why:  # the answer is not the JSON asked for: this record fails
+                errors.append((rec, StructuredOutputError(why)))
+                continue
+            r = {**rec, out: g.text}
             if usage is not None:
                 r[usage] = {"prompt_tokens": g.prompt_tokens,
                             "completion_tokens": g.completion_tokens}
@@ -303,6 +335,7 @@ def _build_generate(params: dict, contract: Any) -> OpRuntime:
                 r["_finish"] = g.finish_reason
                 r["_usage"] = {"prompt_tokens": g.prompt_tokens,
                                "completion_tokens": g.completion_tokens}
+            result.append(r)
         return result
 
     def batch_fn(batch: list, errors: list) -> list:
@@ -310,13 +343,15 @@ def _build_generate(params: dict, contract: Any) -> OpRuntime:
         if not keep:
             return []
         try:
-            return call(keep, reqs)
-        except ContextOverflow:  # the chat template tipped one over: isolate it
+            return call(keep, reqs, errors)
+        except (ContextOverflow, StructuredOutputError):
+            # the chat template tipped one over, or one's schema cannot be enforced:
+            # isolate it
             result = []
             for r, q in zip(keep, reqs, strict=True):
                 try:
-                    result += call([r], [q])
-                except ContextOverflow as e:
+                    result += call([r], [q], errors)
+                except (ContextOverflow, StructuredOutputError) as e:
                     errors.append((r, e))
             return result
 
@@ -335,6 +370,8 @@ register(OpDef(
      TEMPERATURE,
      Param("stop", (list,), want="a list of stop strings"),
      FROZEN,
+     Param("json_schema", (dict,), want="a JSON Schema the answer must match (JSON "
+           "output, enforced by the engine: llama_cpp or openai)"),
      count_param("max_batch", 8),
      Param("usage", (str,), want="a field for {prompt_tokens, completion_tokens}")),
     batchable=True, blocking=True,

@@ -19,8 +19,12 @@ How a pipeline answers an OpenAI request (``Binding``):
 - ``priority`` and ``deadline_ms`` (or their ``X-Tailrace-*`` headers) go to admission
   in the transient field ``_urgency``, within the pipeline's ``serve:`` bounds
   (``urgency.py``);
-- fields tailrace cannot honour (``n > 1``, ``logprobs``, ``tools``, a non-text
-  ``response_format``, ``logit_bias``, image or audio parts, unknown fields) are a 400
+- a chat request's ``response_format`` (``json_object``, ``json_schema``) goes in
+  ``_options`` too, checked here (a malformed one, or an invalid JSON Schema, is a 400
+  naming the field); a 400 too when the answering stage is not a generate stage whose
+  engine can enforce it;
+- fields tailrace cannot honour (``n > 1``, ``logprobs``, ``tools``, ``logit_bias``,
+  image or audio parts, unknown fields) are a 400
   naming the field; ``IGNORED`` fields are accepted and ignored by design
   (docs/serving.md, "Request fields", lists every field);
 - the answer is the ``output`` field of that stage; usage is what the stage reports in
@@ -40,6 +44,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..compiler import Plan
+from ..engines.structured import check_enforceable, check_response_format, enforced_by
+from ..errors import EngineError
 
 #: The ``error.type`` OpenAI clients expect for each HTTP status.
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
@@ -186,6 +192,13 @@ def _options(body: dict, chat: bool) -> dict[str, Any]:
                             f"strings, got {stop!r}", code="invalid_parameter")
         if stops:
             opts["stop"] = tuple(stops)
+    if chat:
+        try:
+            fmt = check_response_format(body.get("response_format"))
+        except ValueError as e:
+            raise WireError(str(e), code="invalid_response_format") from None
+        if fmt is not None:
+            opts["response_format"] = fmt
     return opts
 
 
@@ -218,10 +231,6 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
     for name in ("tool_choice", "function_call"):
         if body.get(name) not in (None, "none"):
             raise _unsupported(name, "client-side tools are not called here")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise _unsupported("response_format", "only {\"type\": \"text\"}; the engine "
-                           "cannot enforce JSON output here")
     if body.get("echo"):
         raise _unsupported("echo", "the prompt is not echoed")
     if body.get("best_of") not in (None, 1):
@@ -404,6 +413,8 @@ class Binding:
     frozen:       the options that stage's ``frozen:`` keeps from requests.
     stage:        the answering stage's id (None: none).
     kind:         its operator: ``generate``, ``route`` or ``tool_call`` (None: none).
+    response_formats: the ``response_format`` types that stage enforces (a generate
+                  stage's engine's; none for route and tool_call).
     """
 
     input_field: str | None
@@ -415,6 +426,7 @@ class Binding:
     frozen: frozenset[str] = frozenset()
     stage: str | None = None
     kind: str | None = None
+    response_formats: frozenset[str] = frozenset()
 
 
 def _downstream(ops: list) -> dict[str, set[str]]:
@@ -504,12 +516,14 @@ def bind(plan: Plan) -> Binding:
                                          if isinstance(o, dict) and o.get("max_tokens")])
     return Binding(field, p["output"], p.get("usage") if gen.op.name == "generate" else None,
                    max_tokens, engine, problem, frozenset(p.get("frozen") or ()), gen.id,
-                   gen.op.name)
+                   gen.op.name,
+                   enforced_by(engine) if gen.op.name == "generate" else frozenset())
 
 
 def options_record(b: Binding, req: WireRequest, name: str) -> dict[str, Any]:
     """The transient ``_options`` field for a request: its sampling options, ``for`` the
-    answering stage (its output field); 400 naming an option the pipeline froze.
+    answering stage (its output field); 400 naming an option the pipeline froze, or a
+    ``response_format`` its engine cannot enforce (or whose schema it cannot).
 
     b:    the pipeline's binding.
     req:  the parsed request.
@@ -521,6 +535,17 @@ def options_record(b: Binding, req: WireRequest, name: str) -> dict[str, Any]:
             raise WireError(f"'{asked}' is fixed by pipeline '{name}' (its answering stage "
                             f"'{b.stage}' lists it under frozen:); leave it out of the request",
                             code="frozen_parameter")
+    fmt = req.options.get("response_format")
+    if fmt is not None and fmt["type"] not in b.response_formats:
+        raise WireError(f"'response_format' ({fmt['type']}) cannot be enforced by pipeline "
+                        f"'{name}': its answering stage '{b.stage}' ({b.kind}) has no JSON "
+                        "constraint (generate stages on llama_cpp and openai engines do)",
+                        code="unsupported_response_format")
+    if fmt is not None:
+        try:
+            check_enforceable(b.engine, fmt)
+        except EngineError as e:  # e.g. a schema llama.cpp cannot turn into a grammar
+            raise WireError(str(e), code="unsupported_schema") from None
     return {"for": b.answer_field, **req.options}
 
 

@@ -1,0 +1,145 @@
+"""Grammars for structured output on llama.cpp: a ``response_format`` as a GBNF grammar,
+compiled once per schema and cloned for each sequence that generates under it.
+
+``grammar_text`` turns a checked constraint into GBNF (``json_object``: llama-cpp-python's
+``JSON_GBNF``; ``json_schema``: its ``json_schema_to_gbnf``). ``Grammars`` keeps the
+compiled grammar samplers of the last ``GRAMMAR_CACHE`` schemas and hands out clones (a
+grammar sampler carries its parse state, so each sequence needs its own); the decode
+loop frees a clone when its sequence ends. ``token_arrays`` are the
+``llama_token_data_array`` buffers the loop lets a grammar mask in place.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import StructuredOutputError
+from .base import GenerationRequest
+from .structured import check_response_format, schema_of
+
+#: compiled grammars (one per distinct JSON schema) an engine keeps for reuse
+GRAMMAR_CACHE = 32
+
+
+def grammar_text(fmt: dict[str, Any]) -> str:
+    """The GBNF grammar of a checked ``response_format``; StructuredOutputError naming the
+    schema when llama-cpp-python cannot turn it into one.
+
+    fmt: ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {...}}``.
+    """
+    schema = schema_of(fmt)
+    if schema is None:
+        from llama_cpp.llama_grammar import JSON_GBNF
+
+        return str(JSON_GBNF)
+    return _schema_grammar(json.dumps(schema, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=GRAMMAR_CACHE)
+def _schema_grammar(schema: str) -> str:
+    """The GBNF grammar of a JSON Schema's text (cached: the wire checks each request's)."""
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+    try:
+        text = json_schema_to_gbnf(schema)
+    except Exception as e:  # noqa: BLE001 - the converter raises many kinds
+        raise StructuredOutputError(f"response_format.json_schema.schema: llama.cpp cannot "
+                                    f"build a grammar from it ({type(e).__name__}: {e})"
+                                    ) from None
+    # JSON strings may not hold raw control characters (the converter's char rule allows them)
+    return text.replace('char ::= [^"\\\\] |', 'char ::= [^"\\\\\\x7F\\x00-\\x1F] |')
+
+
+class Grammars:
+    """The compiled grammar samplers of one model's vocabulary, by schema (the
+    ``GRAMMAR_CACHE`` most recently used); not thread-safe (the engine's lock guards it)."""
+
+    def __init__(self, lib: Any, vocab: Any):
+        """lib: the ``llama_cpp`` module. vocab: the model's ``llama_vocab`` pointer."""
+        self._lib = lib
+        self._vocab = vocab
+        self._compiled: OrderedDict[str, Any] = OrderedDict()  # schema text -> sampler
+
+    def __len__(self) -> int:
+        return len(self._compiled)
+
+    def samplers(self, requests: Sequence[GenerationRequest]) -> list[Any]:
+        """A fresh grammar sampler for each constrained request (None for free ones), the
+        caller's to free with ``llama_sampler_free``; StructuredOutputError naming the
+        field for a constraint that is malformed or cannot become a grammar."""
+        lib = self._lib
+        out: list[Any] = []
+        try:
+            for r in requests:
+                fmt = r.response_format
+                if fmt is None or fmt.get("type") == "text":
+                    out.append(None)
+                    continue
+                js = fmt.get("json_schema")
+                key = "" if fmt.get("type") == "json_object" else json.dumps(
+                    js.get("schema") if isinstance(js, dict) else None, sort_keys=True,
+                    default=repr)
+                proto = self._compiled.get(key)
+                if proto is None:
+                    proto = self._compile(key, fmt)
+                else:
+                    self._compiled.move_to_end(key)
+                out.append(lib.llama_sampler_clone(proto))
+        except BaseException:
+            for g in out:
+                if g is not None:
+                    lib.llama_sampler_free(g)
+            raise
+        return out
+
+    def _compile(self, key: str, fmt: dict[str, Any]) -> Any:
+        """Check a constraint not seen before (cached ones passed), compile and cache it."""
+        lib = self._lib
+        try:
+            checked = check_response_format(fmt)
+        except ValueError as e:
+            raise StructuredOutputError(str(e)) from None
+        if checked is None:  # {"type": "text"}: ``samplers`` never asks
+            raise StructuredOutputError("response_format: a 'text' one has no grammar")
+        proto = lib.llama_sampler_init_grammar(
+            self._vocab, grammar_text(checked).encode(), b"root")
+        if not proto:
+            raise StructuredOutputError("response_format.json_schema.schema: llama.cpp could "
+                                        "not compile the grammar built from it")
+        self._compiled[key] = proto
+        while len(self._compiled) > GRAMMAR_CACHE:
+            lib.llama_sampler_free(self._compiled.popitem(last=False)[1])
+        return proto
+
+    def close(self) -> None:
+        """Free every compiled grammar (clones handed out are freed by their holders)."""
+        for g in self._compiled.values():
+            self._lib.llama_sampler_free(g)
+        self._compiled.clear()
+
+
+def token_arrays(lib: Any, n_vocab: int) -> tuple[Any, Any, Any, Any]:
+    """(one-token data, its ``llama_token_data_array``, whole-vocabulary data, its array):
+    numpy ``llama_token_data`` records a grammar sampler masks in place (``logit`` set to
+    -inf for tokens it rejects).
+
+    lib:     the ``llama_cpp`` module.
+    n_vocab: tokens in the vocabulary.
+    """
+    import numpy as np
+
+    dtype = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+    if dtype.itemsize != ctypes.sizeof(lib.llama_token_data):
+        raise RuntimeError("llama_token_data changed layout; this llama-cpp-python is not "
+                           "the version tailrace supports (0.3.36)")
+    one = np.zeros(1, dtype=dtype)
+    full = np.zeros(n_vocab, dtype=dtype)
+    full["id"] = np.arange(n_vocab, dtype=np.int32)
+    ptr = lib.llama_token_data_p
+    return (one, lib.llama_token_data_array(one.ctypes.data_as(ptr), 1, -1, False),
+            full, lib.llama_token_data_array(full.ctypes.data_as(ptr), n_vocab, -1, False))
