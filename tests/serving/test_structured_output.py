@@ -186,6 +186,14 @@ def test_an_answer_cut_by_max_tokens_says_to_raise_it(url):
         "its JSON was complete; raise max_tokens")
 
 
+def test_an_answer_cut_at_the_stages_ceiling_says_where_to_raise_it(url):
+    r = ask(url, "A" * 300, response_format=FORMAT)  # 4 characters a piece: over 64 pieces
+    assert r.status_code == 500
+    assert r.json()["error"]["message"].endswith(
+        "cut at max_tokens=64 before its JSON was complete; raise max_tokens (this stage's "
+        "max_tokens, 64, is the ceiling: raise it in the pipeline)")
+
+
 def test_a_pipeline_may_freeze_response_format(url):
     r = ask(url, model="frozen", response_format=FORMAT)
     assert r.status_code == 400

@@ -324,6 +324,9 @@ def _build_generate(params: dict, contract: Any) -> OpRuntime:
         for rec, q, g in zip(records, reqs, gens, strict=True):
             fmt = q.response_format
             why = fmt and check_answer(g.text, fmt, g.finish_reason, q.max_tokens)
+            if why and g.finish_reason == "length" and q.max_tokens >= max_tokens:
+                why += (f" (this stage's max_tokens, {max_tokens}, is the ceiling: raise it "
+                        "in the pipeline)")
             if why:  # the answer is not the JSON asked for: this record fails
                 errors.append((rec, StructuredOutputError(why)))
                 continue
