@@ -9,15 +9,32 @@ cluster instead of once per stage host. The actor is threaded, so concurrent cal
 many stages reach the engine together (llama.cpp decodes them in one batch).
 
 Tokens are counted in the stage's process (``token_counter``: the model's vocabulary
-only), so prompt checks cost no remote call. Streaming callbacks are not carried across
-the actor boundary: a ``ClusterEngine`` returns whole generations.
+only), so prompt checks cost no remote call.
+
+Tokens stream out of the actor. ``ClusterEngine.generate(requests, on_token)`` calls the
+actor's ``stream`` method, a Ray streaming generator: the engine runs on a thread of the
+actor with an ``on_token`` that queues pieces, and the generator yields whatever has
+queued since its last yield (pieces of one request joined, so a busy consumer gets fewer,
+larger pieces; an idle one gets each piece as it is produced), in order, then the
+generations. Ray's generator back-pressure (``STREAM_WINDOW`` unconsumed yields) holds
+the generator, never the engine: what queues meanwhile is at most the generations' own
+text. When the caller's ``on_token`` returns False for a request, the handle tells the
+actor (``cancel``) and the engine stops that sequence ("cancelled"); a caller that leaves
+the stream early cancels all of them. Without an ``on_token`` the call stays one plain
+whole-batch actor call (cheaper). An engine error reaches the caller as the engine's own
+``EngineError``; an actor that dies mid-stream is a one-line ``EngineError`` (retried on
+the restarted actor while no piece has been handed on yet), never a hang.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import itertools
 import json
-from collections.abc import Sequence
+import random
+import threading
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ...engines.base import Generation, GenerationRequest, TokenCallback
@@ -29,6 +46,42 @@ from ...registry import Registry
 NAMESPACE = "tailrace"
 #: calls one engine actor serves at once (a continuous-batching engine merges them)
 ACTOR_CONCURRENCY = 64
+#: unconsumed yields a streaming call may have in flight before its generator waits
+#: (pieces produced meanwhile are joined into the next yield)
+STREAM_WINDOW = 2
+#: a streamed call whose actor died before any piece was handed on is tried this often
+STREAM_RETRIES = 2
+
+
+class _Stream:
+    """One streaming call in the actor: pieces queued by request, cancellations, outcome."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.pending: dict[int, list[str]] = {}  # request index -> pieces not yet yielded
+        self.cancelled: set[int] = set()
+        self.stop_all = False  # the caller left: every sequence stops
+        self.done = False
+        self.result: list[Generation] | None = None
+        self.error: BaseException | None = None
+
+    def on_token(self, i: int, piece: str) -> bool:
+        with self.cond:
+            if self.stop_all or i in self.cancelled:
+                return False
+            self.pending.setdefault(i, []).append(piece)
+            self.cond.notify()
+        return True
+
+    def take(self) -> tuple[list[tuple[int, str]], bool]:
+        """(the pieces queued since the last take, joined per request; finished?), waiting
+        until there is one or the other."""
+        with self.cond:
+            while not self.pending and not self.done:
+                self.cond.wait()
+            pieces = [(i, "".join(ps)) for i, ps in self.pending.items()]
+            self.pending = {}
+            return pieces, self.done
 
 
 class EngineActor:
@@ -36,6 +89,7 @@ class EngineActor:
 
     def __init__(self, name: str, spec: dict[str, Any]) -> None:
         self.engine = open_engine(spec, name)
+        self._streams: dict[int, _Stream] = {}
 
     def describe(self) -> dict[str, Any]:
         def attr(key: str, default: Any) -> Any:
@@ -50,6 +104,47 @@ class EngineActor:
     def generate(self, requests: list[GenerationRequest]) -> list[Generation]:
         return self.engine.generate(requests)
 
+    def stream(self, call_id: int, requests: list[GenerationRequest]
+               ) -> Iterator[tuple[list[tuple[int, str]], list[Generation] | None]]:
+        """A streaming generator: ``(pieces, None)`` as pieces are produced (``pieces``:
+        ``[(request index, text), ...]``, in order per request), then ``(pieces,
+        generations)`` last. ``cancel(call_id, i)`` stops request ``i``."""
+        s = self._streams[call_id] = _Stream()
+
+        def work() -> None:
+            try:
+                s.result = self.engine.generate(requests, s.on_token)
+            except BaseException as e:  # noqa: BLE001 - raised to the caller below
+                s.error = e
+            with s.cond:
+                s.done = True
+                s.cond.notify()
+
+        threading.Thread(target=work, name=f"tailrace-stream-{call_id}", daemon=True).start()
+        try:
+            while True:
+                pieces, done = s.take()
+                if done:
+                    break
+                yield pieces, None
+            if s.error is not None:
+                raise s.error
+            yield pieces, s.result
+        finally:  # finished, failed or closed early: nothing keeps generating for it
+            with s.cond:
+                s.stop_all = True
+            self._streams.pop(call_id, None)
+
+    def cancel(self, call_id: int, index: int | None = None) -> None:
+        """Stop request ``index`` of streaming call ``call_id`` (None: all of them)."""
+        s = self._streams.get(call_id)
+        if s is not None:
+            with s.cond:
+                if index is None:
+                    s.stop_all = True
+                else:
+                    s.cancelled.add(index)
+
     def embed(self, texts: list[str]) -> Any:
         return self.engine.embed(texts)
 
@@ -62,6 +157,14 @@ def actor_name(name: str, spec: dict[str, Any]) -> str:
     return f"tailrace-engine-{name}-{digest[:10]}"
 
 
+def actor_options(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """The Ray options of engine ``name``'s actor: named (found if it exists), threaded,
+    restarted when it dies; whole-batch calls are retried on the restarted actor."""
+    return {"name": actor_name(name, spec), "namespace": NAMESPACE, "get_if_exists": True,
+            "max_concurrency": ACTOR_CONCURRENCY, "num_cpus": 0, "max_restarts": -1,
+            "max_task_retries": 2}
+
+
 class ClusterEngine:
     """A stage's handle on a shared engine actor; speaks the engine protocols."""
 
@@ -71,11 +174,8 @@ class ClusterEngine:
         self.name = name
         self._spec = {k: v for k, v in spec.items() if not k.startswith("_")}
         remote: Any = ray.remote(EngineActor)
-        remote = remote.options(
-            name=actor_name(name, self._spec), namespace=NAMESPACE, get_if_exists=True,
-            max_concurrency=ACTOR_CONCURRENCY, num_cpus=0, max_restarts=-1,
-            max_task_retries=2)
-        self._actor: Any = remote.remote(name, self._spec)
+        self._actor: Any = remote.options(**actor_options(name, self._spec)).remote(
+            name, self._spec)
         try:
             info: dict[str, Any] = ray.get(self._actor.describe.remote())
         except Exception as e:  # the engine could not be opened in its actor
@@ -96,12 +196,52 @@ class ClusterEngine:
                  on_token: TokenCallback | None = None) -> list[Generation]:
         import ray
 
-        gens: list[Generation] = ray.get(self._actor.generate.remote(list(requests)))
-        if on_token is not None:  # no streaming across the actor: each text in one piece
-            for i, g in enumerate(gens):
-                if g.text:
-                    on_token(i, g.text)
-        return gens
+        if on_token is None:  # nothing to stream to: one whole-batch call
+            gens: list[Generation] = ray.get(self._actor.generate.remote(list(requests)))
+            return gens
+        from ray.exceptions import RayActorError
+
+        for attempt in itertools.count():
+            delivered = [False]
+            try:
+                return self._stream(list(requests), on_token, delivered)
+            except RayActorError as e:
+                if delivered[0] or attempt >= STREAM_RETRIES:
+                    raise EngineError(
+                        f"engine '{self.name}': its actor died while streaming "
+                        f"({type(e).__name__}); the generation is lost") from None
+        raise AssertionError("unreachable")
+
+    def _stream(self, requests: list[GenerationRequest], on_token: TokenCallback,
+                delivered: list[bool]) -> list[Generation]:
+        """One streaming call: hands pieces to ``on_token`` as they come, tells the actor
+        of each request it refuses, and cancels the rest if it leaves early."""
+        import ray
+
+        call_id = random.getrandbits(62)  # unique among the actor's callers' calls
+        refs = self._actor.stream.options(
+            num_returns="streaming", max_task_retries=0,
+            _generator_backpressure_num_objects=STREAM_WINDOW).remote(call_id, requests)
+        refused: set[int] = set()
+        finished = False
+        try:
+            for ref in refs:
+                pieces, gens = ray.get(ref)
+                for i, piece in pieces:
+                    if i in refused:
+                        continue
+                    delivered[0] = True
+                    if on_token(i, piece) is False:
+                        refused.add(i)
+                        self._actor.cancel.remote(call_id, i)
+                if gens is not None:
+                    finished = True
+                    return list(gens)
+            raise EngineError(f"engine '{self.name}': its stream ended without generations")
+        finally:
+            if not finished:  # left early (an error, or on_token raised): stop the engine
+                with contextlib.suppress(Exception):  # the actor may be gone
+                    self._actor.cancel.remote(call_id, None)
 
     def embed(self, texts: Sequence[str]) -> Any:
         import ray
