@@ -14,16 +14,19 @@ only), so prompt checks cost no remote call.
 Tokens stream out of the actor. ``ClusterEngine.generate(requests, on_token)`` calls the
 actor's ``stream`` method, a Ray streaming generator: the engine runs on a thread of the
 actor with an ``on_token`` that queues pieces, and the generator yields whatever has
-queued since its last yield (pieces of one request joined, so a busy consumer gets fewer,
-larger pieces; an idle one gets each piece as it is produced), in order, then the
-generations. Ray's generator back-pressure (``STREAM_WINDOW`` unconsumed yields) holds
-the generator, never the engine: what queues meanwhile is at most the generations' own
-text. When the caller's ``on_token`` returns False for a request, the handle tells the
-actor (``cancel``) and the engine stops that sequence ("cancelled"); a caller that leaves
-the stream early cancels all of them. Without an ``on_token`` the call stays one plain
-whole-batch actor call (cheaper). An engine error reaches the caller as the engine's own
-``EngineError``; an actor that dies mid-stream is a one-line ``EngineError`` (retried on
-the restarted actor while no piece has been handed on yet), never a hang.
+queued since its last yield, pieces of one request joined, in order, then the
+generations. The first piece goes at once; later yields are at least
+``STREAM_INTERVAL_S`` apart (each yield is a Ray object, ~1.5 ms of CPU here: one per
+token would cost more than a small model's decoding), and a consumer that is busy gets
+fewer, larger pieces. Ray's generator back-pressure (``STREAM_WINDOW`` unconsumed
+yields) holds the generator, never the engine: what queues meanwhile is at most the
+generations' own text. When the caller's ``on_token`` returns False for a request, the
+handle tells the actor (``cancel``) and the engine stops that sequence ("cancelled"); a
+caller that leaves the stream early cancels all of them. Without an ``on_token`` the
+call stays one plain whole-batch actor call (cheaper). An engine error reaches the
+caller as the engine's own ``EngineError``; an actor that dies mid-stream is a one-line
+``EngineError`` (retried on the restarted actor while no piece has been handed on yet),
+never a hang.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import itertools
 import json
 import random
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -49,6 +53,10 @@ ACTOR_CONCURRENCY = 64
 #: unconsumed yields a streaming call may have in flight before its generator waits
 #: (pieces produced meanwhile are joined into the next yield)
 STREAM_WINDOW = 2
+#: seconds between a streaming call's yields after the first (pieces produced meanwhile
+#: are joined): at most 50 Ray objects a second per call, each ~1.5 ms of CPU on this
+#: machine, caller and actor together (bench/ray_stream.py)
+STREAM_INTERVAL_S = 0.02
 #: a streamed call whose actor died before any piece was handed on is tried this often
 STREAM_RETRIES = 2
 
@@ -69,16 +77,20 @@ class _Stream:
         with self.cond:
             if self.stop_all or i in self.cancelled:
                 return False
+            if not self.pending:  # wake the generator for the first piece only
+                self.cond.notify()
             self.pending.setdefault(i, []).append(piece)
-            self.cond.notify()
         return True
 
-    def take(self) -> tuple[list[tuple[int, str]], bool]:
+    def take(self, not_before: float) -> tuple[list[tuple[int, str]], bool]:
         """(the pieces queued since the last take, joined per request; finished?), waiting
-        until there is one or the other."""
+        until there is one or the other, and for more pieces until ``not_before``
+        (``time.monotonic``) unless the generation ends first."""
         with self.cond:
             while not self.pending and not self.done:
                 self.cond.wait()
+            while not self.done and (left := not_before - time.monotonic()) > 0:
+                self.cond.wait(left)
             pieces = [(i, "".join(ps)) for i, ps in self.pending.items()]
             self.pending = {}
             return pieces, self.done
@@ -104,11 +116,12 @@ class EngineActor:
     def generate(self, requests: list[GenerationRequest]) -> list[Generation]:
         return self.engine.generate(requests)
 
-    def stream(self, call_id: int, requests: list[GenerationRequest]
+    def stream(self, call_id: int, requests: list[GenerationRequest], interval: float = 0.0
                ) -> Iterator[tuple[list[tuple[int, str]], list[Generation] | None]]:
         """A streaming generator: ``(pieces, None)`` as pieces are produced (``pieces``:
-        ``[(request index, text), ...]``, in order per request), then ``(pieces,
-        generations)`` last. ``cancel(call_id, i)`` stops request ``i``."""
+        ``[(request index, text), ...]``, in order per request; the first at once, later
+        ones at most one per ``interval`` seconds), then ``(pieces, generations)`` last.
+        ``cancel(call_id, i)`` stops request ``i``."""
         s = self._streams[call_id] = _Stream()
 
         def work() -> None:
@@ -122,10 +135,12 @@ class EngineActor:
 
         threading.Thread(target=work, name=f"tailrace-stream-{call_id}", daemon=True).start()
         try:
+            last = float("-inf")
             while True:
-                pieces, done = s.take()
+                pieces, done = s.take(last + interval)
                 if done:
                     break
+                last = time.monotonic()
                 yield pieces, None
             if s.error is not None:
                 raise s.error
@@ -221,7 +236,8 @@ class ClusterEngine:
         call_id = random.getrandbits(62)  # unique among the actor's callers' calls
         refs = self._actor.stream.options(
             num_returns="streaming", max_task_retries=0,
-            _generator_backpressure_num_objects=STREAM_WINDOW).remote(call_id, requests)
+            _generator_backpressure_num_objects=STREAM_WINDOW).remote(
+            call_id, requests, STREAM_INTERVAL_S)
         refused: set[int] = set()
         finished = False
         try:
