@@ -52,6 +52,7 @@ class CounterEngine:
         self.hold = hold
         self.fail_after = fail_after
         self.die_once = die_once
+        self.log: list[Generation] = []  # every generation it finished, in order
 
     def count_tokens(self, text: str) -> int:
         return len(text.split())
@@ -76,6 +77,7 @@ class CounterEngine:
                 if self.hold and i == 0 and k == 0:
                     wait_for(self.hold)
             out.append(Generation("".join(pieces), 1, len(pieces), reason))
+            self.log.append(out[-1])
         return out
 
     def close(self) -> None:
@@ -138,6 +140,16 @@ def cluster_engine(name: str, spec: dict[str, Any]) -> ClusterEngine:
     ray.get(actor.describe.remote())  # registered under its name before the handle looks
     _OWNERS[actor_name(name, spec)] = actor  # the creator's handle keeps the actor alive
     return ClusterEngine(name, spec)
+
+
+def actor_state(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """What engine ``name``'s actor holds: its open streams and its engine's ``log``."""
+    import ray
+
+    def state(actor: Any) -> dict[str, Any]:
+        return {"streams": len(actor._streams), "log": list(actor.engine.log)}
+
+    return ray.get(_OWNERS[actor_name(name, spec)].__ray_call__.remote(state))
 
 
 def kill_engine(name: str, spec: dict[str, Any], restart: bool = False) -> None:

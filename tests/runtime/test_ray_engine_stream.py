@@ -4,6 +4,7 @@ cancellable from the caller, with engine errors and dead actors reported, never 
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
 
 import pytest
@@ -85,6 +86,25 @@ def test_on_token_returning_false_stops_that_sequence_in_the_actor(engines):
     assert 0 < gens[0].completion_tokens < 1_000_000
     assert [p for i, p in seen if i == 0] == [seen[0][1]]  # nothing handed on after False
     assert (gens[1].text, gens[1].finish_reason) == (counted(4), "length")
+
+
+def test_a_caller_that_stops_reading_cancels_its_requests_in_the_actor(engines):
+    from tests.runtime.ray_engine_fakes import actor_state
+
+    spec = counter_spec()
+    eng = engines(spec)
+    name = engines.opened[-1][0]
+
+    def on_token(i: int, piece: str) -> bool:
+        raise RuntimeError("the consumer broke")
+
+    with pytest.raises(RuntimeError, match="the consumer broke"):
+        eng.generate([req(0)], on_token)  # endless unless stopped
+    deadline = time.monotonic() + 60  # waits for the condition; a failure ends at 60 s
+    while (state := actor_state(name, spec))["streams"] or not state["log"]:
+        assert time.monotonic() < deadline, state
+        time.sleep(0.01)
+    assert [g.finish_reason for g in state["log"]] == ["cancelled"]
 
 
 def test_an_engine_error_in_the_actor_is_the_engines_error(engines):
