@@ -107,6 +107,28 @@ def test_a_caller_that_stops_reading_cancels_its_requests_in_the_actor(engines):
     assert [g.finish_reason for g in state["log"]] == ["cancelled"]
 
 
+def test_a_busy_consumer_holds_neither_the_engine_nor_a_piece_per_token(engines):
+    from tests.runtime.ray_engine_fakes import actor_state
+
+    spec = counter_spec()
+    eng = engines(spec)
+    name = engines.opened[-1][0]
+    got: list[str] = []
+
+    def on_token(i: int, piece: str) -> bool:
+        if not got:  # busy on the first piece until the engine has finished them all
+            deadline = time.monotonic() + 60
+            while not actor_state(name, spec)["log"]:
+                assert time.monotonic() < deadline, "the engine waited for the consumer"
+                time.sleep(0.01)
+        got.append(piece)
+        return True
+
+    gens = eng.generate([req(5000)], on_token)
+    assert "".join(got) == gens[0].text == counted(5000)
+    assert len(got) <= 4  # joined while the consumer was busy, not 5,000 Ray objects
+
+
 def test_an_engine_error_in_the_actor_is_the_engines_error(engines):
     eng = engines(counter_spec(fail_after=3))
     pieces: list[str] = []
