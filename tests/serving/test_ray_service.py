@@ -6,13 +6,21 @@ official ``openai`` client, plain and streamed."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
 import time
 
+import httpx
 import openai
 import pytest
 
 import tailrace as tr
+from tailrace.cli.main import main
 from tailrace.control import AdmissionGate, make_policy
+from tailrace.runtime.ray import active_runs
 from tailrace.serving import PipelineService, ServingHub
 from tailrace.serving.errors import RecordDropped, RequestFailed
 from tests.serving import fakes
@@ -92,7 +100,8 @@ def test_outputs_error_records_and_drops_reach_their_callers(gate):
         assert st.records_in == 8 and st.errors == 1
     finally:
         svc.stop()
-    assert not svc.ready
+    assert not svc.ready and svc.failure is None
+    assert not [r for r in active_runs() if r["pipeline"] == "ray-svc"]  # the run ended
 
 
 def test_admission_rejects_with_429_and_the_gate_goes_back_to_idle():
@@ -181,3 +190,71 @@ def test_the_openai_client_through_a_ray_hosted_pipeline(monkeypatch):
                 stream=True)
             text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
             assert text == "four five"
+
+
+# -- tailrace serve --runtime ray ------------------------------------------------------------
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PIPE = """\
+version: 1
+pipeline: loud
+source: {fields: [text]}
+stages:
+  - {id: up, op: map, fn: tests.fixtures.ops.upper, input: text, output: loud}
+"""
+
+
+@pytest.fixture
+def pipe(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    path = tmp_path / "loud.yaml"
+    path.write_text(PIPE)
+    return path
+
+
+def test_serve_runtime_ray_answers_then_drains_on_ctrl_c(pipe, ray_session):
+    """A server process joins this session's Ray (``--address``), answers (an error
+    record too), reports its Ray run on /metrics, and drains on Ctrl-C."""
+    address = ray_session.get_runtime_context().gcs_address
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tailrace.cli.main", "serve", str(pipe), "--port", "0",
+         "--metrics-public", "--admission", "fcfs", "--runtime", "ray",
+         "--address", address],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("tailrace: serving loud on http://127.0.0.1:"), line
+        base = line.split(" on ")[1].split()[0]
+        root = base.removesuffix("/v1")
+        deadline = time.monotonic() + 120
+        while httpx.get(root + "/readyz").status_code != 200:
+            assert time.monotonic() < deadline and proc.poll() is None, "never ready"
+            time.sleep(0.1)
+        r = httpx.post(base + "/pipelines/loud/runs", json={"text": "hey"})
+        assert r.status_code == 200 and r.json() == {"text": "hey", "loud": "HEY"}
+        r = httpx.post(base + "/pipelines/loud/runs", json={"text": 5})
+        assert r.status_code == 500 and "AttributeError" in r.text  # an error record, routed back
+        metrics = httpx.get(root + "/metrics").text
+        assert 'tailrace_pipeline_requests_total{pipeline="loud"} 2.0' in metrics, metrics[:3000]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and err.strip().endswith("tailrace: stopped (interrupted)")
+
+
+def test_serve_runtime_ray_one_line_errors(pipe, capsys, monkeypatch):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    assert main(["serve", str(pipe), "--runtime", "ray", "--address", f"127.0.0.1:{port}"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"tailrace: error: cannot reach the Ray cluster at 127.0.0.1:{port}: Connection "
+        "refused; start one with `ray start --head` or check --address")
+    assert main(["serve", str(pipe), "--address", "127.0.0.1:6379"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "tailrace: error: --address names a Ray cluster: add --runtime ray")
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
+    assert main(["serve", str(pipe), "--runtime", "ray"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tailrace: error: --runtime ray needs the 'ray' package (")
+    assert len(err.strip().splitlines()) == 1
