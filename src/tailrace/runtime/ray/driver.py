@@ -58,7 +58,7 @@ from .messages import (
     Route,
 )
 from .placement import HostHandle, StagePlacement, host_pool
-from .transient import detach
+from .transient import detach, reattach
 
 #: Seconds between looks for cancelled callers in a served run.
 CANCEL_POLL_S = 0.05
@@ -469,12 +469,14 @@ class RayRun:
         for e in entries:
             if type(e) is Delivery:
                 if k is not None:
+                    reattach(e.records, k, self.held)
                     self.answered.update(r.get(k) for r in e.records if type(r) is dict)
                 self._sink(e.target, e.records, e.born, e.sent)
             elif type(e) is Failures:
                 if k is not None:
-                    self.answered.update(err.input.get(k) for err in e.errors
-                                         if type(err.input) is dict)
+                    inputs = [err.input for err in e.errors]
+                    reattach(inputs, k, self.held)
+                    self.answered.update(x.get(k) for x in inputs if type(x) is dict)
                 self._errors(e.errors)
             else:  # Unsendable: sink records that could not come back
                 sid = self.sinks[e.target].op_id

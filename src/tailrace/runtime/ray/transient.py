@@ -7,7 +7,8 @@ record it receives a flag and a stream proxy of its own (``HostSide.attach``). T
 is set when the driver says the caller cancelled (``StageHost.cancel``); the proxy
 queues each piece in the run's outbox, and the driver's drain hands the pieces to the
 caller's callback in order. Leaving a host, the host's objects turn back into marks
-when pickled.
+when pickled; outputs and error records reaching the driver get the caller's own
+objects back (``reattach``).
 """
 
 from __future__ import annotations
@@ -54,6 +55,22 @@ def detach(records: list, key: str, held: dict) -> list:
             r["_stream"] = STREAM_MARK
         out[j] = r
     return out
+
+
+def reattach(records: list, key: str, held: dict) -> None:
+    """Give records back from the actors (changed in place) their caller's own
+    ``_cancel``/``_stream`` in place of the marks (dropped if the caller is gone)."""
+    for r in records:
+        if type(r) is not dict:
+            continue
+        for j, field, mark in ((0, "_cancel", CANCEL_MARK), (1, "_stream", STREAM_MARK)):
+            v = r.get(field)
+            if type(v) is str and v == mark:
+                live = held.get(r.get(key))
+                if live is not None and live[j] is not None:
+                    r[field] = live[j]
+                else:
+                    del r[field]
 
 
 class HostCancel:
