@@ -431,6 +431,7 @@ def run_service(sc: Scenario, *, here: bool = False, ray: Any = None) -> Report:
                     stopper.append(t)
                 last, since = None, time.monotonic()
                 stall_s = STALL_S if ray is None else RAY_STALL_S  # no probe calls on Ray
+                answer_s = ANSWER_S if ray is None else RAY_ANSWER_S
                 pending = set(tasks.values())
                 while pending:
                     _, pending = await asyncio.wait(pending, timeout=0.05)
@@ -438,7 +439,7 @@ def run_service(sc: Scenario, *, here: bool = False, ray: Any = None) -> Report:
                     if now != last:
                         last, since = now, time.monotonic()
                     elif time.monotonic() - since > stall_s or (
-                            time.monotonic() - since > ANSWER_S and not sc.stop
+                            time.monotonic() - since > answer_s and not sc.stop
                             and _all_ended(sc, {lid for lid, t in tasks.items()
                                                 if not _overloaded(t)},
                                            outputs, errors, ledger)):
@@ -549,6 +550,9 @@ def with_urgency(sc: Scenario, records: list[dict]) -> list[dict]:
                 r["_urgency"] = u
     return records
 ANSWER_S = 1.0  # how long callers may wait for an answer once their records ended
+#: the same on Ray: a record's end (a filter's verdict) is answered once it is acknowledged
+#: end to end, which waits for a killed actor's restart and the replay
+RAY_ANSWER_S = 15.0
 
 
 def _all_ended(sc: Scenario, lids: set, outputs: list, errors: list, ledger: Ledger) -> bool:

@@ -211,6 +211,7 @@ def pipe(tmp_path, monkeypatch):
     return path
 
 
+@pytest.mark.slow
 def test_serve_runtime_ray_answers_then_drains_on_ctrl_c(pipe, ray_session):
     """A server process joins this session's Ray (``--address``), answers (an error
     record too), reports its Ray run on /metrics, and drains on Ctrl-C."""
@@ -258,3 +259,14 @@ def test_serve_runtime_ray_one_line_errors(pipe, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert err.startswith("tailrace: error: --runtime ray needs the 'ray' package (")
     assert len(err.strip().splitlines()) == 1
+
+
+def test_runtime_options_are_checked_when_the_service_is_made():
+    p = tr.Pipeline("opts")
+    p.source(fields=["x"]).map(check, id="check").sink()
+    with pytest.raises(ValueError, match="runtime must be 'local' or 'ray', got 'spark'"):
+        PipelineService(p, runtime="spark")
+    with pytest.raises(ValueError, match="address and placement are options of runtime='ray'"):
+        PipelineService(p, address="127.0.0.1:6379")
+    with pytest.raises(tr.PlanError, match="nope"):
+        PipelineService(p, runtime="ray", placement={"nope": {"num_cpus": 1}})
