@@ -214,7 +214,8 @@ def pipe(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_serve_runtime_ray_answers_then_drains_on_ctrl_c(pipe, ray_session):
     """A server process joins this session's Ray (``--address``), answers (an error
-    record too), reports its Ray run on /metrics, and drains on Ctrl-C."""
+    record too), reports its Ray run on /metrics and the dashboard, and drains on
+    Ctrl-C."""
     address = ray_session.get_runtime_context().gcs_address
     proc = subprocess.Popen(
         [sys.executable, "-m", "tailrace.cli.main", "serve", str(pipe), "--port", "0",
@@ -236,6 +237,8 @@ def test_serve_runtime_ray_answers_then_drains_on_ctrl_c(pipe, ray_session):
         assert r.status_code == 500 and "AttributeError" in r.text  # an error record, routed back
         metrics = httpx.get(root + "/metrics").text
         assert 'tailrace_pipeline_requests_total{pipeline="loud"} 2.0' in metrics, metrics[:3000]
+        data = httpx.get(root + "/dashboard/data")
+        assert data.status_code == 200 and "loud" in data.text
     finally:
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
