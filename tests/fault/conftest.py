@@ -19,8 +19,9 @@ from hypothesis import HealthCheck, settings
 PROFILES = ("ci", "chaos")
 #: examples per test, per target; the serving test runs once per admission policy
 EXAMPLES = {
-    "ci": {"local": 800, "interrupt": 50, "service": 250, "ray": 25},
-    "chaos": {"local": 7_000, "interrupt": 600, "service": 2_500, "ray": 300},
+    "ci": {"local": 800, "interrupt": 50, "service": 250, "ray": 25, "ray-service": 12},
+    "chaos": {"local": 7_000, "interrupt": 600, "service": 2_500, "ray": 300,
+              "ray-service": 150},
 }
 
 _common = dict(deadline=None, print_blob=True,

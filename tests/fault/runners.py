@@ -39,6 +39,7 @@ from .harness import (
 )
 
 STALL_S = 4.0  # no operator call, output or error for this long: the run hangs
+RAY_STALL_S = 30.0  # the same on Ray, where operator calls are not seen (actor restarts)
 DEADLINE_S = 5.0  # for things that must happen "soon": threads ending, tickets returning
 _runs = itertools.count(1)
 
@@ -360,11 +361,15 @@ def run_in_child(sc: Scenario, timeout: float = 30.0) -> Report:
 SERVICE_TIMEOUT_S = 60.0  # a caller's own limit; the suite notices silence long before
 
 
-def run_service(sc: Scenario, *, here: bool = False) -> Report:
+def run_service(sc: Scenario, *, here: bool = False, ray: Any = None) -> Report:
     """The scenario through a ``PipelineService``: one request per input record.
 
     here: the service runs on the callers' own loop (``start(loop)``, as under
           ``tailrace serve``) instead of a thread of its own.
+    ray:  the ``ray`` module: the service runs on Ray (``runtime="ray"``). Operators in
+          actors cannot reach the test's probe, so once the first answer (output, error
+          record or drop) arrives, the callers of ``sc.cancel`` cancel and the actor of
+          ``sc.kill``'s stage is killed (it restarts; producers replay).
     """
     from tailrace.serving import PipelineService
     from tailrace.serving.errors import (
@@ -386,11 +391,15 @@ def run_service(sc: Scenario, *, here: bool = False) -> Report:
         with LeakWatch() as leaks:
             p = build(sc, ledger, run, data=None, sink=None)
             svc = PipelineService(p, admission=gate, timeout_s=SERVICE_TIMEOUT_S,
-                                  max_pending=sc.max_pending or 1024)
+                                  max_pending=sc.max_pending or 1024,
+                                  runtime="local" if ray is None else "ray")
             _observe(svc, outputs, errors, dropped)
+            skipped: set[int] = set()  # Ray: cancelled before the source took them
+            if ray is not None:
+                _on_first_answer(svc, sc, probe, ray, skipped)
             if not here:
                 svc.start()
-                if not svc.wait_ready(30):
+                if not svc.wait_ready(30 if ray is None else 120):
                     report.problems.append(f"the service never became ready: {svc.failure!r}")
                     return report
             answers: dict[int, Any] = {}
@@ -421,14 +430,16 @@ def run_service(sc: Scenario, *, here: bool = False) -> Report:
                     t.start()
                     stopper.append(t)
                 last, since = None, time.monotonic()
+                stall_s = STALL_S if ray is None else RAY_STALL_S  # no probe calls on Ray
+                answer_s = ANSWER_S if ray is None else RAY_ANSWER_S
                 pending = set(tasks.values())
                 while pending:
                     _, pending = await asyncio.wait(pending, timeout=0.05)
                     now = (probe.calls, len(outputs), len(errors), len(dropped), len(pending))
                     if now != last:
                         last, since = now, time.monotonic()
-                    elif time.monotonic() - since > STALL_S or (
-                            time.monotonic() - since > ANSWER_S and not sc.stop
+                    elif time.monotonic() - since > stall_s or (
+                            time.monotonic() - since > answer_s and not sc.stop
                             and _all_ended(sc, {lid for lid, t in tasks.items()
                                                 if not _overloaded(t)},
                                            outputs, errors, ledger)):
@@ -454,8 +465,8 @@ def run_service(sc: Scenario, *, here: bool = False) -> Report:
                 cancelled = {lid for _, lid in sc.cancel}
                 entered = set()
                 for lid, a in sorted(answers.items()):
-                    if isinstance(a, ServiceOverloaded):
-                        continue  # turned away before it entered
+                    if isinstance(a, ServiceOverloaded) or lid in skipped:
+                        continue  # turned away, or its caller left, before it entered
                     entered.add(lid)
                     if isinstance(a, dict | RequestFailed | RecordDropped):
                         if isinstance(a, dict) and a.get("lid") != lid:
@@ -485,6 +496,8 @@ def run_service(sc: Scenario, *, here: bool = False) -> Report:
                 silent = sorted({path for _, stage, path in obs.ledger
                                  if (stage, path) not in failed})
                 told = sorted(set(hook_drops) - set(silent))  # a sibling's output may answer
+                if ray is not None:  # Ray names the request's source record: a prefix
+                    told = [t for t in told if not any(s[:len(t)] == t for s in silent)]
                 if told:  # first: the service need not hear of every drop
                     report.problems.append(f"the service was told of drops {told} that no filter "
                                            f"or flat_map made (they ended {silent} silently)")
@@ -537,6 +550,9 @@ def with_urgency(sc: Scenario, records: list[dict]) -> list[dict]:
                 r["_urgency"] = u
     return records
 ANSWER_S = 1.0  # how long callers may wait for an answer once their records ended
+#: the same on Ray: a record's end (a filter's verdict) is answered once it is acknowledged
+#: end to end, which waits for a killed actor's restart and the replay
+RAY_ANSWER_S = 15.0
 
 
 def _all_ended(sc: Scenario, lids: set, outputs: list, errors: list, ledger: Ledger) -> bool:
@@ -558,6 +574,49 @@ def _paths(x: Any) -> list:
         return lineages(x)
     except ValueError:
         return []
+
+
+def _on_first_answer(svc: Any, sc: Scenario, probe: Probe, ray: Any, skipped: set) -> None:
+    """Ray: when the service hears its first answer, the callers of ``sc.cancel`` cancel
+    (``probe.on_cancel``) and the actor of ``sc.kill``'s stage is killed. A cancelled
+    record the source had not taken yet never enters: its lid goes to ``skipped``."""
+    from tailrace.runtime.ray import active_runs
+
+    victim = stage_id(sc.kill, sc.steps[sc.kill]) if sc.kill is not None else None
+    lids = sorted({lid for _, lid in sc.cancel})
+    done: list = []
+    hooks = {h: getattr(svc, h) for h in ("_on_output", "_on_error", "_on_drop")}
+
+    def first() -> None:
+        if done:
+            return
+        done.append(None)
+        for lid in lids:
+            if probe.on_cancel is not None:
+                probe.on_cancel(lid)
+        if victim is not None:
+            for r in active_runs():
+                actors = r["stages"].get(victim) or next(iter(r["stages"].values()), [])
+                for name, _node in actors[:1]:
+                    ray.kill(ray.get_actor(name), no_restart=False)
+
+    def hooked(fn: Any) -> Any:
+        def call(*a: Any) -> None:
+            fn(*a)
+            first()
+        return call
+
+    for h, fn in hooks.items():
+        setattr(svc, h, hooked(fn))
+    taken = svc._feed._taken
+
+    def take(record: Any) -> bool:
+        ok = taken(record)
+        if not ok:
+            skipped.add(record["lid"])
+        return ok
+
+    svc._feed._taken = take
 
 
 def _observe(svc: Any, outputs: list, errors: list, dropped: list) -> None:

@@ -36,14 +36,16 @@ def _faults(draw, op: str, contract: tuple, target: str) -> Faults:
         first=draw(pick([0, 0, 15])),
         slow=draw(pick([0, 10])) if timed else 0,
         slow_first=draw(pick([0, 15])) if timed else 0,
-        hang=draw(pick([0, 10])) if timed and target != "ray" else 0,
+        hang=draw(pick([0, 10])) if timed and not target.startswith("ray") else 0,
     )
 
 
 @st.composite
 def scenarios(draw, target: str = "local", policy: str | None = None, interrupt: bool = False,
               max_n: int = 32, max_steps: int = 8) -> Scenario:
-    """A random scenario for ``target`` ("local", "service" or "ray").
+    """A random scenario for ``target`` ("local", "service", "ray" or "ray-service": a
+    ``PipelineService`` on Ray, with the cancels and stop of "service" and the kill of
+    "ray").
 
     policy:    always admit through a gate with that policy (else, locally, sometimes
                through a gate with a random one).
@@ -54,7 +56,8 @@ def scenarios(draw, target: str = "local", policy: str | None = None, interrupt:
     batched = [False]  # per open stream: may carry batch records
     steps: list[Step] = []
     fans = 0
-    ops = [o for o in OPS if not (target == "service" and o == "batch")]
+    served = target in ("service", "ray-service")
+    ops = [o for o in OPS if not (served and o == "batch")]
     for _ in range(draw(st.integers(0, max_steps))):
         at = draw(st.integers(0, len(batched) - 1))
         op = draw(st.sampled_from(ops))
@@ -95,7 +98,7 @@ def scenarios(draw, target: str = "local", policy: str | None = None, interrupt:
         sc = _replace(sc, n=max(n, 1), steps=tuple(steps),
                       interrupt=(draw(st.sampled_from(fn_steps)),
                                  draw(st.integers(0, max(n, 1) - 1))))
-    if target == "service":
+    if served:
         if fn_steps and n:
             cancel = draw(st.lists(st.tuples(st.sampled_from(fn_steps),
                                              st.integers(0, n - 1)), max_size=3))
@@ -109,7 +112,7 @@ def scenarios(draw, target: str = "local", policy: str | None = None, interrupt:
             sc = _replace(sc, urgency=tuple(draw(st.lists(own, min_size=n, max_size=n))))
             if sc.admission is not None and draw(st.booleans()):
                 sc = _replace(sc, admission=_replace(sc.admission, quick=True))
-    if target == "ray":
+    if target.startswith("ray"):
         hosted = [i for i, s in enumerate(steps)]
         if hosted and n and draw(st.booleans()):
             sc = _replace(sc, kill=draw(st.sampled_from(hosted)))

@@ -1,13 +1,14 @@
-"""The record lifecycle on Ray (``tr.run(runtime="ray")``): random pipelines and faults,
-sometimes admission, sometimes a stage actor killed mid-run. One Ray session for the
-whole test session (``ray_session``); few examples, Ray runs are slow."""
+"""The record lifecycle on Ray (``tr.run(runtime="ray")``, and requests served by a
+``PipelineService(runtime="ray")``): random pipelines and faults, sometimes admission,
+callers that cancel, a stop in flight, sometimes a stage actor killed mid-run. One Ray
+session for the whole test session (``ray_session``); few examples, Ray runs are slow."""
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from .harness import fault_settings
-from .runners import run_ray
+from .runners import run_ray, run_service
 from .strategies import scenarios
 
 pytestmark = pytest.mark.slow
@@ -18,3 +19,12 @@ pytestmark = pytest.mark.slow
 def test_ray_runs_keep_the_record_lifecycle(ray_session, data):
     sc = data.draw(scenarios("ray", max_n=16, max_steps=4), label="scenario")
     run_ray(sc, ray_session).check(sc)
+
+
+@fault_settings("ray-service")
+@given(data=st.data())
+def test_served_requests_on_ray_keep_the_record_lifecycle(ray_session, data):
+    policy = data.draw(st.sampled_from(["simultaneous", "fcfs", "slo"]), label="policy")
+    sc = data.draw(scenarios("ray-service", policy=policy, max_n=12, max_steps=4),
+                   label="scenario")
+    run_service(sc, ray=ray_session).check(sc)

@@ -5,6 +5,9 @@ name); they share the process's engines and one admission gate. The server liste
 at once and prints its URL; engines load in the background (``/readyz`` turns 200 when
 they have). Ctrl-C (or SIGTERM) drains the pipelines (every waiting request gets its
 answer, or 503 after 30 s) and stops.
+
+``--runtime ray [--address HOST:PORT]`` runs every pipeline's stages as Ray actors
+(stage hosts, shared engine actors), this process the driver and the HTTP ingress.
 """
 
 from __future__ import annotations
@@ -51,6 +54,12 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--otlp-endpoint", metavar="URL",
                    help="export OpenTelemetry traces to this OTLP/HTTP collector (default: "
                         "$OTEL_EXPORTER_OTLP_ENDPOINT; off when neither is set)")
+    s.add_argument("--runtime", default="local", choices=["local", "ray"],
+                   help="where the stages run: local (this process) or ray (stage replicas "
+                        "as Ray actors, this process the driver and HTTP ingress)")
+    s.add_argument("--address", metavar="ADDR",
+                   help="with --runtime ray: the cluster (HOST:PORT, ray://HOST:PORT or auto; "
+                        "default: start a local Ray)")
     s.add_argument("--no-fuse", action="store_true", help="run every operator as its own stage")
     s.add_argument("--debug", action="store_true", help="show tracebacks")
 
@@ -143,6 +152,8 @@ def serve(args: argparse.Namespace) -> int:
         raise TailraceError(f"--max-in-flight must be >= 1, got {args.max_in_flight}")
     if args.max_body_bytes < 1:
         raise TailraceError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+    if args.address and args.runtime != "ray":
+        raise TailraceError("--address names a Ray cluster: add --runtime ray")
     api_key = None
     if args.api_key_env:
         api_key = os.environ.get(args.api_key_env)
@@ -161,7 +172,13 @@ def serve(args: argparse.Namespace) -> int:
     plans = [_load(argparse.Namespace(pipeline=path, no_fuse=args.no_fuse))
              for path in args.pipelines]
     gate = build_gate(args.admission, plans, args.max_in_flight) if args.admission else None
-    hub = ServingHub([PipelineService(p, admission=gate) for p in plans], gate=gate,
+    on_ray: dict[str, Any] = {}
+    if args.runtime == "ray":
+        from ..runtime.ray import connect
+
+        connect(args.address)  # one-line RayUnavailable: no Ray, unreachable address
+        on_ray = {"runtime": "ray"}
+    hub = ServingHub([PipelineService(p, admission=gate, **on_ray) for p in plans], gate=gate,
                      api_key=api_key, max_body_bytes=args.max_body_bytes,
                      metrics_public=args.metrics_public, tenants=tenants)
     sock = _listen(args.host, args.port)

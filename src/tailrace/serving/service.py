@@ -21,6 +21,12 @@ admitted costs nothing more:
 the feed skips the record, or admission gives the ticket straight back and the record
 ends as a ``CallerGone`` error record; once admitted, it runs on for nobody.
 ``ServingHub`` (``hub.py``) holds the services of one process.
+
+``runtime="ray"`` runs the plan on a Ray cluster instead, this process its driver: the
+stages run in stage-host actors, fed by the same feed and answered the same way; the
+driver keeps each record's ``_cancel`` and ``_stream`` and ships marks
+(``runtime/ray/transient.py``), so a disconnect still stops the generation and tokens
+still stream.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import contextlib
 import itertools
 import threading
 from collections.abc import Callable
+from dataclasses import replace as dataclass_replace
 from functools import partial
 from time import perf_counter
 from typing import Any
@@ -155,13 +162,32 @@ class PipelineService:
     max_pending:      most requests waiting for an answer at once; more get
                       ``ServiceOverloaded`` (HTTP 429) instead of an unbounded queue.
     timeout_s:        how long a caller waits for its output before ``ServiceTimeout``.
+    runtime:          "local" (this process) or "ray" (stage actors on a Ray cluster,
+                      this process the driver; needs ``pip install 'tailrace[ray]'``).
+    address:          with "ray": the cluster (``HOST:PORT``, ``ray://HOST:PORT``,
+                      ``auto``); None: the current connection, ``RAY_ADDRESS`` or a new
+                      local Ray. Connected once, when the service starts.
+    placement:        with "ray": ``{stage id: {num_cpus, num_gpus, memory, resources,
+                      strategy}}``.
     """
 
     def __init__(self, plan_or_pipeline: Pipeline | Plan, *, admission: Any = None,
-                 max_pending: int = 1024, timeout_s: float = 300.0) -> None:
+                 max_pending: int = 1024, timeout_s: float = 300.0, runtime: str = "local",
+                 address: str | None = None, placement: dict | None = None) -> None:
         plan = (plan_or_pipeline if isinstance(plan_or_pipeline, Plan)
                 else compile_pipeline(plan_or_pipeline))
         _check_servable(plan)
+        if runtime not in ("local", "ray"):
+            raise ValueError(f"runtime must be 'local' or 'ray', got {runtime!r}")
+        if runtime == "local" and (address is not None or placement is not None):
+            raise ValueError("address and placement are options of runtime='ray'; "
+                             "the local runtime takes neither")
+        if runtime == "ray":
+            from ..runtime.ray import import_ray
+            from ..runtime.ray.placement import parse_placement
+
+            import_ray()  # RayUnavailable at once: no Ray installed
+            parse_placement(plan, placement)  # a bad option fails here, not at start
         if type(max_pending) is not int or max_pending < 1:
             raise ValueError(f"max_pending must be a positive integer, got {max_pending!r}")
         if not timeout_s > 0:
@@ -171,6 +197,9 @@ class PipelineService:
         self.gate = admission
         self.max_pending = max_pending
         self.timeout_s = float(timeout_s)
+        self.runtime = runtime
+        self.address = address
+        self.placement = placement
         self.unrouted = 0  # outputs/error records with no waiting caller (late, extra)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -186,7 +215,7 @@ class PipelineService:
         # caller gave up still hold their slot until the source takes (and skips) them.
         self._queue: asyncio.Queue | None = None
         self._queued = 0
-        self._run: Any = None  # the LocalRun, once built
+        self._run: Any = None  # the LocalRun (RayRun), once built
         self._t0 = 0.0
         self._feed = _Feed(self)
         self._task: asyncio.Task | None = None  # start(loop): the run, on the caller's loop
@@ -333,6 +362,9 @@ class PipelineService:
 
         inputs, outputs, _ = bind_io(self.plan, self._feed, self._on_output)
         door = _Door(self.gate, self) if self.gate is not None else None
+        if self.runtime == "ray":
+            await self._serve_on_ray(inputs, outputs, door)
+            return
         build = partial(LocalRun, self.plan, inputs=inputs, outputs=outputs,
                         on_error=self._on_error, admission=door, on_drop=self._on_drop,
                         drop_key="_rid")  # loads engines
@@ -340,6 +372,21 @@ class PipelineService:
         self._run = build() if self._task is None else await asyncio.to_thread(build)
         self._t0 = perf_counter()
         self._ready.set()
+        await self._run.execute()
+
+    async def _serve_on_ray(self, inputs: dict, outputs: dict, door: _Door | None) -> None:
+        """The run on Ray: ready once every stage replica (and its engines) is installed."""
+        from ..runtime.ray import serving_run
+
+        def installed() -> None:
+            self._t0 = perf_counter()
+            self._ready.set()
+
+        build = partial(serving_run, self.plan, inputs=inputs, outputs=outputs,
+                        on_error=self._on_error, on_drop=self._on_drop, drop_key="_rid",
+                        on_ready=installed, admission=door, address=self.address,
+                        placement=self.placement)
+        self._run = await asyncio.to_thread(build)  # connecting blocks: off the loop
         await self._run.execute()
 
     # -- requests -----------------------------------------------------------------------
@@ -454,8 +501,9 @@ class PipelineService:
     # -- figures ------------------------------------------------------------------------
     @property
     def local_run(self) -> Any:
-        """The running ``LocalRun`` (live meters and channels), or None before start."""
-        return self._run
+        """The running ``LocalRun`` (live meters and channels), or None before start
+        (and on Ray, whose meters live in the actors)."""
+        return self._run if self.runtime == "local" else None
 
     @property
     def pending(self) -> int:
@@ -470,15 +518,22 @@ class PipelineService:
 
     def stats(self) -> RunStats:
         """A live snapshot of the run's statistics (approximate while records flow:
-        counters are read without stopping the stages)."""
+        counters are read without stopping the stages; on Ray, the stage actors' meters
+        as of their last snapshot, at most ``FLUSH_S`` old: a ``RayRunStats``)."""
         from ..runtime import live_stats
 
-        return live_stats(self._run, self._t0)
+        run = self._run
+        if self.runtime == "ray" and run is not None:
+            st = run.stats(perf_counter() - self._t0, False)
+            arrived = sum(m.records_out for m in run.source_meters.values())
+            return dataclass_replace(st, records_in=arrived)  # the source never ends
+        return live_stats(run, self._t0)
 
     def queue_depths(self) -> dict[str, int]:
-        """Records buffered now in each stage's input channel, by stage id."""
+        """Records buffered now in each stage's input channel, by stage id (a local run;
+        on Ray the queues live in the actors: ``stats()`` has their peaks)."""
         lr = self._run
-        if lr is None:
+        if lr is None or self.runtime == "ray":
             return {}
         return {sid: ch.depth for sid, ch in lr.channels.items()}
 

@@ -11,6 +11,7 @@ Layout, one responsibility per module:
 - ``placement``: placement options and the pool of hosts.
 - ``ledger``: the driver's de-duplication by lineage (exactly once across replays).
 - ``driver``: sources, admission, sinks, the run's life cycle.
+- ``transient``: a served record's ``_cancel``/``_stream`` across actors.
 
 Statistics are built by ``runtime/stats.py`` (per-actor meters in the local format).
 
@@ -29,7 +30,8 @@ from ...compiler import Plan
 from ..stats import RayRunStats, RayStageStats
 from .connect import RayUnavailable, connect, import_ray
 
-__all__ = ["RayRunStats", "RayStageStats", "RayUnavailable", "active_runs", "run_on_ray"]
+__all__ = ["RayRunStats", "RayStageStats", "RayUnavailable", "active_runs", "run_on_ray",
+           "serving_run"]
 
 
 def active_runs() -> list[dict[str, Any]]:
@@ -45,6 +47,31 @@ class RayInterrupted(Exception):
     def __init__(self, stats: RayRunStats) -> None:
         super().__init__("run interrupted")
         self.stats = stats
+
+
+def serving_run(plan: Plan, *, inputs: dict[str, Any], outputs: dict[str, Any],
+                on_error: Callable[[ErrorRecord], None], on_drop: Callable[[str, list], None],
+                drop_key: str, on_ready: Callable[[], None], admission: Any = None,
+                address: str | None = None, placement: dict | None = None) -> Any:
+    """A ``RayRun`` for a served pipeline (``PipelineService(runtime="ray")``), this
+    process connected to Ray; ``await run.execute()`` runs it until its source ends.
+    Blocks while connecting (call it off the serving loop).
+
+    on_drop, drop_key: records that end unanswered; the request id field (``_rid``)
+                       their live ``_cancel``/``_stream`` travel by (``transient.py``).
+    on_ready:          called once every stage replica is installed.
+    Other arguments as ``run_on_ray``; raises ``RayUnavailable``, ``PlanError``.
+    """
+    import_ray()
+    from .driver import RayRun
+    from .placement import parse_placement
+
+    placements = parse_placement(plan, placement)
+    rr = RayRun(plan, inputs=inputs, outputs=outputs, on_error=on_error,
+                admission=admission, placements=placements, on_drop=on_drop,
+                drop_key=drop_key, on_ready=on_ready)  # serialisation checked here
+    connect(address)
+    return rr
 
 
 def run_on_ray(plan: Plan, *, inputs: dict[str, Any], outputs: dict[str, Any],

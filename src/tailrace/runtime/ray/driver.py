@@ -14,6 +14,12 @@ queued record does not delay the next arrival), but at most ``ADMISSION_WAITS`` 
 at once: the source stops reading while that many wait, so memory stays flat whatever
 the input size. A record's ticket is released exactly once, when its source batch is
 acknowledged end to end (output, error record or drop alike) or the run ends.
+
+A served run (``drop_key``, ``PipelineService(runtime="ray")``) keeps each record's live
+``_cancel``/``_stream`` here by its request key and ships marks (``transient.py``):
+a cancelled caller's flag is pushed to the hosts, streamed pieces come back with the
+drains. A source batch acknowledged end to end whose record no output or error record
+answered was dropped by a stage (a filter, an empty flat_map): ``on_drop`` hears of it.
 """
 
 from __future__ import annotations
@@ -48,10 +54,14 @@ from .messages import (
     InstallSpec,
     Lineage,
     MeterReport,
+    Pieces,
     Route,
 )
 from .placement import HostHandle, StagePlacement, host_pool
+from .transient import detach, reattach
 
+#: Seconds between looks for cancelled callers in a served run.
+CANCEL_POLL_S = 0.05
 #: Most source records waiting for admission (or for credits right after it) at once,
 #: per source; fewer when the first edge's window is smaller.
 ADMISSION_WAITS = 64
@@ -129,12 +139,32 @@ class RayRun:
     on_error:   receives each ``ErrorRecord``.
     admission:  an admission gate each source record waits for (or None).
     placements: stage index -> ``StagePlacement``.
+    on_drop:    ``on_drop(stage ids, records)`` for source records that ended without an
+                output or error record (a served run: the caller is answered at once);
+                needs ``drop_key``.
+    drop_key:   with ``on_drop``: the field every record keeps (a request id); records'
+                live ``_cancel``/``_stream`` travel by it (see the module doc).
+    on_ready:   called once every stage replica is installed (engines opened).
     """
 
     def __init__(self, plan: Plan, *, inputs: dict[str, Any], outputs: dict[str, Any],
                  on_error: Callable[[ErrorRecord], None], admission: Any = None,
-                 placements: dict[int, StagePlacement] | None = None) -> None:
+                 placements: dict[int, StagePlacement] | None = None,
+                 on_drop: Callable[[str, list], None] | None = None,
+                 drop_key: str | None = None,
+                 on_ready: Callable[[], None] | None = None) -> None:
+        if on_drop is not None and drop_key is None:
+            raise ValueError("a drop hook needs the drop_key its records keep")
         self.plan = plan
+        self.on_drop = on_drop
+        self.drop_key = drop_key
+        self.on_ready = on_ready
+        self.held: dict[Any, tuple[Any, Any]] = {}  # request key -> (_cancel, _stream)
+        self.answered: set = set()  # request keys with an output or error record
+        self.cancels_sent: set = set()
+        ops = [o for s in plan.stages for o in s.ops if o.op.kind not in ("source", "sink")]
+        self.droppers = ", ".join(o.id for o in ops if o.op.name in ("filter", "flat_map")
+                                  ) or ", ".join(o.id for o in ops)  # named in a drop
         self.inputs = inputs
         self.on_error = on_error
         self.admission = admission
@@ -194,7 +224,7 @@ class RayRun:
             for port, stage_ids in self.consumers[i].items():
                 routes[port] = tuple(self._route(c, assignment, holders) for c in stage_ids)
             spec = InstallSpec(self.run_id, i, self.stages[i], routes, i in self.first, env,
-                               path)
+                               path, self.drop_key)
             ref = ray.put(spec)
             holders[i] = tuple([ref] for _ in range(s.replicas))
         for i in self.source_meters:
@@ -233,8 +263,12 @@ class RayRun:
         ACTIVE[self.run_id] = self
         try:
             await self._install()
+            if self.on_ready is not None:
+                self.on_ready()
             async with asyncio.TaskGroup() as tg:
                 drains = [tg.create_task(self._drain(h)) for h in self.hosts]
+                if self.drop_key is not None:
+                    drains.append(tg.create_task(self._watch_cancels()))
                 async with asyncio.TaskGroup() as sources:
                     for i in self.source_meters:
                         sources.create_task(self._source(i))
@@ -289,6 +323,8 @@ class RayRun:
             for e in d.entries:
                 if type(e) is MeterReport:
                     self._report(e)
+                elif type(e) is Pieces:
+                    self._stream(e.pieces)
                 elif type(e) is Commit:
                     self._hand_over(self.ledger.commit(e))
                 else:
@@ -314,8 +350,10 @@ class RayRun:
             key = (i, seq)
             seq += 1
             acks: list = []
+            if self.drop_key is not None:
+                records = detach(records, self.drop_key, self.held)
             await self._send(links, key, records, time.time(), acks)
-            t = asyncio.ensure_future(self._settle(key, acks, None))
+            t = asyncio.ensure_future(self._settle(key, acks, None, records))
             pending.add(t)
             t.add_done_callback(pending.discard)
 
@@ -358,13 +396,15 @@ class RayRun:
             key = (i, next(counter))
             acks: list = []
             born = time.time() - (perf_counter() - arrived)  # latency counts the wait
+            records = [x] if self.drop_key is None else detach([x], self.drop_key, self.held)
             try:
-                await self._send(links, key, [x], born, acks)
+                await self._send(links, key, records, born, acks)
             except BaseException:
                 self.ledger.settle(key)
+                self._forget(records)
                 gate.done(ticket)
                 raise
-            return self._settle(key, acks, ticket)
+            return self._settle(key, acks, ticket, records)
 
         def refuse(x: Any, e: BaseException) -> None:
             self.errors += 1
@@ -372,23 +412,71 @@ class RayRun:
 
         await read_admitted(data, gate, self.plan.name, k, meter, send, refuse)
 
-    async def _settle(self, key: BatchKey, acks: list, ticket: Any) -> None:
+    async def _settle(self, key: BatchKey, acks: list, ticket: Any,
+                      records: list) -> None:
         """A source batch is acknowledged end to end (or the run ends): forget its
-        lineage, free its ticket."""
+        lineage, report its records nothing answered (served runs), free its ticket."""
         try:
             await gather_acks(acks)
+            if self.on_drop is not None:
+                k = self.drop_key
+                gone = [r for r in records
+                        if type(r) is dict and r.get(k) not in self.answered]
+                if gone:
+                    self.on_drop(self.droppers, gone)
         finally:
             self.ledger.settle(key)
+            if self.drop_key is not None:
+                self._forget(records)
             if ticket is not None:
                 self.admission.done(ticket)
+
+    # -- a served run's live fields (see the module doc) ----------------------------------
+    def _forget(self, records: list) -> None:
+        k = self.drop_key
+        for r in records:
+            if type(r) is dict:
+                rid = r.get(k)
+                self.held.pop(rid, None)
+                self.answered.discard(rid)
+                self.cancels_sent.discard(rid)
+
+    def _stream(self, pieces: dict) -> None:
+        """Streamed pieces from a host: to each caller's ``_stream``, in order."""
+        for rid, got in pieces.items():
+            live = self.held.get(rid)
+            s = live[1] if live is not None else None
+            if s is not None:
+                for piece in got:
+                    s(piece)
+
+    async def _watch_cancels(self) -> None:
+        """Tell every host about callers that gave up (their records' flags get set)."""
+        while True:
+            await asyncio.sleep(CANCEL_POLL_S)
+            sent = self.cancels_sent
+            rids = [rid for rid, (c, _) in list(self.held.items())
+                    if c is not None and rid not in sent and c.is_set()]
+            if rids:
+                sent.update(rids)
+                for h in self.hosts:
+                    h.handle.cancel.remote(self.run_id, rids)
 
     # -- sinks and errors (in the driver) -------------------------------------------------
     def _hand_over(self, entries: list) -> None:
         """Entries the ledger let through: to the sinks and the error handler."""
+        k = self.drop_key
         for e in entries:
             if type(e) is Delivery:
+                if k is not None:
+                    reattach(e.records, k, self.held)
+                    self.answered.update(r.get(k) for r in e.records if type(r) is dict)
                 self._sink(e.target, e.records, e.born, e.sent)
             elif type(e) is Failures:
+                if k is not None:
+                    inputs = [err.input for err in e.errors]
+                    reattach(inputs, k, self.held)
+                    self.answered.update(x.get(k) for x in inputs if type(x) is dict)
                 self._errors(e.errors)
             else:  # Unsendable: sink records that could not come back
                 sid = self.sinks[e.target].op_id

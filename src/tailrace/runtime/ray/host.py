@@ -8,6 +8,9 @@ stage. Results for the driver's sinks, error records and meter snapshots go to t
 sink delivery is acknowledged to its producer when the driver's next ``drain`` says it
 has handled it. The actor restarts after a crash (``max_restarts=-1``); it then knows no
 stage replicas, answers ``NEED_INSTALL`` to pushes, and producers reinstall and replay.
+A served run's records carry marks for their caller's cancel flag and token callback;
+the host gives them live ones (``transient.py``): ``cancel`` sets the flags of requests
+whose callers gave up, and streamed pieces travel to the driver with the next drain.
 """
 
 from __future__ import annotations
@@ -37,8 +40,10 @@ from .messages import (
     InstallSpec,
     InstanceKey,
     Lineage,
+    Pieces,
     Unsendable,
 )
+from .transient import HostSide
 
 #: Seconds between meter snapshots sent to the driver (what survives an actor crash).
 FLUSH_S = 0.2
@@ -56,6 +61,8 @@ class Outbox:
         self.wake = asyncio.Event()
         self.closed = False
         self.instances: dict[tuple[int, int], HostedWorker] = {}
+        self.side: HostSide | None = None  # a served run's live fields (first install)
+        self.pieces: dict[Any, list[str]] = {}  # streamed pieces not yet drained
         self.flusher = asyncio.ensure_future(self._flush())
 
     def _put(self, entry: Any) -> asyncio.Future:
@@ -81,6 +88,15 @@ class Outbox:
         ack."""
         return self._put(Commit(stage, key, token, parents))
 
+    def piece(self, rid: Any, piece: str) -> None:
+        """A streamed text piece of request ``rid`` for the driver (on the loop)."""
+        got = self.pieces.get(rid)
+        if got is None:
+            self.pieces[rid] = [piece]
+        else:
+            got.append(piece)
+        self.wake.set()
+
     def ack(self, upto: int) -> None:
         p = self.pending
         while p and p[0][0] <= upto:
@@ -89,10 +105,13 @@ class Outbox:
                 fut.set_result(None)
 
     async def take(self) -> list:
-        while not self.entries and not self.closed:
+        while not self.entries and not self.pieces and not self.closed:
             self.wake.clear()
             await self.wake.wait()
         out, self.entries = self.entries, []
+        if self.pieces:  # before the entries: a record's pieces precede its output
+            out.insert(0, Pieces(self.pieces))
+            self.pieces = {}
         return out
 
     async def _flush(self) -> None:
@@ -155,6 +174,8 @@ class StageHost:
             spec = await holder[0]  # an ObjectRef (reinstall by a producer)
         box = self._outbox(spec.run_id)
         if box is not None and (spec.index, replica) not in box.instances:
+            if spec.request_key is not None and box.side is None:
+                box.side = HostSide(spec.request_key, box.piece)
             os.environ.update(spec.env)
             for p in spec.sys_path:
                 if p not in sys.path:
@@ -181,6 +202,8 @@ class StageHost:
         inst = box.instances.get((key[1], key[2]))
         if inst is None:
             return NEED_INSTALL
+        if box.side is not None:
+            box.side.attach(records)
         await inst.push(batch_key, records, lin, born, order)
         return PUSH_OK
 
@@ -195,6 +218,13 @@ class StageHost:
             box.ack(ack)
         entries = await box.take()
         return pack(Drained(self.incarnation, box.seq, entries, box.closed))
+
+    async def cancel(self, run_id: str, rids: list) -> None:
+        """The callers of requests ``rids`` of a served run gave up: set their records'
+        ``_cancel`` flags here (a generation stops at its next token)."""
+        box = self.runs.get(run_id)
+        if box is not None and box.side is not None:
+            box.side.cancel(rids)
 
     async def finish(self, run_id: str) -> list:
         """End the run here: stop its replicas, return their final meter snapshots."""

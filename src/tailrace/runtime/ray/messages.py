@@ -65,6 +65,8 @@ class InstallSpec:
     first:    fed by a source: the stage measures scheduling delay.
     env:      ``TAILRACE_*`` environment of the driver (index and model locations).
     sys_path: the driver's import path, so dotted ``fn:`` paths resolve the same way.
+    request_key: a served run's request id field (``_rid``): records with live
+              ``_cancel``/``_stream`` marks get them by it (``transient.py``); None.
     """
 
     run_id: str
@@ -74,6 +76,7 @@ class InstallSpec:
     first: bool
     env: dict[str, str] = field(default_factory=dict)
     sys_path: tuple[str, ...] = ()
+    request_key: str | None = None
 
 
 # -- host -> driver: the outbox, drained by the driver -----------------------------------
@@ -131,12 +134,18 @@ class MeterReport(NamedTuple):
     sink_depth: dict  # sink stage index -> most records in flight to it from this replica
 
 
+class Pieces(NamedTuple):
+    """Streamed text pieces for the driver, in order, by request key."""
+
+    pieces: dict  # request key -> [piece, ...]
+
+
 class Drained(NamedTuple):
     """Answer to ``StageHost.drain``: new outbox entries since the last acknowledgement."""
 
     incarnation: str  # the host's; a new one means it restarted and forgot its outbox
     last_seq: int  # acknowledge up to this with the next drain call
-    entries: list  # Delivery | Failures | Unsendable | Commit | MeterReport
+    entries: list  # Pieces | Delivery | Failures | Unsendable | Commit | MeterReport
     closed: bool  # the run is finished on this host
 
 
