@@ -195,3 +195,28 @@ def test_one_failing_prompt_fails_the_request_and_the_server_goes_on(url):
     assert r.status_code == 400 and "context" in r.json()["error"]["message"], r.text
     ok = client(url).completions.create(model="opts", prompt=["x y", "z"])
     assert [c.text for c in ok.choices] == ["x y", "z"]
+
+
+def test_a_stream_missing_its_last_pieces_still_ends_with_the_whole_answer(url, monkeypatch):
+    """On Ray the output can reach the server before the last streamed pieces (they come
+    from different actors); the stream then sends the rest of the answer before its end."""
+    real = fakes.EchoEngine.generate
+
+    def first_piece_only(self, requests, on_token=None):
+        seen: set[int] = set()
+
+        def one(i, piece):
+            if i not in seen:
+                seen.add(i)
+                return on_token(i, piece)
+            return True
+
+        return real(self, requests, one if on_token is not None else None)
+
+    monkeypatch.setattr(fakes.EchoEngine, "generate", first_piece_only)
+    chunks = list(client(url).chat.completions.create(
+        model="opts", messages=[{"role": "user", "content": "a b c d"}], stream=True))
+    texts = [c.choices[0].delta.content for c in chunks if c.choices
+             and c.choices[0].delta.content]
+    assert texts == ["a", " b c d"]
+    assert chunks[-1].choices[0].finish_reason == "stop"

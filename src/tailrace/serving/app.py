@@ -547,7 +547,9 @@ async def _stream_openai(request: Request, service: PipelineService, b: Binding,
     async def events(relay: _Relay, first: Any) -> AsyncIterator[bytes]:
         if req.chat:
             yield chunk(req, rid, created, "", role=True)
+        sent: list[str] = []
         async for text in relay.texts(first):
+            sent.append(text)
             yield chunk(req, rid, created, text)
         try:
             out = relay.result()
@@ -555,6 +557,11 @@ async def _stream_openai(request: Request, service: PipelineService, b: Binding,
         except ServiceError as e:
             yield sse(error_body(redact(str(e)), e.status, e.code))
             return
+        streamed = "".join(sent)
+        if len(answer) > len(streamed) and answer.startswith(streamed):
+            # pieces that had not arrived when the output did (on Ray, the pieces and the
+            # output reach the driver from different actors): the rest of the answer
+            yield chunk(req, rid, created, answer[len(streamed):])
         usage = usage_of(b, out, req.text, answer)
         yield chunk(req, rid, created, None if req.chat else "",
                     finish_reason(b, usage, out))
