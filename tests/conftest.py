@@ -14,11 +14,13 @@ EXECUTORS = [("local", True), ("local", False), ("ray", True), ("ray", False)]
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """One Ray instance for the whole session (``num_cpus=2``), shut down at the end."""
+    """One Ray instance for the whole session (``num_cpus=2``), shut down at the end;
+    always a new local one (``address="local"``), never a cluster another process runs."""
     ray = pytest.importorskip("ray")
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+        ray.init(address="local", num_cpus=2, include_dashboard=False,
+                 logging_level="WARNING")
     yield ray
     if started:
         ray.shutdown()

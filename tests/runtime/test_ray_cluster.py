@@ -43,7 +43,8 @@ def cluster():
         ray.shutdown()
         c.shutdown()
         if restart:
-            ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+            ray.init(address="local", num_cpus=2, include_dashboard=False,
+                     logging_level="WARNING")
 
 
 def test_spread_places_replicas_on_different_nodes(cluster):

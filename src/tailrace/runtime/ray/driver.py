@@ -62,6 +62,10 @@ from .transient import detach, reattach
 
 #: Seconds between looks for cancelled callers in a served run.
 CANCEL_POLL_S = 0.05
+#: Seconds an install waits for a stage host that is restarting (a pooled host killed
+#: by an earlier run) before the run fails.
+INSTALL_WAIT_S = 30.0
+
 #: Most source records waiting for admission (or for credits right after it) at once,
 #: per source; fewer when the first edge's window is smaller.
 ADMISSION_WAITS = 64
@@ -238,11 +242,19 @@ class RayRun:
         calls = [(i, r, h.handle.install.remote(list(holders[i][r]), r))
                  for (i, r), h in assignment.items()]
         for i, r, ref in calls:
-            try:
-                done = await ref
-            except Exception as e:  # noqa: BLE001 - building the stage failed on the host
-                raise cause(e) from None
             h = assignment[(i, r)]
+            deadline = time.monotonic() + INSTALL_WAIT_S
+            while True:
+                try:
+                    done = await ref
+                    break
+                except ray_errors() as e:  # a pooled host still restarting (killed earlier)
+                    if time.monotonic() > deadline:
+                        raise cause(e) from None
+                    await asyncio.sleep(0.1)
+                    ref = h.handle.install.remote(list(holders[i][r]), r)
+                except Exception as e:  # noqa: BLE001 - building the stage failed on the host
+                    raise cause(e) from None
             h.node = done.node
             self.incarnations[id(h)] = done.incarnation
             self.replica_incarnations.setdefault((i, r), set()).add(done.replica)
