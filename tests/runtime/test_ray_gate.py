@@ -246,3 +246,21 @@ def test_build_gate_for_the_cluster_shares_one_actor_by_name():
         assert a.statistics().admitted == 2
     finally:
         a.shutdown()
+
+
+def test_a_served_request_gets_503_when_the_gate_actor_is_gone(make_gate):
+    from tailrace.serving.errors import RequestFailed
+
+    gate = make_gate("fcfs", max_in_flight=2)
+    p = tr.Pipeline("gated-503")
+    p.source(fields=["x"]).map(double, id="double").sink()
+    svc = PipelineService(p, admission=gate, runtime="ray", timeout_s=60).start()
+    try:
+        assert svc.wait_ready(120), svc.failure
+        gate.shutdown()
+        with pytest.raises(RequestFailed) as e:
+            asyncio.run(svc.submit({"x": 1}))
+        assert e.value.status == 503 and e.value.code == "gate_unavailable"
+        assert e.value.retry_after == 1.0 and "is unavailable" in str(e.value)
+    finally:
+        svc.stop()

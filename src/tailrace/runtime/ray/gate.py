@@ -73,10 +73,11 @@ class GateActor:
             self.cancelled.discard(key)
             return ("rejected", CANCELLED, 0.0, f"request {key!r}: its caller gave up")
         fields = {"prompt_tokens": prompt_tokens, "_urgency": urgency}
-        task = asyncio.ensure_future(self.gate.admit(pipeline, fields))
+        task = asyncio.current_task()  # cancel() cancels it: the gate frees what it admitted
+        assert task is not None
         self.pending[key] = task
         try:
-            ticket = await task
+            ticket = await self.gate.admit(pipeline, fields)
         except AdmissionRejected as e:
             return ("rejected", e.reason, e.retry_after, str(e))
         except asyncio.CancelledError:
@@ -121,8 +122,9 @@ class GateActor:
         """Releases, repeated releases (no-ops), cancelled waits, tickets now held."""
         return {**self.counters, "held": len(self.tickets), "waiting": len(self.pending)}
 
-    def ping(self) -> None:
-        """A bare round trip (the benchmark's baseline)."""
+    async def ping(self, *args: Any) -> tuple:
+        """A bare round trip answering its arguments (the benchmark's baselines)."""
+        return args
 
 
 @cache
