@@ -153,7 +153,7 @@ def test_a_second_release_is_a_counted_no_op(make_gate):
     gate.done(t2)
     wait_until(lambda: gate.statistics().in_flight == 0)
     assert gate.counters() == {"released": 2, "repeated_releases": 1, "cancelled": 0,
-                               "held": 0, "waiting": 0}
+                               "expired": 0, "held": 0, "waiting": 0, "owners": 1}
 
 
 def test_a_caller_cancelled_while_queued_leaves_nothing_behind(make_gate):
@@ -264,3 +264,31 @@ def test_a_served_request_gets_503_when_the_gate_actor_is_gone(make_gate):
         assert e.value.retry_after == 1.0 and "is unavailable" in str(e.value)
     finally:
         svc.stop()
+
+
+class Holder:
+    """A driver-like process that takes a ticket and keeps it."""
+
+    def __init__(self, name: str) -> None:
+        self.gate = ClusterGate(name=name, lease_s=2.0)
+
+    async def take(self) -> str:
+        return (await self.gate.admit("p", {"text": "mine"})).request.id
+
+
+def test_a_dead_clients_tickets_are_freed_when_its_lease_runs_out(ray_session, make_gate):
+    gate = make_gate("fcfs", max_in_flight=1, lease_s=2.0)
+    holder = ray_session.remote(num_cpus=0)(Holder).remote(gate.name)
+    ray_session.get(holder.take.remote(), timeout=60)
+    assert gate.statistics().in_flight == 1
+
+    async def main():
+        waiter = asyncio.ensure_future(gate.admit("p", {"text": "next"}))
+        await asyncio.sleep(3.0)  # > lease_s: a live holder keeps its ticket (it renews)
+        assert not waiter.done()
+        ray_session.kill(holder)  # its process dies, holding the ticket
+        gate.done(await asyncio.wait_for(waiter, 30))
+
+    asyncio.run(main())
+    wait_until(lambda: gate.statistics().in_flight == 0)
+    assert gate.counters()["expired"] == 1

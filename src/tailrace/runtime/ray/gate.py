@@ -13,15 +13,16 @@ Tickets are named by the client (``OWNER-N``): releasing one id twice is a no-op
 counts, and a caller cancelled while its request waits tells the actor, which frees the
 ticket exactly once whether it was still queued or admitted meanwhile. The actor is not
 restarted: when it dies, admissions fail at once with ``GateUnavailable`` (HTTP 503 with
-Retry-After); a new ``ClusterGate`` of the same name starts an empty one. Tickets held by a
-driver process that died are not reclaimed (no leases yet): its capacity stays taken until
-the gate actor is replaced.
+Retry-After); a new ``ClusterGate`` of the same name starts an empty one. Leases: each
+client renews its owner id every ``lease_s / 4``; the tickets (and queued waits) of a
+client not heard from for ``lease_s`` (a driver process that died) are freed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import time
 import uuid
 from functools import cache
@@ -59,16 +60,20 @@ class GateActor:
     """
 
     def __init__(self, policy: str, options: dict[str, Any], max_tokens: dict[str, int],
-                 poll_s: float = 0.005) -> None:
+                 lease_s: float = 10.0, poll_s: float = 0.005) -> None:
         self.gate = AdmissionGate(make_policy(policy, **options), max_tokens=max_tokens,
                                   prompt_tokens=_given_prompt_tokens, poll_s=poll_s)
         self.tickets: dict[str, Ticket] = {}  # ticket id -> admitted, not yet released
         self.pending: dict[str, asyncio.Task] = {}  # ticket id -> waiting for admission
         self.cancelled: set[str] = set()  # cancels that arrived before their admit
-        self.counters = {"released": 0, "repeated_releases": 0, "cancelled": 0}
+        self.counters = {"released": 0, "repeated_releases": 0, "cancelled": 0, "expired": 0}
+        self.lease_s = lease_s
+        self.seen: dict[str, float] = {}  # owner -> when it last admitted or renewed
+        self._reaper: asyncio.Task | None = None
 
     async def admit(self, key: str, pipeline: str, prompt_tokens: int,
                     urgency: dict[str, Any] | None) -> tuple:
+        self._touch(owner_of(key))
         if key in self.cancelled:
             self.cancelled.discard(key)
             return ("rejected", CANCELLED, 0.0, f"request {key!r}: its caller gave up")
@@ -115,16 +120,47 @@ class GateActor:
         else:
             self.cancelled.add(key)
 
+    async def renew(self, owner: str) -> None:
+        """``owner`` (a client) is alive: its tickets stay held ``lease_s`` more seconds."""
+        self._touch(owner)
+
+    def _touch(self, owner: str) -> None:  # on the actor's loop
+        self.seen[owner] = time.monotonic()
+        if self._reaper is None:
+            self._reaper = asyncio.get_running_loop().create_task(self._reap())
+
+    async def _reap(self) -> None:
+        """Free the tickets and waits of owners not heard from for ``lease_s``."""
+        while True:
+            await asyncio.sleep(self.lease_s / 4)
+            now = time.monotonic()
+            gone = {o for o, t in self.seen.items() if now - t > self.lease_s}
+            if not gone:
+                continue
+            for o in gone:
+                del self.seen[o]
+            for key in [k for k in self.pending if owner_of(k) in gone]:
+                self.pending[key].cancel()
+            for key in [k for k in self.tickets if owner_of(k) in gone]:
+                self.counters["expired"] += 1
+                self.gate.done(self.tickets.pop(key))
+
     def statistics(self) -> AdmissionStatistics:
         return self.gate.statistics()
 
     def gate_counters(self) -> dict[str, int]:
         """Releases, repeated releases (no-ops), cancelled waits, tickets now held."""
-        return {**self.counters, "held": len(self.tickets), "waiting": len(self.pending)}
+        return {**self.counters, "held": len(self.tickets), "waiting": len(self.pending),
+                "owners": len(self.seen)}
 
     async def ping(self, *args: Any) -> tuple:
         """A bare round trip answering its arguments (the benchmark's baselines)."""
         return args
+
+
+def owner_of(key: str) -> str:
+    """The client that named ticket ``key`` (``OWNER-N``)."""
+    return key.rsplit("-", 1)[0]
 
 
 @cache
@@ -143,14 +179,19 @@ class ClusterGate:
     max_tokens:      pipeline name -> predicted output tokens per request (default 64).
     prompt_tokens:   record -> predicted prompt tokens (computed here, in the driver).
     detached:        outlive the Ray job that created it (default: the job's lifetime).
+    lease_s:         the actor frees the tickets of a client not heard from for this long
+                     (a driver process that died); clients renew every ``lease_s / 4``.
+                     Used by the client that creates the actor; give every client the same.
     """
 
     def __init__(self, policy: str = "fcfs", *, name: str = "default",
                  max_tokens: dict[str, int] | None = None,
                  prompt_tokens: Any = approx_prompt_tokens, detached: bool = False,
-                 **options: Any) -> None:
+                 lease_s: float = 10.0, **options: Any) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"ClusterGate name: expected a non-empty string, got {name!r}")
+        if isinstance(lease_s, bool) or not isinstance(lease_s, int | float) or lease_s <= 0:
+            raise ValueError(f"ClusterGate lease_s: expected seconds > 0, got {lease_s!r}")
         self.name = name
         self.prompt_tokens = prompt_tokens
         self._ray = ray = import_ray()
@@ -158,9 +199,17 @@ class ClusterGate:
         self.actor = gate_actor_class().options(
             name=f"tailrace-gate-{name}", namespace=NAMESPACE, get_if_exists=True,
             lifetime="detached" if detached else None,
-        ).remote(policy, options, dict(max_tokens or {}))
+        ).remote(policy, options, dict(max_tokens or {}), lease_s)
         self._owner = uuid.uuid4().hex[:12]
         self._ids = itertools.count()
+        self._stop = threading.Event()
+        threading.Thread(target=self._renew, args=(lease_s / 4,), daemon=True,
+                         name=f"tailrace-gate-lease-{name}").start()
+
+    def _renew(self, every: float) -> None:
+        """Tell the actor this client lives, until ``close``."""
+        while not self._stop.wait(every):
+            self.actor.renew.remote(self._owner)
 
     def _unavailable(self, e: BaseException) -> GateUnavailable:
         return GateUnavailable(f"admission gate 'tailrace-gate-{self.name}' is unavailable "
@@ -213,8 +262,11 @@ class ClusterGate:
             raise self._unavailable(e) from None
 
     def close(self) -> None:
-        """Nothing to stop here: the actor is shared; ``shutdown()`` ends it."""
+        """Stop renewing this client's lease (tickets it still holds are freed when the
+        lease runs out); the actor is shared: ``shutdown()`` ends it."""
+        self._stop.set()
 
     def shutdown(self) -> None:
         """Kill the gate actor (every client's admissions then fail with GateUnavailable)."""
+        self._stop.set()
         self._ray.kill(self.actor)
