@@ -62,7 +62,10 @@ def hold_tickets(name: str, n: int, hold_s: float) -> list[tuple[float, float]]:
 
     async def main():
         gate = ClusterGate(name=name)  # finds the actor the test created
-        return await asyncio.gather(*(one(gate) for _ in range(n)))
+        try:
+            return await asyncio.gather(*(one(gate) for _ in range(n)))
+        finally:
+            gate.close()
 
     return asyncio.run(main())
 

@@ -25,6 +25,7 @@ import itertools
 import threading
 import time
 import uuid
+import weakref
 from functools import cache
 from typing import Any
 
@@ -170,6 +171,12 @@ def gate_actor_class() -> Any:
     return ray.remote(num_cpus=0, max_restarts=0, max_concurrency=10_000)(GateActor)
 
 
+def _renew(actor: Any, owner: str, stop: threading.Event, every: float) -> None:
+    """Tell the gate actor that client ``owner`` lives, until ``stop`` is set."""
+    while not stop.wait(every):
+        actor.renew.remote(owner)
+
+
 class ClusterGate:
     """Admission through the cluster's gate actor, with ``AdmissionGate``'s protocol.
 
@@ -203,13 +210,9 @@ class ClusterGate:
         self._owner = uuid.uuid4().hex[:12]
         self._ids = itertools.count()
         self._stop = threading.Event()
-        threading.Thread(target=self._renew, args=(lease_s / 4,), daemon=True,
-                         name=f"tailrace-gate-lease-{name}").start()
-
-    def _renew(self, every: float) -> None:
-        """Tell the actor this client lives, until ``close``."""
-        while not self._stop.wait(every):
-            self.actor.renew.remote(self._owner)
+        weakref.finalize(self, self._stop.set)  # a client dropped unclosed stops renewing
+        threading.Thread(target=_renew, args=(self.actor, self._owner, self._stop, lease_s / 4),
+                         daemon=True, name=f"tailrace-gate-lease-{name}").start()
 
     def _unavailable(self, e: BaseException) -> GateUnavailable:
         return GateUnavailable(f"admission gate 'tailrace-gate-{self.name}' is unavailable "
