@@ -25,7 +25,8 @@ ALLOWED: dict[str, set[str]] = {
     "control": BASE | {"engines"},  # admission only; tokens, never the pool's insides
     "operators": BASE | {"engines", "stores", "control", "observability"},
     "compiler": BASE | {"operators", "observability"},
-    "runtime": BASE | {"compiler", "operators", "engines", "observability"},
+    # control: the Ray gate actor (runtime/ray/gate.py) hosts an admission policy
+    "runtime": BASE | {"compiler", "operators", "control", "engines", "observability"},
     "serving": BASE | {"runtime", "compiler", "operators", "control", "engines", "stores",
                        "observability"},
     "cli": BASE | {"serving", "runtime", "compiler", "operators", "control", "engines",

@@ -49,6 +49,13 @@ def add_parser(sub: Any) -> None:
                    help="admission policy shared by all pipelines (uses their slo:)")
     s.add_argument("--max-in-flight", type=int, default=8,
                    help="records admitted at once by fcfs/slo (default 8)")
+    s.add_argument("--gate", choices=["process", "cluster"], default="process",
+                   help="with --admission: where the policy lives: in this process "
+                        "(default) or, with --runtime ray, in one Ray actor shared by every "
+                        "server given the same --gate-name (one max_in_flight for them all)")
+    s.add_argument("--gate-name", default="default", metavar="NAME",
+                   help="with --gate cluster: the gate actor is tailrace-gate-NAME in Ray "
+                        "namespace 'tailrace' (default: default)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20,
                    help="largest request body; larger ones get 413 (default 1 MiB)")
     s.add_argument("--otlp-endpoint", metavar="URL",
@@ -64,10 +71,13 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
-def build_gate(policy: str, plans: list[Any], max_in_flight: int) -> Any:
+def build_gate(policy: str, plans: list[Any], max_in_flight: int,
+               cluster: str | None = None) -> Any:
     """One admission gate of ``policy`` (simultaneous | fcfs | slo) for the compiled
     ``plans``, read for their ``slo:`` and their model stages' ``max_tokens``; ``max_in_flight``:
-    records admitted at once (fcfs, slo). ``tailrace run --admission`` uses it too."""
+    records admitted at once (fcfs, slo). ``cluster``: the name of a Ray gate actor
+    (``ClusterGate``) to admit through instead of a gate in this process. ``tailrace run
+    --admission`` uses it too."""
     from ..control import PipelineSLO, make_policy
     from ..control.gate import AdmissionGate
     from ..serving.openai_wire import output_tokens
@@ -86,6 +96,11 @@ def build_gate(policy: str, plans: list[Any], max_in_flight: int) -> Any:
     if policy != "simultaneous":
         options["max_in_flight"] = max_in_flight
     try:
+        if cluster is not None:
+            from ..runtime.ray.gate import ClusterGate
+
+            make_policy(policy, **options)  # bad options fail here, in one line
+            return ClusterGate(policy, name=cluster, max_tokens=max_tokens, **options)
         return AdmissionGate(make_policy(policy, **options), max_tokens=max_tokens)
     except ValueError as e:
         raise TailraceError(f"--admission {policy}: {e}") from None
@@ -154,6 +169,9 @@ def serve(args: argparse.Namespace) -> int:
         raise TailraceError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     if args.address and args.runtime != "ray":
         raise TailraceError("--address names a Ray cluster: add --runtime ray")
+    if args.gate == "cluster" and (args.runtime != "ray" or not args.admission):
+        raise TailraceError("--gate cluster puts the admission policy in a Ray actor: it "
+                            "needs --runtime ray and --admission fcfs|slo|simultaneous")
     api_key = None
     if args.api_key_env:
         api_key = os.environ.get(args.api_key_env)
@@ -171,13 +189,15 @@ def serve(args: argparse.Namespace) -> int:
         configure_tracing(endpoint=args.otlp_endpoint)
     plans = [_load(argparse.Namespace(pipeline=path, no_fuse=args.no_fuse))
              for path in args.pipelines]
-    gate = build_gate(args.admission, plans, args.max_in_flight) if args.admission else None
     on_ray: dict[str, Any] = {}
     if args.runtime == "ray":
         from ..runtime.ray import connect
 
         connect(args.address)  # one-line RayUnavailable: no Ray, unreachable address
         on_ray = {"runtime": "ray"}
+    cluster = args.gate_name if args.gate == "cluster" else None
+    gate = (build_gate(args.admission, plans, args.max_in_flight, cluster)
+            if args.admission else None)
     hub = ServingHub([PipelineService(p, admission=gate, **on_ray) for p in plans], gate=gate,
                      api_key=api_key, max_body_bytes=args.max_body_bytes,
                      metrics_public=args.metrics_public, tenants=tenants)

@@ -40,6 +40,8 @@ class RequestFailed(ServiceError):
             status, code = 400, record.error
         elif record.error == "StageTimeout":
             status, code = 504, "stage_timeout"
+        elif record.error == "GateUnavailable":  # the cluster's gate actor is gone
+            status, code = 503, "gate_unavailable"
         else:
             status, code = 500, record.error
         super().__init__(f"stage '{record.stage}': {record.error}: {record.message}",
