@@ -12,26 +12,9 @@ import sys
 import time
 
 import httpx
-import pytest
 
 from tailrace.cli.main import main
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PIPE = """\
-version: 1
-pipeline: loud
-source: {fields: [text]}
-stages:
-  - {id: up, op: map, fn: tests.fixtures.ops.upper, input: text, output: loud}
-"""
-
-
-@pytest.fixture
-def pipe(tmp_path, monkeypatch):
-    monkeypatch.chdir(ROOT)
-    path = tmp_path / "loud.yaml"
-    path.write_text(PIPE)
-    return path
+from tests.serving.conftest import ROOT
 
 
 def test_bad_yaml_is_one_line_and_exit_2(tmp_path, capsys):

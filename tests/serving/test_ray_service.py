@@ -6,7 +6,6 @@ official ``openai`` client, plain and streamed."""
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import socket
 import subprocess
@@ -24,6 +23,7 @@ from tailrace.runtime.ray import active_runs
 from tailrace.serving import PipelineService, ServingHub
 from tailrace.serving.errors import RecordDropped, RequestFailed
 from tests.serving import fakes
+from tests.serving.conftest import ROOT
 from tests.serving.server import running
 
 
@@ -193,24 +193,6 @@ def test_the_openai_client_through_a_ray_hosted_pipeline(monkeypatch):
 
 
 # -- tailrace serve --runtime ray ------------------------------------------------------------
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PIPE = """\
-version: 1
-pipeline: loud
-source: {fields: [text]}
-stages:
-  - {id: up, op: map, fn: tests.fixtures.ops.upper, input: text, output: loud}
-"""
-
-
-@pytest.fixture
-def pipe(tmp_path, monkeypatch):
-    monkeypatch.chdir(ROOT)
-    path = tmp_path / "loud.yaml"
-    path.write_text(PIPE)
-    return path
-
-
 @pytest.mark.slow
 def test_serve_runtime_ray_answers_then_drains_on_ctrl_c(pipe, ray_session):
     """A server process joins this session's Ray (``--address``), answers (an error
