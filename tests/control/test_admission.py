@@ -36,8 +36,9 @@ UNIT = CostModel(prefill_tps=1e9, decode_tps=10.0, overhead_s=0.0)
 BIG = 1e9  # ms: a budget no test reaches
 
 
-def req(rid, pipeline="qa", at=0.0, cost=1.0, deadline=None):
-    return Request(rid, pipeline, arrival=at, max_tokens=round(cost * 10), deadline=deadline)
+def req(rid, pipeline="qa", at=0.0, cost=1.0, deadline=None, priority=None):
+    return Request(rid, pipeline, arrival=at, max_tokens=round(cost * 10), deadline=deadline,
+                   priority=priority)
 
 
 def policy(name, clock, **config):
@@ -205,8 +206,9 @@ def test_slo_higher_class_first_within_its_lead(lead, expected):
     assert ids(order) == expected
 
 
-def saturate(p, clock, pipelines, admissions):
-    """Keep every pipeline 8 deep in the queue; run each ticket for exactly its cost."""
+def saturate(p, clock, pipelines, admissions, priorities=None):
+    """Keep every pipeline 8 deep in the queue; run each ticket for exactly its cost.
+    ``priorities``: a request class by pipeline (default: each pipeline's SLO class)."""
     running, counter = [], itertools.count()
 
     def refill():
@@ -214,7 +216,8 @@ def saturate(p, clock, pipelines, admissions):
         for pipe in pipelines:
             for _ in range(8 - depth.get(pipe, 0)):
                 i = next(counter)
-                ticket = p.try_admit(req(f"{pipe}{i}", pipe, clock(), cost=0.5 + (i % 11) / 10))
+                ticket = p.try_admit(req(f"{pipe}{i}", pipe, clock(), cost=0.5 + (i % 11) / 10,
+                                         priority=(priorities or {}).get(pipe)))
                 running.extend([ticket] if ticket else [])
 
     refill()

@@ -2,7 +2,6 @@
 gate's ``_urgency`` record field) under the admission policies, on a virtual clock."""
 
 import asyncio
-import itertools
 import re
 
 import pytest
@@ -10,27 +9,11 @@ import pytest
 from tailrace.control import (
     AdmissionGate,
     AdmissionRejected,
-    CostModel,
     PipelineSLO,
     Request,
     make_policy,
 )
-
-UNIT = CostModel(prefill_tps=1e9, decode_tps=10.0, overhead_s=0.0)  # cost = max_tokens / 10
-BIG = 1e9  # ms: a budget no test reaches
-
-
-class VirtualClock:
-    def __init__(self, now: float = 0.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def req(rid, pipeline="qa", at=0.0, cost=1.0, deadline=None, priority=None):
-    return Request(rid, pipeline, arrival=at, max_tokens=round(cost * 10), deadline=deadline,
-                   priority=priority)
+from tests.control.test_admission import BIG, UNIT, VirtualClock, req, saturate
 
 
 def drain(p, clock, running):
@@ -80,26 +63,8 @@ def test_a_request_class_does_not_break_the_fair_share():
     slos = {"bulk": PipelineSLO(BIG, "batch", weight=1),
             "chat": PipelineSLO(BIG, "interactive", weight=4)}
     p = make_policy("slo", clock=clock, cost_model=UNIT, max_in_flight=4, slos=slos)
-    running, counter = [], itertools.count()
-
-    def refill():
-        depth = p.statistics().queue_depth
-        for pipe in ("bulk", "chat"):
-            for _ in range(8 - depth.get(pipe, 0)):
-                i = next(counter)
-                t = p.try_admit(req(f"{pipe}{i}", pipe, clock(), cost=0.5 + (i % 11) / 10,
-                                    priority="interactive" if pipe == "bulk" else None))
-                running.extend([t] if t else [])
-
-    refill()
-    while p.statistics().admitted < 2000:
-        done = min(running, key=lambda t: t.admitted_at + t.cost)
-        running.remove(done)
-        clock.now = max(clock.now, done.admitted_at + done.cost)
-        p.release(done)
-        running += p.poll()
-        refill()
-    stats = p.statistics()
+    stats = saturate(p, clock, ["bulk", "chat"], admissions=2000,
+                     priorities={"bulk": "interactive"})
     assert stats.rejected == {}
     assert stats.admitted_cost["chat"] / stats.admitted_cost["bulk"] == pytest.approx(4, rel=0.1)
 
