@@ -198,3 +198,37 @@ def test_embeddings_are_normalised_float32_rows(embed_server):
         assert eng.embed([]).shape == (0, 576)
     finally:
         eng.close()
+
+
+def test_a_caller_that_stops_a_stream_stops_the_server_too():
+    """``on_token`` returning False stops that request: finish 'cancelled', the connection
+    closes, and the server stops generating (bench/latency_server.py counts it cancelled)
+    instead of decoding the other ~1000 tokens for nobody."""
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench"
+    sys.path.insert(0, str(path))
+    try:
+        import latency_server as ls
+    finally:
+        sys.path.remove(str(path))
+    with ls.start_server(ls.LatencyConfig(decode_tps=200, prefill_tps=1e6)) as srv:
+        eng = OpenAIEngine(srv.url, "latency-model", timeout_s=30, retries=0)
+        try:
+            seen: list[str] = []
+
+            def on_token(i: int, piece: str) -> bool:
+                seen.append(piece)
+                return len(seen) < 3
+
+            (g,) = eng.generate([chat("go", max_tokens=1000)], on_token)
+            assert g.finish_reason == "cancelled" and len(seen) == 3
+            assert g.text == "tok0 tok1 tok2"
+            deadline = time.monotonic() + 30
+            while srv.stats()["cancelled"] == 0:  # the server saw the client leave
+                assert time.monotonic() < deadline, srv.stats()
+                time.sleep(0.02)
+            assert srv.stats()["served"] == 0
+        finally:
+            eng.close()

@@ -65,3 +65,39 @@ def test_an_engine_that_cannot_start_on_the_cluster_fails_the_run_clearly(ray_se
             tr.run(p, runtime="ray", input=[{"text": "x"}])
     finally:
         shutdown_engines()
+
+
+@pytest.fixture
+def owner_actor(ray_session):
+    """An actor that opens the engine first, so it owns the engine's actor."""
+
+    @ray_session.remote(num_cpus=0)
+    class Owner:
+        def open(self):
+            from tailrace.runtime.ray.engines import open_cluster_engine
+
+            return len(open_cluster_engine("emb", EMB).embed(["warm up"]))
+
+    owner = Owner.remote()
+    yield owner
+    ray_session.kill(owner)
+
+
+def test_a_handle_outlives_the_process_that_created_its_engine_actor(ray_session,
+                                                                    owner_actor):
+    """An engine actor dies with the process that created it (a stage host), restarts or
+    not: a handle elsewhere then creates the engine anew instead of failing every call."""
+    from tailrace.runtime.ray.engines import ClusterEngine, shutdown_engines
+
+    shutdown_engines()
+    try:
+        assert ray_session.get(owner_actor.open.remote()) == 1
+        (before,) = engine_actors(ray_session)
+        handle = ClusterEngine("emb", EMB)  # finds the owner's actor by name
+        assert handle.embed(["one"]).shape[0] == 1
+        ray_session.kill(owner_actor)  # its engine actor dies with it, for good
+        vecs = handle.embed(["two", "three"])  # a new engine actor, made by this handle
+        assert vecs.shape[0] == 2
+        assert engine_actors(ray_session) == [before]  # one engine, by the same name
+    finally:
+        shutdown_engines()

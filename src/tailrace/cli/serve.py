@@ -6,8 +6,11 @@ at once and prints its URL; engines load in the background (``/readyz`` turns 20
 they have). Ctrl-C (or SIGTERM) drains the pipelines (every waiting request gets its
 answer, or 503 after 30 s) and stops.
 
-``--runtime ray [--address HOST:PORT]`` runs every pipeline's stages as Ray actors
-(stage hosts, shared engine actors), this process the driver and the HTTP ingress.
+``--runtime ray [--address HOST:PORT] [--ingress-replicas N | --ingress-autoscale MIN:MAX]``
+serves on a Ray cluster (``serving/cluster.py``): the pipelines' stages run in stage-host
+actors driven by one hub actor, which also holds the admission gate; the HTTP ingress is
+a Ray Serve application of N replicas behind Serve's proxy on ``--host:--port``. This
+process only deploys it, waits for Ctrl-C and takes it down (draining first).
 """
 
 from __future__ import annotations
@@ -67,6 +70,14 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--address", metavar="ADDR",
                    help="with --runtime ray: the cluster (HOST:PORT, ray://HOST:PORT or auto; "
                         "default: start a local Ray)")
+    s.add_argument("--ingress-replicas", type=int, metavar="N",
+                   help="with --runtime ray: Ray Serve ingress replicas (default 1)")
+    s.add_argument("--ingress-autoscale", metavar="MIN:MAX",
+                   help="with --runtime ray: let Ray Serve scale the ingress replicas between "
+                        "MIN and MAX on ongoing requests (instead of --ingress-replicas)")
+    s.add_argument("--app-name", default="tailrace", metavar="NAME",
+                   help="with --runtime ray: the Ray Serve application (and hub actor) name "
+                        "(default tailrace; one per cluster and name)")
     s.add_argument("--no-fuse", action="store_true", help="run every operator as its own stage")
     s.add_argument("--debug", action="store_true", help="show tracebacks")
 
@@ -169,6 +180,12 @@ def serve(args: argparse.Namespace) -> int:
         raise TailraceError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     if args.address and args.runtime != "ray":
         raise TailraceError("--address names a Ray cluster: add --runtime ray")
+    cluster_only = [flag for flag, given in (
+        ("--ingress-replicas", args.ingress_replicas is not None),
+        ("--ingress-autoscale", args.ingress_autoscale is not None),
+        ("--app-name", args.app_name != "tailrace")) if given]
+    if cluster_only and args.runtime != "ray":
+        raise TailraceError(f"{cluster_only[0]} is an option of serving on Ray: add --runtime ray")
     if args.gate == "cluster" and (args.runtime != "ray" or not args.admission):
         raise TailraceError("--gate cluster puts the admission policy in a Ray actor: it "
                             "needs --runtime ray and --admission fcfs|slo|simultaneous")
@@ -189,16 +206,10 @@ def serve(args: argparse.Namespace) -> int:
         configure_tracing(endpoint=args.otlp_endpoint)
     plans = [_load(argparse.Namespace(pipeline=path, no_fuse=args.no_fuse))
              for path in args.pipelines]
-    on_ray: dict[str, Any] = {}
     if args.runtime == "ray":
-        from ..runtime.ray import connect
-
-        connect(args.address)  # one-line RayUnavailable: no Ray, unreachable address
-        on_ray = {"runtime": "ray"}
-    cluster = args.gate_name if args.gate == "cluster" else None
-    gate = (build_gate(args.admission, plans, args.max_in_flight, cluster)
-            if args.admission else None)
-    hub = ServingHub([PipelineService(p, admission=gate, **on_ray) for p in plans], gate=gate,
+        return serve_on_cluster(args, plans, api_key=api_key, tenants=tenants)
+    gate = build_gate(args.admission, plans, args.max_in_flight) if args.admission else None
+    hub = ServingHub([PipelineService(p, admission=gate) for p in plans], gate=gate,
                      api_key=api_key, max_body_bytes=args.max_body_bytes,
                      metrics_public=args.metrics_public, tenants=tenants)
     sock = _listen(args.host, args.port)
@@ -238,6 +249,90 @@ def serve(args: argparse.Namespace) -> int:
             signal.signal(signal.SIGTERM, old_term)
         hub.stop()
         sock.close()
+    if failed:
+        for line in failed:
+            print(f"tailrace: error: {line}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print("tailrace: stopped" + (" (interrupted)" if interrupted else ""), file=sys.stderr)
+    return 0
+
+
+def _autoscale(value: str | None) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    lo, sep, hi = value.partition(":")
+    if not (sep and lo.isdigit() and hi.isdigit() and 1 <= int(lo) <= int(hi)):
+        raise TailraceError(f"--ingress-autoscale {value!r}: give MIN:MAX replicas with "
+                            "1 <= MIN <= MAX, e.g. 1:4")
+    return int(lo), int(hi)
+
+
+def _free_port(host: str) -> int:
+    with _listen(host, 0) as sock:
+        return int(sock.getsockname()[1])
+
+
+def serve_on_cluster(args: argparse.Namespace, plans: list[Any], *, api_key: str | None,
+                     tenants: Any) -> int:
+    """``tailrace serve --runtime ray``: deploy the hub actor and the Ray Serve ingress,
+    wait for Ctrl-C (or SIGTERM), drain and take them down; returns the exit status."""
+    import time
+    from functools import partial
+
+    from ..runtime.ray import connect
+    from ..serving.cluster import ClusterServer
+
+    if args.ingress_replicas is not None and args.ingress_autoscale is not None:
+        raise TailraceError("give --ingress-replicas N or --ingress-autoscale MIN:MAX, not both")
+    if args.ingress_replicas is not None and args.ingress_replicas < 1:
+        raise TailraceError(f"--ingress-replicas must be >= 1, got {args.ingress_replicas}")
+    autoscale = _autoscale(args.ingress_autoscale)
+    if args.admission:  # bad SLOs or options fail here, in one line, before Ray starts
+        build_gate(args.admission, plans, args.max_in_flight)
+    ray = connect(args.address)  # one-line RayUnavailable: no Ray, unreachable address
+    from ray import serve
+
+    if args.app_name in serve.status().applications:
+        raise TailraceError(f"a Ray Serve application '{args.app_name}' already runs on this "
+                            "cluster; stop it (serve shutdown) or give --app-name")
+    port = args.port or _free_port(args.host)
+    cluster = args.gate_name if args.gate == "cluster" else None
+    factory = (partial(build_gate, args.admission, plans, args.max_in_flight, cluster)
+               if args.admission else None)
+    try:
+        server = ClusterServer(
+            plans, host=args.host, port=port, ingress_replicas=args.ingress_replicas or 1,
+            autoscale=autoscale, gate_factory=factory, app_name=args.app_name,
+            api_key=api_key, max_body_bytes=args.max_body_bytes,
+            metrics_public=args.metrics_public, tenants=tenants)
+    except ValueError as e:
+        raise TailraceError(str(e)) from None
+    old_term = signal.getsignal(signal.SIGTERM)
+    in_main = threading.current_thread() is threading.main_thread()
+    if in_main:
+        signal.signal(signal.SIGTERM, _terminate)
+    interrupted, failed = False, []
+    try:
+        server.start()
+        shown = f"[{args.host}]" if ":" in args.host else args.host
+        scale = (f"{autoscale[0]}..{autoscale[1]} autoscaled" if autoscale
+                 else str(args.ingress_replicas or 1))
+        print(f"tailrace: serving {', '.join(p.name for p in plans)} on "
+              f"http://{shown}:{port}/v1 (OpenAI-compatible; Ray Serve ingress, {scale} "
+              f"replicas, cluster {ray.get_runtime_context().gcs_address}; GET /readyz, "
+              "/metrics, /dashboard)", flush=True)
+        if server.wait_ready():
+            print("tailrace: ready (stage and engine actors up)", file=sys.stderr, flush=True)
+            while True:
+                time.sleep(3600)
+        failed = [f"pipeline '{name}' failed to start: {why}"
+                  for name, (_, why) in server.state().items() if why]
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, old_term)
+        server.stop()
     if failed:
         for line in failed:
             print(f"tailrace: error: {line}", file=sys.stderr)

@@ -309,7 +309,7 @@ class OpenAIEngine:
         n_events = 0
         finish: str | None = None
         usage: Any = None
-        with self._create(req, stream=True) as stream:
+        with self._create(req, stream=True) as stream:  # leaving it closes the connection
             for chunk in stream:
                 n_events += 1
                 if cancel.is_set():
@@ -321,10 +321,13 @@ class OpenAIEngine:
                     piece = getattr(source, "content" if chat else "text", None) or ""
                     if piece:
                         pieces.append(piece)
-                        if on_token is not None:
-                            on_token(index, piece)
+                        if on_token is not None and on_token(index, piece) is False:
+                            finish = "cancelled"  # the caller stopped it: the server stops
+                            break                 # when the connection closes
                     if choice.finish_reason:
                         finish = choice.finish_reason
+                if finish == "cancelled":
+                    break
         if n_events == 0 and not cancel.is_set():
             # Some servers (llama-cpp-python's) validate a streamed request only after
             # answering 200, and on failure close the stream empty; asked again without
@@ -368,7 +371,8 @@ class OpenAIEngine:
             extra["usage"] = "estimated"
         return Generation(text=text, prompt_tokens=prompt_tokens,
                           completion_tokens=completion_tokens,
-                          finish_reason="length" if finish == "length" else "stop", extra=extra)
+                          finish_reason=finish if finish in ("length", "cancelled") else "stop",
+                          extra=extra)
 
     # --------------------------------------------------------------- embedding
 

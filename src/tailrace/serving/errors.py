@@ -29,6 +29,18 @@ class ServiceError(TailraceError):
         self.code = code
         self.retry_after = retry_after
 
+    def __reduce__(self) -> tuple:
+        """Pickled (across Ray actors) as its class, message and attributes, whatever
+        the subclass's constructor takes."""
+        return _rebuild, (type(self), str(self), dict(self.__dict__))
+
+
+def _rebuild(cls: type[ServiceError], message: str, attrs: dict) -> ServiceError:
+    err = cls.__new__(cls)
+    Exception.__init__(err, message)
+    err.__dict__.update(attrs)
+    return err
+
 
 class RequestFailed(ServiceError):
     """The pipeline answered with an error record (``.record``) instead of an output."""

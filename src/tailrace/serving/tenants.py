@@ -120,6 +120,15 @@ class TenantKeys:
     def __len__(self) -> int:
         return len(self._keys)
 
+    def __reduce__(self) -> Any:
+        """Pickled (to a Ray Serve ingress replica) as its keys, with full buckets."""
+        return TenantKeys, ({k.decode(): t for k, t in self._keys},)
+
+    @property
+    def limited(self) -> bool:
+        """Whether any tenant has a request or token limit."""
+        return bool(self._requests or self._tokens)
+
     def tenant_of(self, token: str) -> Tenant | None:
         """The tenant whose key is ``token``, or None (every key is compared)."""
         given = token.strip().encode()

@@ -188,9 +188,7 @@ class ClusterEngine:
 
         self.name = name
         self._spec = {k: v for k, v in spec.items() if not k.startswith("_")}
-        remote: Any = ray.remote(EngineActor)
-        self._actor: Any = remote.options(**actor_options(name, self._spec)).remote(
-            name, self._spec)
+        self._actor: Any = self._named_actor()
         try:
             info: dict[str, Any] = ray.get(self._actor.describe.remote())
         except Exception as e:  # the engine could not be opened in its actor
@@ -202,6 +200,31 @@ class ClusterEngine:
         self.chat: bool = info["chat"]
         self._count: Any = None
 
+    def _named_actor(self) -> Any:
+        """The named actor: found if alive (or restarting), else created. An actor is
+        owned by the process that created it and dies with it, whatever its restarts:
+        when that stage host dies, the next caller creates it anew (``_renew``)."""
+        import ray
+
+        remote: Any = ray.remote(EngineActor)
+        return remote.options(**actor_options(self.name, self._spec)).remote(
+            self.name, self._spec)
+
+    def _renew(self) -> None:
+        self._actor = self._named_actor()
+
+    def _call(self, method: str, *args: Any) -> Any:
+        """A whole call; on an actor that died for good (its owner, another stage host,
+        died with it), once more on a renewed one."""
+        import ray
+        from ray.exceptions import ActorDiedError
+
+        try:
+            return ray.get(getattr(self._actor, method).remote(*args))
+        except ActorDiedError:
+            self._renew()
+            return ray.get(getattr(self._actor, method).remote(*args))
+
     def count_tokens(self, text: str) -> int:
         if self._count is None:
             self._count = token_counter(self._spec)
@@ -209,18 +232,19 @@ class ClusterEngine:
 
     def generate(self, requests: Sequence[GenerationRequest],
                  on_token: TokenCallback | None = None) -> list[Generation]:
-        import ray
 
         if on_token is None:  # nothing to stream to: one whole-batch call
-            gens: list[Generation] = ray.get(self._actor.generate.remote(list(requests)))
+            gens: list[Generation] = self._call("generate", list(requests))
             return gens
-        from ray.exceptions import RayActorError
+        from ray.exceptions import ActorDiedError, RayActorError
 
         for attempt in itertools.count():
             delivered = [False]
             try:
                 return self._stream(list(requests), on_token, delivered)
             except RayActorError as e:
+                if isinstance(e, ActorDiedError):
+                    self._renew()  # dead for good (or restarting: the same actor again)
                 if delivered[0] or attempt >= STREAM_RETRIES:
                     raise EngineError(
                         f"engine '{self.name}': its actor died while streaming "
@@ -260,9 +284,8 @@ class ClusterEngine:
                     self._actor.cancel.remote(call_id, None)
 
     def embed(self, texts: Sequence[str]) -> Any:
-        import ray
 
-        return ray.get(self._actor.embed.remote(list(texts)))
+        return self._call("embed", list(texts))
 
     def close(self) -> None:
         """The actor is the cluster's: stages do not stop it (``shutdown_engines`` does)."""

@@ -1,0 +1,494 @@
+"""Serving on a Ray cluster: Ray Serve ingress replicas in front of one long-running plan.
+
+``tailrace serve --runtime ray`` (``ClusterServer``) lays a served job out as:
+
+- **one hub actor** (``HubActor``, ``tailrace-hub-APP`` in the ``tailrace`` namespace):
+  a ``ServingHub`` of ``PipelineService(runtime="ray")`` — the driver of every pipeline's
+  plan (stage-host actors with per-edge credit windows, shared engine actors) — and
+  their ONE admission gate, so SLO policies decide with the global view at no extra
+  actor round trip: the call that hands a request over is the one that is admitted;
+- **Ray Serve ingress replicas** (``tailrace-ingress``: a FastAPI ingress deployment
+  with ``num_replicas`` or an ``autoscaling_config``): the same ``create_app`` as a local
+  server, over ``RemoteService`` handles on the hub. Serve's proxy spreads HTTP requests
+  over the replicas and its autoscaler adds or removes them on ongoing requests.
+
+A request's answer returns to the replica that holds it as the reply of its own actor
+call (``HubActor.submit``); a streamed request is a Ray streaming generator
+(``HubActor.stream``) that yields the text pieces gathered since its last yield, in
+order, then the outcome, with Ray's generator back-pressure (``STREAM_WINDOW``). A
+client that disconnects cancels its replica's call: Ray cancels the hub's coroutine,
+whose ``submit`` sets the record's ``_cancel``, and the engine stops the sequence.
+Errors cross as values (``ServiceError`` pickles with its status, code and record).
+
+If an ingress replica dies, only its own requests are lost: their clients get Serve's
+error, the hub's calls for them run on for nobody (their tickets come back when they
+end). If the hub actor dies, every replica answers 503 and ``/readyz`` says why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .errors import ServiceError, ServiceUnavailable
+from .hub import ServingHub
+from .service import Cancel, PipelineService
+
+NAMESPACE = "tailrace"
+#: unconsumed yields a streamed request may have in flight to its replica
+STREAM_WINDOW = 4
+#: calls the hub actor serves at once (every request of every replica is one)
+HUB_CONCURRENCY = 8192
+#: Serve's logging for tailrace's deployments and proxy: warnings only, no access log
+#: line per request (the hot path stays lean; ``/metrics`` counts requests)
+QUIET = {"log_level": "WARNING", "enable_access_log": False}
+#: seconds between an ingress replica's readiness polls of the hub
+POLL_S = 0.5
+#: seconds a replica reuses one snapshot of the hub's figures (a /metrics scrape reads
+#: every pipeline's statistics: one actor call for all of them)
+FIGURES_TTL_S = 0.25
+
+
+def hub_name(app: str) -> str:
+    """The hub actor's name for Serve application ``app``."""
+    return f"tailrace-hub-{app}"
+
+
+class HubActor:
+    """The actor body: the served pipelines' ``ServingHub`` and its gate (see module).
+
+    plans:        compiled plans, one per served pipeline.
+    gate_factory: builds the shared admission gate in the actor (None: admit all).
+    max_pending, timeout_s: as ``PipelineService``.
+    placement:    ``{pipeline: {stage id: options}}`` for the stage hosts.
+    """
+
+    def __init__(self, plans: list[Any], gate_factory: Callable[[], Any] | None = None,
+                 max_pending: int = 1024, timeout_s: float = 300.0,
+                 placement: dict[str, dict] | None = None) -> None:
+        gate = gate_factory() if gate_factory is not None else None
+        placement = placement or {}
+        self.hub = ServingHub([PipelineService(
+            p, admission=gate, max_pending=max_pending, timeout_s=timeout_s, runtime="ray",
+            placement=placement.get(p.name)) for p in plans], gate=gate)
+
+    async def start(self) -> list[str]:
+        """Start every pipeline's run on this actor's loop; returns their names."""
+        self.hub.start(asyncio.get_running_loop())
+        return list(self.hub.services)
+
+    def ready(self) -> dict[str, tuple[bool, str | None]]:
+        """Per pipeline: (ready, why it failed or None)."""
+        return {name: (s.ready, None if s.failure is None
+                       else f"{type(s.failure).__name__}: {s.failure}")
+                for name, s in self.hub.services.items()}
+
+    async def submit(self, name: str, record: dict) -> tuple[bool, Any]:
+        """Run one record; ``(True, output)`` or ``(False, ServiceError)``."""
+        try:
+            return True, await self.hub.services[name].submit(record)
+        except ServiceError as e:
+            return False, e
+
+    async def stream(self, name: str, record: dict) -> Any:
+        """A streaming generator: ``(None, text)`` for the pieces produced since the last
+        yield, then ``(True, output)`` or ``(False, ServiceError)``. Closed early (the
+        caller cancelled or died), it stops the generation."""
+        pieces: asyncio.Queue = asyncio.Queue()
+        cancel = Cancel()
+        task = asyncio.ensure_future(
+            self.hub.services[name].submit(record, on_token=pieces.put_nowait, cancel=cancel))
+        try:
+            while True:
+                getter = asyncio.ensure_future(pieces.get())
+                await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                parts = [getter.result()] if getter.done() and not getter.cancelled() else []
+                while not pieces.empty():
+                    parts.append(pieces.get_nowait())
+                if parts:
+                    yield None, "".join(parts)
+                if task.done() and pieces.empty():
+                    break
+            try:
+                yield True, task.result()
+            except ServiceError as e:
+                yield False, e
+        finally:
+            if not task.done():  # the caller left: nothing keeps generating for it
+                cancel.set()
+                task.cancel()
+
+    def figures(self) -> dict[str, Any]:
+        """What ``/metrics`` and ``/dashboard`` show: per pipeline its readiness and
+        statistics, the gate's and the engine pools' statistics."""
+        gate = self.hub.gate
+        stats = getattr(gate, "statistics", None)
+        return {"services": {name: {"stats": s.stats(), "pending": s.pending,
+                                    "queued": s.queued, "unrouted": s.unrouted}
+                             for name, s in self.hub.services.items()},
+                "gate": stats() if callable(stats) else None, "pools": self.hub.pools()}
+
+    def actors(self) -> list[dict[str, Any]]:
+        """The runs' stage actors (``runtime.ray.active_runs``): to inspect or kill one."""
+        from ..runtime.ray import active_runs
+
+        return active_runs()
+
+    async def drain(self, timeout: float = 30.0) -> None:
+        """Stop taking requests, answer those in the pipelines, end the runs."""
+        await self.hub.aclose(timeout)
+
+
+class RemoteService:
+    """An ingress replica's handle on one pipeline of the hub actor; what ``create_app``
+    needs of a ``PipelineService`` (``submit``, ``ready``, ``stats``, ...)."""
+
+    runtime = "ray"
+    local_run = None
+    started = True
+
+    def __init__(self, link: _HubLink, name: str, plan: Any) -> None:
+        self.link = link
+        self.name = name
+        self.plan = plan
+
+    @property
+    def ready(self) -> bool:
+        return self.link.ready.get(self.name, False)
+
+    @property
+    def failure(self) -> BaseException | None:
+        why = self.link.failures.get(self.name)
+        return None if why is None else ServiceUnavailable(why)
+
+    async def submit(self, record: dict, on_token: Callable[[str], Any] | None = None,
+                     cancel: Cancel | threading.Event | None = None) -> dict:
+        """As ``PipelineService.submit``, through the hub actor."""
+        from ray.exceptions import RayError
+
+        actor = self.link.actor
+        try:
+            if on_token is None:
+                ref = actor.submit.remote(self.name, record)
+                try:
+                    ok, value = await ref
+                except asyncio.CancelledError:
+                    _cancel(ref)
+                    raise
+            else:
+                ok, value = await self._stream(actor, record, on_token, cancel)
+        except RayError as e:
+            raise ServiceUnavailable(f"pipeline '{self.name}': the hub actor failed "
+                                     f"({type(e).__name__}); this request is lost") from None
+        if not ok:
+            raise value
+        return value
+
+    async def _stream(self, actor: Any, record: dict, on_token: Callable[[str], Any],
+                      cancel: Cancel | threading.Event | None) -> tuple[bool, Any]:
+        gen = actor.stream.options(num_returns="streaming",
+                                   _generator_backpressure_num_objects=STREAM_WINDOW
+                                   ).remote(self.name, record)
+        finished = False
+        try:
+            async for ref in gen:
+                ok, value = await ref
+                if ok is None:
+                    on_token(value)
+                    if cancel is not None and cancel.is_set():  # e.g. the relay overflowed
+                        break
+                    continue
+                finished = True
+                return ok, value
+            raise ServiceUnavailable(f"pipeline '{self.name}': the stream ended without an "
+                                     "answer")
+        finally:
+            if not finished:
+                _cancel(gen)
+
+    def stats(self) -> Any:
+        return self.link.figures()["services"][self.name]["stats"]
+
+    @property
+    def pending(self) -> int:
+        return int(self.link.figures()["services"][self.name]["pending"])
+
+    @property
+    def queued(self) -> int:
+        return int(self.link.figures()["services"][self.name]["queued"])
+
+    def queue_depths(self) -> dict[str, int]:
+        return {}  # the queues live in the stage actors; stats() has their peaks
+
+    async def aclose(self, timeout: float = 30.0) -> None:
+        """The hub's owner (``ClusterServer``) drains the pipelines, not a replica."""
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """As ``aclose``."""
+
+
+def _cancel(ref: Any) -> None:
+    import ray
+
+    with contextlib.suppress(Exception):  # already finished, or the actor is gone
+        ray.cancel(ref)
+
+
+class _HubLink:
+    """A replica's connection to the hub actor: readiness polled in the background,
+    figures fetched on demand (cached ``FIGURES_TTL_S``)."""
+
+    def __init__(self, actor: Any, names: list[str]) -> None:
+        self.actor = actor
+        self.ready: dict[str, bool] = dict.fromkeys(names, False)
+        self.failures: dict[str, str | None] = dict.fromkeys(names)
+        self._figures: tuple[float, dict] | None = None
+        self._lock = threading.Lock()
+        self._poller: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._poller = asyncio.get_running_loop().create_task(self._poll())
+
+    async def _poll(self) -> None:
+        from ray.exceptions import RayError
+
+        while True:
+            try:
+                state = await self.actor.ready.remote()
+                for name, (ok, why) in state.items():
+                    self.ready[name], self.failures[name] = ok, why
+            except RayError as e:
+                for name in self.ready:
+                    self.ready[name] = False
+                    self.failures[name] = (f"the hub actor is unreachable "
+                                           f"({type(e).__name__})")
+            await asyncio.sleep(POLL_S)
+
+    def figures(self) -> dict[str, Any]:
+        """The hub's figures (a blocking call: ``/metrics`` and ``/dashboard/data`` are
+        plain routes, run in worker threads)."""
+        import ray
+
+        with self._lock:
+            now = time.monotonic()
+            if self._figures is None or now - self._figures[0] > FIGURES_TTL_S:
+                self._figures = (now, ray.get(self.actor.figures.remote(), timeout=10))
+            return self._figures[1]
+
+
+class _RemoteGate:
+    """The hub's gate as ``/metrics`` reads it (``statistics()``)."""
+
+    def __init__(self, link: _HubLink) -> None:
+        self.link = link
+
+    def statistics(self) -> Any:
+        return self.link.figures()["gate"]
+
+
+class _RemoteHub(ServingHub):
+    """An ingress replica's hub: remote services, the hub's gate and pool figures."""
+
+    def __init__(self, link: _HubLink, services: list[RemoteService], gated: bool,
+                 **options: Any) -> None:
+        super().__init__(services, gate=_RemoteGate(link) if gated else None,  # type: ignore[arg-type]
+                         **options)
+        self.link = link
+
+    def pools(self) -> dict[str, Any]:
+        return dict(self.link.figures()["pools"])
+
+
+def build_ingress_app(app_name: str, plans: list[Any], gated: bool,
+                      options: dict[str, Any]) -> Any:
+    """The FastAPI app of one ingress replica (runs in the replica).
+
+    app_name: the Serve application (names the hub actor).
+    plans:    the served plans (their names and shapes: bindings, limits).
+    gated:    whether the hub has an admission gate.
+    options:  ``ServingHub`` options (api_key, max_body_bytes, metrics_public, tenants).
+    """
+    import ray
+
+    from .app import create_app
+
+    actor = ray.get_actor(hub_name(app_name), namespace=NAMESPACE)
+    link = _HubLink(actor, [p.name for p in plans])
+    link.start()
+    hub = _RemoteHub(link, [RemoteService(link, p.name, p) for p in plans], gated, **options)
+    app = create_app(hub)
+    app.add_middleware(_IngressHeader, replica=_replica_id())
+    return app
+
+
+def _replica_id() -> str:
+    from ray import serve
+
+    with contextlib.suppress(Exception):  # outside a Serve replica (tests of the app)
+        return str(serve.get_replica_context().replica_id.unique_id)
+    return "local"
+
+
+class _IngressHeader:
+    """ASGI middleware: every response names the ingress replica that answered it
+    (``X-Tailrace-Ingress``), to tell which requests a replica's failure took down."""
+
+    def __init__(self, app: Any, replica: str) -> None:
+        self.app = app
+        self.header = (b"x-tailrace-ingress", replica.encode())
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def tagged(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), self.header]
+            await send(message)
+
+        await self.app(scope, receive, tagged)
+
+
+def ingress_deployment() -> Any:
+    """The Serve deployment class of the ingress (built on demand: imports Serve)."""
+    from ray import serve
+
+    @serve.deployment(name="tailrace-ingress", ray_actor_options={"num_cpus": 0},
+                      max_ongoing_requests=1024, health_check_period_s=2,
+                      logging_config=QUIET)
+    @serve.ingress()
+    class Ingress:
+        def __init__(self, app_name: str, plans: list[Any], gated: bool,
+                     options: dict[str, Any]) -> None:
+            self._args = (app_name, plans, gated, options)
+
+        async def __serve_build_asgi_app__(self) -> Any:
+            return build_ingress_app(*self._args)
+
+    return Ingress
+
+
+class ClusterServer:
+    """A served job on Ray: the hub actor plus a Ray Serve application of ingress
+    replicas behind Serve's HTTP proxy (on the head node, ``host:port``).
+
+    plans:            compiled plans, one per pipeline (unique names).
+    host, port:       where Serve's proxy listens (Serve starts if it is not running;
+                      a running Serve keeps its own HTTP options).
+    ingress_replicas: ingress replicas (Serve ``num_replicas``), or
+    autoscale:        ``(min, max)`` replicas: Serve's ``autoscaling_config`` instead,
+                      scaling on ``target_ongoing`` requests per replica.
+    gate_factory:     builds the admission gate in the hub actor (None: admit all).
+    app_name:         the Serve application (and hub actor) name.
+    options:          ``ServingHub`` options for the replicas (api_key, max_body_bytes,
+                      metrics_public, tenants).
+    """
+
+    def __init__(self, plans: list[Any], *, host: str = "127.0.0.1", port: int = 8000,
+                 ingress_replicas: int = 1, autoscale: tuple[int, int] | None = None,
+                 target_ongoing: int = 32, gate_factory: Callable[[], Any] | None = None,
+                 max_pending: int = 1024, timeout_s: float = 300.0,
+                 placement: dict[str, dict] | None = None, app_name: str = "tailrace",
+                 **options: Any) -> None:
+        if type(ingress_replicas) is not int or ingress_replicas < 1:
+            raise ValueError(f"ingress replicas must be a positive integer, got "
+                             f"{ingress_replicas!r}")
+        if autoscale is not None and not (1 <= autoscale[0] <= autoscale[1]):
+            raise ValueError(f"ingress autoscaling bounds must be 1 <= MIN <= MAX, got "
+                             f"{autoscale[0]}:{autoscale[1]}")
+        tenants = options.get("tenants")
+        if tenants is not None and tenants.limited and (ingress_replicas > 1 or autoscale):
+            raise ValueError("tenant limits (--keys-file requests_per_s/tokens_per_min) are "
+                             "kept by each ingress replica: with more than one, a tenant "
+                             "would get that many times its limit; serve with one ingress "
+                             "replica, or drop the limits")
+        self.plans = plans
+        self.host, self.port = host, port
+        self.ingress_replicas, self.autoscale = ingress_replicas, autoscale
+        self.target_ongoing = target_ongoing
+        self.app_name = app_name
+        self.options = options
+        self._hub_args = (plans, gate_factory, max_pending, timeout_s, placement)
+        self.hub: Any = None
+        self._gated = gate_factory is not None
+
+    def start(self) -> ClusterServer:
+        """Create the hub actor, start the pipelines' runs and deploy the ingress;
+        returns once Serve reports the ingress replicas healthy (the engines may still
+        be loading: ``wait_ready``)."""
+        import ray
+        from ray import serve
+
+        remote: Any = ray.remote(HubActor)
+        self.hub = remote.options(name=hub_name(self.app_name), namespace=NAMESPACE,
+                                  num_cpus=0, max_concurrency=HUB_CONCURRENCY,
+                                  ).remote(*self._hub_args)
+        ray.get(self.hub.start.remote())
+        serve.start(http_options={"host": self.host, "port": self.port},
+                    proxy_location="HeadOnly", logging_config=QUIET)
+        scale: dict[str, Any] = {"num_replicas": self.ingress_replicas}
+        if self.autoscale is not None:
+            lo, hi = self.autoscale
+            scale = {"num_replicas": "auto", "autoscaling_config": {
+                "min_replicas": lo, "max_replicas": hi,
+                "target_ongoing_requests": self.target_ongoing}}
+        ingress = ingress_deployment().options(**scale)
+        serve.run(ingress.bind(self.app_name, self.plans, self._gated, self.options),
+                  name=self.app_name, route_prefix="/", blocking=False)
+        return self
+
+    def state(self) -> dict[str, tuple[bool, str | None]]:
+        """Per pipeline: (ready, why it failed or None), from the hub actor."""
+        import ray
+
+        return ray.get(self.hub.ready.remote())
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until every pipeline is ready (True) or one failed / ``timeout``
+        seconds passed (False)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            state = self.state()
+            if all(ok for ok, _ in state.values()):
+                return True
+            if any(why for _, why in state.values()):
+                return False
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)
+
+    def replicas(self) -> int:
+        """Ingress replicas Serve runs now."""
+        from ray import serve
+
+        app = serve.status().applications.get(self.app_name)
+        if app is None:
+            return 0
+        dep = app.deployments.get("tailrace-ingress")
+        if dep is None:
+            return 0
+        return sum(n for state, n in dep.replica_states.items()
+                   if getattr(state, "value", state) == "RUNNING")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Drain the pipelines (every admitted request gets its answer, at most
+        ``timeout`` s), delete the Serve application and the hub actor."""
+        import ray
+        from ray import serve
+
+        if self.hub is None:
+            return
+        with contextlib.suppress(Exception):  # the hub may be gone already
+            ray.get(self.hub.drain.remote(timeout), timeout=timeout + 10)
+        with contextlib.suppress(Exception):
+            serve.delete(self.app_name)
+        with contextlib.suppress(Exception):
+            ray.kill(self.hub)
+        self.hub = None
