@@ -112,3 +112,24 @@ def test_docs_commands_run(files, capsys, ray_session):
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert sorted(r["id"] for r in rows) == [1, 2, 3, 4, 5, 6]
     assert "6 in, 6 out, 0 errors" in capsys.readouterr().err
+
+
+def test_joining_a_cluster_presents_the_local_auth_token(tmp_path, monkeypatch):
+    """``ray start --head`` turns token auth on and saves the token; a client given an
+    address sends it only with RAY_AUTH_MODE=token, which connect sets when a token is
+    at hand and the mode was not chosen."""
+    from tailrace.runtime.ray.connect import use_local_token
+
+    for var in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert not use_local_token() and "RAY_AUTH_MODE" not in os.environ  # no token here
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("x" * 64)
+    assert use_local_token() and os.environ["RAY_AUTH_MODE"] == "token"
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # the user's choice stands
+    assert not use_local_token() and os.environ["RAY_AUTH_MODE"] == "disabled"
+    monkeypatch.delenv("RAY_AUTH_MODE")
+    monkeypatch.setenv("HOME", str(tmp_path / "nowhere"))
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "y" * 64)
+    assert use_local_token() and os.environ["RAY_AUTH_MODE"] == "token"

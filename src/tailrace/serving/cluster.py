@@ -233,6 +233,11 @@ class RemoteService:
         """As ``aclose``."""
 
 
+def _quietly(fn: Callable[..., Any], *args: Any) -> None:
+    with contextlib.suppress(Exception):
+        fn(*args)
+
+
 def _cancel(ref: Any) -> None:
     import ray
 
@@ -487,8 +492,11 @@ class ClusterServer:
             return
         with contextlib.suppress(Exception):  # the hub may be gone already
             ray.get(self.hub.drain.remote(timeout), timeout=timeout + 10)
-        with contextlib.suppress(Exception):
-            serve.delete(self.app_name)
+        # Serve waits for its controller, which a lost cluster never answers: give up then
+        deleting = threading.Thread(target=_quietly, args=(serve.delete, self.app_name),
+                                    name="tailrace-serve-delete", daemon=True)
+        deleting.start()
+        deleting.join(timeout)
         with contextlib.suppress(Exception):
             ray.kill(self.hub)
         self.hub = None

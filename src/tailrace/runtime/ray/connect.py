@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import socket
+import sys
 from typing import Any
 
 from ...errors import TailraceError
@@ -57,12 +59,33 @@ def check_reachable(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
                              "one with `ray start --head` or check --address") from None
 
 
+def use_local_token() -> bool:
+    """Present this machine's Ray auth token when joining a cluster by address.
+
+    ``ray start --head`` (Ray >= 2.5x) turns token authentication on and saves the token
+    (``~/.ray/auth_token``), but a client given ``address=HOST:PORT`` only sends it when
+    ``RAY_AUTH_MODE=token``: without it every connection is refused as unauthenticated.
+    When ``RAY_AUTH_MODE`` is not set and a token is at hand (``RAY_AUTH_TOKEN``,
+    ``RAY_AUTH_TOKEN_PATH`` or the default file), set it; returns whether it did. Ray
+    reads the mode when it is imported: this runs before ``import ray``.
+    """
+    if "RAY_AUTH_MODE" in os.environ:
+        return False
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+    if not (os.environ.get("RAY_AUTH_TOKEN") or os.path.isfile(path)):
+        return False
+    os.environ["RAY_AUTH_MODE"] = "token"
+    return True
+
+
 def connect(address: str | None) -> Any:
     """Connect this process to Ray (once); returns the ``ray`` module.
 
     address: a cluster address (``HOST:PORT``, ``ray://HOST:PORT``, ``auto``); None
              uses the running connection, or ``RAY_ADDRESS``, or starts a local Ray.
     """
+    if address and address != "local" and "ray" not in sys.modules:
+        use_local_token()
     ray = import_ray()
     if address:
         check_reachable(address)
@@ -78,6 +101,9 @@ def connect(address: str | None) -> Any:
                  include_dashboard=False if not address else None)
     except (ConnectionError, RuntimeError, ValueError, TimeoutError) as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if address and os.environ.get("RAY_AUTH_MODE") != "token":
+            msg += (" (a cluster with token authentication, Ray's default, needs "
+                    "RAY_AUTH_MODE=token and its token: RAY_AUTH_TOKEN or ~/.ray/auth_token)")
         raise RayUnavailable(f"cannot connect to Ray at {address or 'a new local instance'}: "
                              f"{msg}") from None
     return ray
