@@ -108,7 +108,10 @@ def server(cluster, upstream):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    srv = ClusterServer([compile_pipeline(p)], port=port, ingress_replicas=2,
+    # two ingress replicas, up to three under load (Serve's autoscaler, fast settings)
+    srv = ClusterServer([compile_pipeline(p)], port=port, autoscale=(2, 3), target_ongoing=2,
+                        autoscaling={"upscale_delay_s": 0.5, "downscale_delay_s": 3,
+                                     "look_back_period_s": 1},
                         gate_factory=fcfs_gate, app_name="tailrace-test").start()
     try:
         assert srv.wait_ready(180), srv.state()
@@ -141,7 +144,7 @@ def test_the_plan_spans_the_nodes_and_readyz_is_up(server):
     (run,) = [r for r in ray.get(server.hub.actors.remote()) if r["pipeline"] == "chat"]
     nodes = {node for _, node in run["stages"]["answer"]}
     assert len(nodes) == 3  # spread: one generate replica per node
-    assert server.replicas() == 2
+    wait_until(lambda: server.replicas() == 2, what="two ingress replicas (the minimum)")
 
 
 def test_plain_and_streamed_chat_with_the_openai_client(server):
@@ -265,13 +268,46 @@ def test_killing_an_ingress_replica_fails_only_its_own_requests(server):
             assert done and text.startswith("tok0 tok1") and text.endswith("tok399"), text
     # Serve replaces the replica; the hub's records of the lost requests ran on for
     # nobody and gave their tickets back
-    wait_until(lambda: server.replicas() == 2 and victim not in serve_replicas("tailrace-test"),
+    wait_until(lambda: server.replicas() >= 2 and victim not in serve_replicas("tailrace-test"),
                what="a new ingress replica")
     settled(server)
     r = httpx.post(server.url + "/v1/pipelines/chat/runs", json={"question": "after"},
                    timeout=60)
     assert r.status_code == 200 and r.json()["answer"] == FULL
     assert unrouted(server) - before == sum(1 for rep, _, _ in ends if rep == victim)
+
+
+def test_the_ingress_scales_out_under_load_and_back_in(server):
+    """Serve's autoscaler adds the third replica while requests pile up (ongoing per
+    replica above the target of 2) and removes it once they are answered."""
+    wait_until(lambda: server.replicas() == 2, what="two replicas before the load")
+
+    async def load():
+        seen = []
+
+        async def watch():
+            while True:
+                seen.append(await asyncio.to_thread(server.replicas))
+                await asyncio.sleep(0.2)
+
+        watcher = asyncio.ensure_future(watch())
+        async with httpx.AsyncClient(timeout=120) as c:
+            async def one(i):
+                return await c.post(server.url + "/v1/chat/completions", json={
+                    "model": "chat", "messages": [{"role": "user", "content": f"a{i}"}]})
+            replies = []
+            for _ in range(4):  # 8 at a time (4 generating or waiting, 4 queued): ~12 s
+                replies += await asyncio.gather(*(one(i) for i in range(8)))
+                if 3 in seen:
+                    break
+        watcher.cancel()
+        return seen, replies
+
+    seen, replies = asyncio.run(load())
+    assert max(seen) == 3, f"the ingress never scaled out: {seen}"
+    assert {r.status_code for r in replies} <= {200, 429}
+    wait_until(lambda: server.replicas() == 2, what="back to two replicas")
+    settled(server)
 
 
 def runs(server, n, timeout=120):
@@ -336,3 +372,18 @@ def test_killing_the_engine_actor_mid_request_loses_and_duplicates_nothing(serve
         return name
 
     kill_mid_request(server, kill)
+
+
+def test_zz_a_dead_hub_is_503_and_readyz_says_why(server):
+    """Last (it takes the server down): with the hub actor gone, every replica answers
+    503 at once, never hangs, and /readyz names the cause."""
+    import ray
+
+    ray.kill(server.hub, no_restart=True)
+    r = httpx.post(server.url + "/v1/pipelines/chat/runs", json={"question": "x"}, timeout=60)
+    assert r.status_code == 503 and "hub actor" in r.json()["error"]["message"]
+
+    def unready():
+        r = httpx.get(server.url + "/readyz", timeout=30)
+        return r.status_code == 503 and "hub actor is unreachable" in r.text
+    wait_until(unready, what="/readyz reporting the dead hub")

@@ -389,7 +389,8 @@ class ClusterServer:
                       a running Serve keeps its own HTTP options).
     ingress_replicas: ingress replicas (Serve ``num_replicas``), or
     autoscale:        ``(min, max)`` replicas: Serve's ``autoscaling_config`` instead,
-                      scaling on ``target_ongoing`` requests per replica.
+                      scaling on ``target_ongoing`` requests per replica; ``autoscaling``:
+                      more of its keys (``upscale_delay_s``, ``downscale_delay_s``, ...).
     gate_factory:     builds the admission gate in the hub actor (None: admit all).
     app_name:         the Serve application (and hub actor) name.
     options:          ``ServingHub`` options for the replicas (api_key, max_body_bytes,
@@ -398,7 +399,8 @@ class ClusterServer:
 
     def __init__(self, plans: list[Any], *, host: str = "127.0.0.1", port: int = 8000,
                  ingress_replicas: int = 1, autoscale: tuple[int, int] | None = None,
-                 target_ongoing: int = 32, gate_factory: Callable[[], Any] | None = None,
+                 target_ongoing: int = 32, autoscaling: dict[str, Any] | None = None,
+                 gate_factory: Callable[[], Any] | None = None,
                  max_pending: int = 1024, timeout_s: float = 300.0,
                  placement: dict[str, dict] | None = None, app_name: str = "tailrace",
                  **options: Any) -> None:
@@ -418,6 +420,7 @@ class ClusterServer:
         self.host, self.port = host, port
         self.ingress_replicas, self.autoscale = ingress_replicas, autoscale
         self.target_ongoing = target_ongoing
+        self.autoscaling = dict(autoscaling or {})
         self.app_name = app_name
         self.options = options
         self._hub_args = (plans, gate_factory, max_pending, timeout_s, placement)
@@ -443,7 +446,7 @@ class ClusterServer:
             lo, hi = self.autoscale
             scale = {"num_replicas": "auto", "autoscaling_config": {
                 "min_replicas": lo, "max_replicas": hi,
-                "target_ongoing_requests": self.target_ongoing}}
+                "target_ongoing_requests": self.target_ongoing, **self.autoscaling}}
         ingress = ingress_deployment().options(**scale)
         serve.run(ingress.bind(self.app_name, self.plans, self._gated, self.options),
                   name=self.app_name, route_prefix="/", blocking=False)
