@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from ..api.records import ErrorRecord
 from .errors import ServiceError, ServiceUnavailable
 from .hub import ServingHub
 from .service import Cancel, PipelineService
@@ -92,7 +94,7 @@ class HubActor:
         try:
             return True, await self.hub.services[name].submit(record)
         except ServiceError as e:
-            return False, e
+            return False, _sendable(e)
 
     async def stream(self, name: str, record: dict) -> Any:
         """A streaming generator: ``(None, text)`` for the pieces produced since the last
@@ -118,7 +120,7 @@ class HubActor:
             try:
                 yield True, task.result()
             except ServiceError as e:
-                yield False, e
+                yield False, _sendable(e)
         finally:
             if not task.done():  # the caller left: nothing keeps generating for it
                 cancel.set()
@@ -143,6 +145,17 @@ class HubActor:
     async def drain(self, timeout: float = 30.0) -> None:
         """Stop taking requests, answer those in the pipelines, end the runs."""
         await self.hub.aclose(timeout)
+
+
+def _sendable(e: ServiceError) -> ServiceError:
+    """``e`` fit to cross to a replica: an error record's input without its transient
+    fields (a live ``_cancel`` or ``_stream`` of this process cannot be pickled; the
+    client never sees them)."""
+    record = getattr(e, "record", None)
+    if isinstance(record, ErrorRecord) and isinstance(record.input, dict):
+        clean = {k: v for k, v in record.input.items() if not k.startswith("_")}
+        e.record = dataclasses.replace(record, input=clean)  # type: ignore[attr-defined]
+    return e
 
 
 class RemoteService:
@@ -231,6 +244,32 @@ class RemoteService:
 
     def stop(self, timeout: float = 30.0) -> None:
         """As ``aclose``."""
+
+
+def serve_running() -> bool:
+    """Whether Ray Serve runs on the connected cluster (its controller actor exists)."""
+    import ray
+
+    try:  # Serve's controller: SERVE_CONTROLLER_ACTOR in namespace "serve"
+        ray.get_actor("SERVE_CONTROLLER_ACTOR", namespace="serve")
+    except ValueError:
+        return False
+    return True
+
+
+def _listening(host: str, port: int, wait_s: float = 10.0) -> bool:
+    """Whether something accepts TCP connections at host:port (within ``wait_s``)."""
+    import socket
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)
 
 
 def _quietly(fn: Callable[..., Any], *args: Any) -> None:
@@ -426,6 +465,7 @@ class ClusterServer:
         self._hub_args = (plans, gate_factory, max_pending, timeout_s, placement)
         self.hub: Any = None
         self._gated = gate_factory is not None
+        self._started_serve = False
 
     def start(self) -> ClusterServer:
         """Create the hub actor, start the pipelines' runs and deploy the ingress;
@@ -434,13 +474,21 @@ class ClusterServer:
         import ray
         from ray import serve
 
+        self._started_serve = not serve_running()
+        serve.start(http_options={"host": self.host, "port": self.port},
+                    proxy_location="HeadOnly", logging_config=QUIET)
+        if not self._started_serve and not _listening(self.host, self.port):
+            raise ServiceUnavailable(
+                f"Ray Serve already runs on this cluster and its HTTP proxy does not listen "
+                f"on {self.host}:{self.port} (it keeps the options it started with): give "
+                "its --host/--port, or stop it first (`serve shutdown`)")
+        # after Serve: an engine deployed with Serve (``cluster:``) would start Serve
+        # without an HTTP proxy if it came first
         remote: Any = ray.remote(HubActor)
         self.hub = remote.options(name=hub_name(self.app_name), namespace=NAMESPACE,
                                   num_cpus=0, max_concurrency=HUB_CONCURRENCY,
                                   ).remote(*self._hub_args)
         ray.get(self.hub.start.remote())
-        serve.start(http_options={"host": self.host, "port": self.port},
-                    proxy_location="HeadOnly", logging_config=QUIET)
         scale: dict[str, Any] = {"num_replicas": self.ingress_replicas}
         if self.autoscale is not None:
             lo, hi = self.autoscale
@@ -503,3 +551,5 @@ class ClusterServer:
         with contextlib.suppress(Exception):
             ray.kill(self.hub)
         self.hub = None
+        if self._started_serve:  # Serve was started for this server: nothing left behind
+            _quietly(serve.shutdown)

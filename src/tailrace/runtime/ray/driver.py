@@ -65,9 +65,15 @@ CANCEL_POLL_S = 0.05
 #: Seconds an install waits for a stage host that is restarting (a pooled host killed
 #: by an earlier run) before the run fails.
 INSTALL_WAIT_S = 30.0
+#: longest a served output waits for its streamed pieces (they ride another host's
+#: drains); past it the output goes anyway (pieces lost with a dead host never come)
+PIECES_WAIT_S = 2.0
 
 #: Most source records waiting for admission (or for credits right after it) at once,
-#: per source; fewer when the first edge's window is smaller.
+#: per source; fewer when the first edge's window is smaller. A served run's records
+#: are in memory already (the service bounds them, ``max_pending``): all of them go to
+#: the gate at once, so it queues or rejects them by its own bounds, never a feed
+#: queue in front of it (under overload a 429 would otherwise wait for its turn).
 ADMISSION_WAITS = 64
 
 
@@ -166,6 +172,9 @@ class RayRun:
         self.held: dict[Any, tuple[Any, Any]] = {}  # request key -> (_cancel, _stream)
         self.answered: set = set()  # request keys with an output or error record
         self.cancels_sent: set = set()
+        self.streamed: dict[Any, int] = {}  # request key -> pieces handed to its caller
+        # request key -> (pieces its output waits for, [(sink, record, born, sent)])
+        self.parked: dict[Any, tuple[int, list]] = {}
         ops = [o for s in plan.stages for o in s.ops if o.op.kind not in ("source", "sink")]
         self.droppers = ", ".join(o.id for o in ops if o.op.name in ("filter", "flat_map")
                                   ) or ", ".join(o.id for o in ops)  # named in a drop
@@ -299,6 +308,8 @@ class RayRun:
 
     async def _finish(self) -> None:
         """End the run on every host and keep the replicas' final meter snapshots."""
+        for rid in list(self.parked):  # their pieces had every chance to arrive
+            self._unpark(rid)
         for ref in [h.handle.finish.remote(self.run_id) for h in self.hosts]:
             try:
                 reports = await ref
@@ -402,7 +413,8 @@ class RayRun:
         run ends."""
         counter = count()
         gate = self.admission
-        k = max(1, min([ADMISSION_WAITS] + [link.window.size for link in links]))
+        k = (max(1, min([ADMISSION_WAITS] + [link.window.size for link in links]))
+             if self.drop_key is None else 1 << 20)
 
         async def send(x: Any, ticket: Any, arrived: float) -> Any:
             key = (i, next(counter))
@@ -449,18 +461,51 @@ class RayRun:
         for r in records:
             if type(r) is dict:
                 rid = r.get(k)
-                self.held.pop(rid, None)
                 self.answered.discard(rid)
                 self.cancels_sent.discard(rid)
+                if rid not in self.parked:  # else its stream lives until it is delivered
+                    self.held.pop(rid, None)
+                    self.streamed.pop(rid, None)
 
     def _stream(self, pieces: dict) -> None:
-        """Streamed pieces from a host: to each caller's ``_stream``, in order."""
+        """Streamed pieces from a host: to each caller's ``_stream``, in order; an
+        output that waited for them goes on once they are all in."""
         for rid, got in pieces.items():
             live = self.held.get(rid)
             s = live[1] if live is not None else None
             if s is not None:
                 for piece in got:
                     s(piece)
+                n = self.streamed[rid] = self.streamed.get(rid, 0) + len(got)
+                waiting = self.parked.get(rid)
+                if waiting is not None and n >= waiting[0]:
+                    self._unpark(rid)
+
+    def _park(self, target: int, records: list, expected: dict, born: float,
+              sent: float) -> list:
+        """The records whose streamed pieces are all in; the others wait for them
+        (``_stream``), at most ``PIECES_WAIT_S``."""
+        k = self.drop_key
+        ready = []
+        for r in records:
+            rid = r.get(k) if type(r) is dict else None
+            n = expected.get(rid, 0)
+            if n <= self.streamed.get(rid, 0):
+                ready.append(r)
+                continue
+            self.parked.setdefault(rid, (n, []))[1].append((target, r, born, sent))
+            asyncio.get_running_loop().call_later(PIECES_WAIT_S, self._unpark, rid)
+        return ready
+
+    def _unpark(self, rid: Any) -> None:
+        waiting = self.parked.pop(rid, None)
+        if waiting is None:
+            return
+        for target, r, born, sent in waiting[1]:
+            self._sink(target, [r], born, sent)
+        if rid not in self.answered:  # settled meanwhile: forget it now
+            self.held.pop(rid, None)
+            self.streamed.pop(rid, None)
 
     async def _watch_cancels(self) -> None:
         """Tell every host about callers that gave up (their records' flags get set)."""
@@ -480,10 +525,14 @@ class RayRun:
         k = self.drop_key
         for e in entries:
             if type(e) is Delivery:
+                records = e.records
                 if k is not None:
-                    reattach(e.records, k, self.held)
-                    self.answered.update(r.get(k) for r in e.records if type(r) is dict)
-                self._sink(e.target, e.records, e.born, e.sent)
+                    expected = reattach(records, k, self.held)
+                    self.answered.update(r.get(k) for r in records if type(r) is dict)
+                    if expected:
+                        records = self._park(e.target, records, expected, e.born, e.sent)
+                if records:
+                    self._sink(e.target, records, e.born, e.sent)
             elif type(e) is Failures:
                 if k is not None:
                     inputs = [err.input for err in e.errors]

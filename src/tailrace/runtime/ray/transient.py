@@ -30,8 +30,14 @@ def _cancel_mark() -> str:
     return CANCEL_MARK
 
 
-def _stream_mark() -> str:
-    return STREAM_MARK
+def _stream_mark(sent: int = 0) -> str:
+    return f"{STREAM_MARK}#{sent}" if sent else STREAM_MARK
+
+
+def pieces_of(mark: str) -> int:
+    """How many pieces a record's stream mark says were streamed for it so far."""
+    _, sep, n = mark.partition("#")
+    return int(n) if sep and n.isdigit() else 0
 
 
 def detach(records: list, key: str, held: dict) -> list:
@@ -57,20 +63,26 @@ def detach(records: list, key: str, held: dict) -> list:
     return out
 
 
-def reattach(records: list, key: str, held: dict) -> None:
+def reattach(records: list, key: str, held: dict) -> dict:
     """Give records back from the actors (changed in place) their caller's own
-    ``_cancel``/``_stream`` in place of the marks (dropped if the caller is gone)."""
+    ``_cancel``/``_stream`` in place of the marks (dropped if the caller is gone);
+    returns, by request key, how many pieces the hosts streamed for each record that
+    streamed any (its output must not overtake them)."""
+    streamed: dict = {}
     for r in records:
         if type(r) is not dict:
             continue
         for j, field, mark in ((0, "_cancel", CANCEL_MARK), (1, "_stream", STREAM_MARK)):
             v = r.get(field)
-            if type(v) is str and v == mark:
+            if type(v) is str and v.startswith(mark):
+                if j == 1 and (n := pieces_of(v)):
+                    streamed[r.get(key)] = n
                 live = held.get(r.get(key))
                 if live is not None and live[j] is not None:
                     r[field] = live[j]
                 else:
                     del r[field]
+    return streamed
 
 
 class HostCancel:
@@ -93,19 +105,23 @@ class HostCancel:
 
 class HostStream:
     """A record's ``_stream`` inside a host: queues each piece (from any thread) in the
-    run's outbox for the driver; pickles back into the mark."""
+    run's outbox for the driver; pickles back into the mark, which carries how many
+    pieces the record streamed so far (here and on earlier hosts): the driver holds the
+    record's output until that many have reached the caller (they ride another host's
+    drains, which may come later)."""
 
-    __slots__ = ("rid", "put", "loop")
+    __slots__ = ("rid", "put", "loop", "sent")
 
     def __init__(self, rid: Any, put: Callable[[Any, str], None],
-                 loop: asyncio.AbstractEventLoop) -> None:
-        self.rid, self.put, self.loop = rid, put, loop
+                 loop: asyncio.AbstractEventLoop, sent: int = 0) -> None:
+        self.rid, self.put, self.loop, self.sent = rid, put, loop, sent
 
     def __call__(self, piece: str) -> None:
+        self.sent += 1
         self.loop.call_soon_threadsafe(self.put, self.rid, piece)
 
     def __reduce__(self) -> tuple:
-        return _stream_mark, ()
+        return _stream_mark, (self.sent,)
 
 
 class HostSide:
@@ -136,9 +152,9 @@ class HostSide:
                 if flag is None:
                     flag = self.flags[rid] = HostCancel(rid in self.cancelled)
                 r["_cancel"] = flag
-            if type(s) is str and s == STREAM_MARK:
+            if type(s) is str and s.startswith(STREAM_MARK):
                 loop = loop or asyncio.get_running_loop()
-                r["_stream"] = HostStream(r.get(self.key), self.put, loop)
+                r["_stream"] = HostStream(r.get(self.key), self.put, loop, pieces_of(s))
 
     def cancel(self, rids: list) -> None:
         """The callers of ``rids`` gave up: set their flags (now and on arrival)."""
