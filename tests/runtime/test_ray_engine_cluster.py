@@ -188,8 +188,9 @@ def test_refusing_one_request_stops_only_it_in_its_replica(engine):
         return i != 0  # refuse request 0 (endless) from its first piece on
 
     gens = eng.generate([req(0), req(30)], on_token)
-    assert gens[0].finish_reason == "cancelled" and gens[0].text == seen[0][1]
-    assert [p for i, p in seen if i == 0] == [seen[0][1]]  # nothing handed on after False
+    refused = [p for i, p in seen if i == 0]
+    assert len(refused) == 1  # nothing handed on after False
+    assert (gens[0].text, gens[0].finish_reason) == (refused[0], "cancelled")
     assert (gens[1].text, gens[1].finish_reason) == (counted(30), "length")
     log = wait_until(lambda: [g for g in eng.handle().log.remote().result()
                               if g.finish_reason == "cancelled"], "the replica to stop it")
