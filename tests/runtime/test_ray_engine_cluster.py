@@ -280,3 +280,57 @@ def test_replicas_are_added_under_sustained_load_and_removed_after(engine):
         for w in workers:
             w.join()
     wait_until(lambda: running_replicas(eng) == 1, "Serve to remove it when idle", 120)
+
+
+# -- in a pipeline on the Ray runtime (a real embedding model) ---------------------------------
+
+EMB = {"backend": "onnx", "model": "minilm-l3", "n_threads": 1}
+
+
+def embed_pipeline(name: str, spec: dict):
+    import tailrace as tr
+
+    p = tr.Pipeline(name, engines={"emb": spec})
+    (p.source(fields=["text"])
+     .apply("embed", id="vec", engine="emb", input="text", output="v", replicas=2)
+     .apply("embed", id="again", engine="emb", input="text", output="w")
+     .sink())
+    return p
+
+
+@pytest.mark.engine
+def test_every_stage_and_pipeline_of_a_ray_run_shares_one_deployment(serve_on):
+    import numpy as np
+
+    import tailrace as tr
+    from tailrace.runtime.ray.engine_serve import cluster_pool_statistics
+    from tailrace.runtime.ray.engines import shutdown_engines
+
+    records = [{"text": f"a sentence about topic number {i}"} for i in range(40)]
+    local = {r["text"]: r["v"] for r in tr.run(embed_pipeline("l", EMB), input=records).outputs}
+    spread = {**EMB, "cluster": {"replicas": 2, "num_cpus": SMALL}}
+    try:
+        for name in ("a", "b"):
+            result = tr.run(embed_pipeline(name, spread), runtime="ray", input=records)
+            assert not result.errors and len(result.outputs) == len(records)
+            for r in result.outputs:
+                assert np.allclose(r["v"], local[r["text"]], atol=1e-5)
+                assert np.allclose(r["w"], r["v"], atol=1e-6)
+        stats = cluster_pool_statistics()
+        assert list(stats) == ["emb"] and stats["emb"]["replicas"] == 2
+    finally:
+        assert shutdown_engines() >= 1
+
+
+@pytest.mark.engine
+def test_an_engine_that_cannot_start_fails_the_run_clearly(serve_on, tmp_path):
+    import tailrace as tr
+
+    (tmp_path / "none.onnx").write_bytes(b"not a model")
+    bad = {**EMB, "path": str(tmp_path / "none.onnx"), "cluster": {"num_cpus": SMALL}}
+    with pytest.raises(tr.TailraceError, match="engine 'emb' failed to start on the "
+                                               "cluster: .*cannot load ONNX model"):
+        tr.run(embed_pipeline("broken", bad), runtime="ray", input=[{"text": "x"}])
+    status = serve_on.status().applications  # deleted or going: no replica keeps trying
+    assert all(s.status == "DELETING" for a, s in status.items()
+               if a.startswith("tailrace-engine-emb-"))

@@ -35,6 +35,7 @@ import itertools
 import os
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -50,6 +51,10 @@ from .engines import NAMESPACE, STREAM_INTERVAL_S, STREAM_RETRIES, actor_name, e
 DEPLOYMENT = "engine"
 #: the prefix of every tailrace engine's Serve application (``actor_name``)
 APP_PREFIX = "tailrace-engine-"
+#: times Serve tries to open a replica's engine before the deployment fails
+CONSTRUCTOR_RETRIES = 3
+#: seconds a failed deployment is not tried again (the run's other hosts fail at once)
+FAILED_HOLD_S = 30.0
 #: the replicas' Serve logging: warnings only, no access log line per request
 LOGGING = {"log_level": "WARNING", "enable_access_log": False}
 
@@ -137,7 +142,12 @@ def _one_line(e: BaseException) -> str:
 
 class Deployer:
     """A Ray actor (one per cluster; calls one at a time) that creates engine deployments,
-    so stage hosts opening one engine together create it once."""
+    so stage hosts opening one engine together create it once. A deployment that failed
+    is deleted at once (no replica keeps trying to open the engine) and not tried again
+    for ``FAILED_HOLD_S``: the other hosts of the run get the same error without a wait."""
+
+    def __init__(self) -> None:
+        self.failed: dict[str, tuple[float, EngineError]] = {}  # app -> (when, error)
 
     def ensure(self, app: str, name: str, spec: dict[str, Any],
                body: type = EngineReplica) -> dict[str, Any]:
@@ -146,29 +156,44 @@ class Deployer:
         spec: the engine spec with its ``cluster:`` mapping; body: the replica class."""
         from ray import serve
 
+        when, error = self.failed.get(app, (float("-inf"), None))
+        if error is not None and time.monotonic() - when < FAILED_HOLD_S:
+            raise error
         serve.start(proxy_location="Disabled")  # engines need no HTTP; no-op if running
         status = serve.status().applications.get(app)
+        while status is not None and status.status == "DELETING":  # a failed one, going
+            time.sleep(0.2)
+            status = serve.status().applications.get(app)
         if status is None or status.status == "DEPLOY_FAILED":
             options = serve_options(spec["cluster"])
             base = {k: v for k, v in spec.items() if k != "cluster"}
             make: Any = serve.deployment
-            deployment = make(body, name=DEPLOYMENT, **options)
+            deployment = make(body, name=DEPLOYMENT, **options,
+                              max_constructor_retry_count=CONSTRUCTOR_RETRIES)
             try:
                 serve.run(deployment.bind(name, base, options["max_ongoing_requests"]),
                           name=app, route_prefix=None, logging_config=LOGGING)
             except Exception as e:  # noqa: BLE001 - the engine could not be opened
-                raise EngineError(f"engine '{name}' failed to start on the cluster: "
-                                  f"{_one_line(e)}") from None
+                failed = serve.status().applications.get(app)
+                dep = failed.deployments.get(DEPLOYMENT) if failed else None
+                why = _one_line(RuntimeError(dep.message)) if dep and dep.message else \
+                    _one_line(e)
+                serve.delete(app, _blocking=False)  # no replica keeps trying to open it
+                err = EngineError(f"engine '{name}' failed to start on the cluster: {why}")
+                self.failed[app] = (time.monotonic(), err)
+                raise err from None
         info: dict[str, Any] = serve.get_app_handle(app).describe.remote().result()
         return info
 
 
 def _deployer() -> Any:
+    """The cluster's ``Deployer`` (detached, like Serve's controller: a handle dropped by
+    the process that made it must not end it while another process calls it)."""
     import ray
 
     remote: Any = ray.remote(Deployer)
-    return remote.options(name="tailrace-deployer", namespace=NAMESPACE,
-                          get_if_exists=True, num_cpus=0, max_restarts=-1).remote()
+    return remote.options(name="tailrace-deployer", namespace=NAMESPACE, get_if_exists=True,
+                          lifetime="detached", num_cpus=0, max_restarts=-1).remote()
 
 
 #: a replica that died under a call is one of these (retried while nothing was delivered)
