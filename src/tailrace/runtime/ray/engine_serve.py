@@ -23,7 +23,8 @@ that sequence in its replica; the caller's ``Generation`` for it is built from t
 was handed (``finish_reason`` "cancelled", token counts by the engine's tokenizer). A
 caller that leaves early cancels all of its calls. An engine error keeps its message; a
 replica that dies is retried while nothing of that request has been handed on, else it is
-one-line ``EngineError``, never a hang. A deployment outlives the run, like any Serve
+one-line ``EngineError``, never a hang. An engine that cannot open fails with its own
+error, and its deployment is deleted. A deployment outlives the run, like any Serve
 application (warm for the next run); ``shutdown_engines`` deletes it.
 """
 
@@ -161,7 +162,11 @@ class Deployer:
             raise error
         serve.start(proxy_location="Disabled")  # engines need no HTTP; no-op if running
         status = serve.status().applications.get(app)
+        deadline = time.monotonic() + FAILED_HOLD_S
         while status is not None and status.status == "DELETING":  # a failed one, going
+            if time.monotonic() > deadline:
+                raise EngineError(f"engine '{name}': its failed deployment {app} is still "
+                                  "being deleted; try again, or serve.delete it")
             time.sleep(0.2)
             status = serve.status().applications.get(app)
         if status is None or status.status == "DEPLOY_FAILED":
@@ -196,8 +201,8 @@ def _deployer() -> Any:
                           lifetime="detached", num_cpus=0, max_restarts=-1).remote()
 
 
-#: a replica that died under a call is one of these (retried while nothing was delivered)
 def _died(e: BaseException) -> bool:
+    """Did the replica die under the call (retried while nothing was handed on)?"""
     from ray.exceptions import ActorUnavailableError, RayActorError
     from ray.serve.exceptions import ReplicaUnavailableError
 
