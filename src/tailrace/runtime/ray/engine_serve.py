@@ -280,15 +280,19 @@ class ServeEngine:
         if on_token is None:
             h = self.handle()
             first = [h.generate.remote(r) for r in requests]  # all at once, over replicas
-            out = []
-            for r, resp in zip(requests, first, strict=True):
-                try:
-                    out.append(resp.result())
-                except Exception as e:  # noqa: BLE001
-                    if not _died(e):
-                        raise _engine_error(e) from None
-                    out.append(self._call("generate", r))
-            return out
+            out: list[Generation] = []
+            try:
+                for r, resp in zip(requests, first, strict=True):
+                    try:
+                        out.append(resp.result())
+                    except Exception as e:  # noqa: BLE001
+                        if not _died(e):
+                            raise _engine_error(e) from None
+                        out.append(self._call("generate", r))
+                return out
+            finally:
+                for resp in first[len(out) + 1:]:  # failed: the rest need not run
+                    _cancel(resp)
         return self._stream(list(requests), on_token)
 
     def _stream(self, requests: list[GenerationRequest],
