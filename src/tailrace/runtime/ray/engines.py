@@ -27,6 +27,10 @@ call stays one plain whole-batch actor call (cheaper). An engine error reaches t
 caller as the engine's own ``EngineError``; an actor that dies mid-stream is a one-line
 ``EngineError`` (retried on the restarted actor while no piece has been handed on yet),
 never a hang.
+
+An engine spec with ``cluster:`` is no actor of this module: ``open_cluster_engine``
+opens it as a Ray Serve deployment whose replicas spread over the nodes
+(``engine_serve.py``).
 """
 
 from __future__ import annotations
