@@ -10,6 +10,9 @@ A spec with ``replicas: N`` (embedded engines, each in its own process) or
 ``endpoints: [URL, ...]`` (remote OpenAI-compatible servers) names an engine POOL
 (``pool.EnginePool``: batching, least-loaded dispatch, failover), one per engine name,
 shared by every pipeline in the process.
+
+A spec with ``cluster:`` (``cluster.py``) spreads replicas of the engine over a Ray
+cluster; only the Ray runtime opens it (the local one refuses it with the fix).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 
 from ..errors import EngineError
 from ..registry import Registry
+from .cluster import check_cluster
 from .models import backend, create_engine, model_info, model_path
 from .pool import check_options, close_pools, get_pool, pool_statistics
 
@@ -79,6 +83,15 @@ def check_spec(name: str, spec: Any, kind: str) -> None:
     if not isinstance(spec, dict):
         raise EngineError(f"engine '{name}' must be a mapping like "
                           "{backend: llama_cpp, model: smollm2-135m-instruct}")
+    if "cluster" in spec:
+        check_cluster(name, spec["cluster"])
+        stray = [k for k in POOL_KEYS if k in spec]
+        if stray:
+            raise EngineError(f"engine '{name}': {', '.join(stray)} configure a pool in one "
+                              "process; with cluster: give its replicas there, like "
+                              "cluster: {replicas: 2}")
+        check_spec(name, {k: v for k, v in spec.items() if k != "cluster"}, kind)
+        return
     if is_pool(spec):
         _check_pool(name, spec, kind)
         return
@@ -112,6 +125,10 @@ def open_engine(spec: dict[str, Any], name: str | None = None) -> Any:
     instead (default: the spec's ``_name``, which stages' linking sets)."""
     if _REMOTE_OPENER is not None:
         return _REMOTE_OPENER(name or spec.get("_name") or "engine", spec)
+    if "cluster" in spec:
+        raise EngineError(f"engine '{name or spec.get('_name') or 'engine'}': cluster: places "
+                          "its replicas on a Ray cluster; run with --runtime ray (runtime="
+                          "\"ray\"), or remove cluster: to open it in this process")
     if is_pool(spec):
         base, options = split_pool(spec)
         return get_pool(name or spec.get("_name") or "engine", base, **options)

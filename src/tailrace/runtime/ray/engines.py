@@ -27,6 +27,10 @@ call stays one plain whole-batch actor call (cheaper). An engine error reaches t
 caller as the engine's own ``EngineError``; an actor that dies mid-stream is a one-line
 ``EngineError`` (retried on the restarted actor while no piece has been handed on yet),
 never a hang.
+
+An engine spec with ``cluster:`` is no actor of this module: ``open_cluster_engine``
+opens it as a Ray Serve deployment whose replicas spread over the nodes
+(``engine_serve.py``).
 """
 
 from __future__ import annotations
@@ -59,6 +63,18 @@ STREAM_WINDOW = 2
 STREAM_INTERVAL_S = 0.02
 #: a streamed call whose actor died before any piece was handed on is tried this often
 STREAM_RETRIES = 2
+
+
+def engine_info(engine: Any) -> dict[str, Any]:
+    """What a handle needs to know of an engine: model, context length, dim, chat."""
+    def attr(key: str, default: Any) -> Any:
+        try:  # e.g. an OpenAI generation engine has no embedding dim to tell
+            return getattr(engine, key, default)
+        except Exception:  # noqa: BLE001
+            return default
+
+    return {"model": attr("model", ""), "context_length": attr("context_length", None),
+            "dim": attr("dim", None), "chat": attr("chat", True)}
 
 
 class _Stream:
@@ -104,14 +120,7 @@ class EngineActor:
         self._streams: dict[int, _Stream] = {}
 
     def describe(self) -> dict[str, Any]:
-        def attr(key: str, default: Any) -> Any:
-            try:  # e.g. an OpenAI generation engine has no embedding dim to tell
-                return getattr(self.engine, key, default)
-            except Exception:  # noqa: BLE001
-                return default
-
-        return {"model": attr("model", ""), "context_length": attr("context_length", None),
-                "dim": attr("dim", None), "chat": attr("chat", True)}
+        return engine_info(self.engine)
 
     def generate(self, requests: list[GenerationRequest]) -> list[Generation]:
         return self.engine.generate(requests)
@@ -291,20 +300,29 @@ class ClusterEngine:
         """The actor is the cluster's: stages do not stop it (``shutdown_engines`` does)."""
 
 
-_HANDLES: Registry[ClusterEngine] = Registry("cluster engine handles")
+_HANDLES: Registry[Any] = Registry("cluster engine handles")
 
 
-def open_cluster_engine(name: str, spec: dict[str, Any]) -> ClusterEngine:
-    """The stage process's handle on engine ``name`` (one per name and spec)."""
+def open_cluster_engine(name: str, spec: dict[str, Any]) -> Any:
+    """The stage process's handle on engine ``name`` (one per name and spec): a
+    ``ClusterEngine``, or with ``cluster:`` in the spec an ``engine_serve.ServeEngine``
+    (replicas spread over the cluster)."""
+    if "cluster" in spec:
+        from .engine_serve import ServeEngine
+
+        return _HANDLES.get(actor_name(name, spec), lambda: ServeEngine(name, spec))
     return _HANDLES.get(actor_name(name, spec), lambda: ClusterEngine(name, spec))
 
 
 def shutdown_engines() -> int:
-    """Kill every tailrace engine actor on the cluster; returns how many (tests, teardown)."""
+    """Kill every tailrace engine actor and delete every engine deployment (``cluster:``)
+    on the cluster; returns how many (tests, teardown)."""
     import ray
     from ray.util import list_named_actors
 
-    killed = 0
+    from .engine_serve import shutdown_serve_engines
+
+    killed = shutdown_serve_engines()
     for entry in list_named_actors(all_namespaces=True):
         if entry.get("namespace") == NAMESPACE and entry["name"].startswith("tailrace-engine-"):
             ray.kill(ray.get_actor(entry["name"], namespace=NAMESPACE))
