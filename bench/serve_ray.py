@@ -22,6 +22,8 @@ each comparison side by side in the same run, several repeats, median [min - max
      each) as one engine pool (``endpoints: [url1..urlN]``), 5N clients, 2N generate
      replicas taking batches of 2 (so 4N requests wait on 2N engine slots: none idles
      while another replica is busy); efficiency = thr(N) / (N x thr(1)), target >= 0.9.
+     The same pools served locally (the part-1 local server) run interleaved with the Ray
+     runs: what the engines give on this machine without Ray.
 3. 3x overload through a ``ClusterServer`` whose hub holds an ``slo`` admission gate
    (8 in flight, a queue of 8): open-loop Poisson arrivals at three times the capacity a
    closed-loop sweep measured first (serve_load.py's overload phase: /healthz probed
@@ -42,7 +44,7 @@ CPU here (part 2's ingress sweep shows their cost, not their gain), and the llam
 replicas and the Ray processes compete for the same cores in part 4.
 
     python bench/serve_ray.py            # ~8 minutes
-    python bench/serve_ray.py --quick    # ~3 minutes
+    python bench/serve_ray.py --quick    # ~5 minutes
     python bench/serve_ray.py --json out.json
 """
 
@@ -461,21 +463,26 @@ def throughput(base: str, path: str, body: Any, clients: int, seconds: float,
 
 
 def report_throughput(title: str, rows: dict[int, list[dict]], unit: str,
-                      target: bool) -> None:
+                      target: bool, per_replica_max: float | None = None) -> None:
+    """One sweep's table: per N, req/s, latency, thr(N) / (N x thr(1)) per round (the
+    round's own N = 1 run) and, given the most one replica can do, thr(N) / (N x that)."""
     print(f"   {title}")
-    print(f"   {unit:>8} {'req/s':>26} {'p50 ms':>24} {'p99 ms':>26} {'per-replica eff.':>22} "
-          f"{'requests':>9} {'non-200':>8}")
+    of_max = f"{'of N x max':>20}" if per_replica_max else ""
+    print(f"   {unit:>8} {'req/s':>22} {'p50 ms':>24} {'p99 ms':>24} "
+          f"{'thr(N)/(N thr(1))':>20}{of_max} {'requests':>8} {'non-200':>7}")
     base = [r["throughput"] for r in rows[min(rows)]]
     for n, rs in rows.items():
         eff = [r["throughput"] / (n * b) for r, b in zip(rs, base, strict=True)]
         mark = ""
         if target:
             mark = "  ok" if statistics.median(eff) >= 0.9 else "  MISSED (target >= 0.9)"
-        print(f"   {n:>8} {spread([r['throughput'] for r in rs], '{:.1f}'):>26} "
-              f"{spread([r['p50_ms'] for r in rs], '{:.1f}'):>24} "
-              f"{spread([r['p99_ms'] for r in rs], '{:.1f}'):>26} "
-              f"{spread(eff):>22} {sum(r['ok'] + r['failed'] for r in rs):>9} "
-              f"{sum(r['failed'] for r in rs):>8}{mark}")
+        cap = (f"{spread([r['throughput'] / (n * per_replica_max) for r in rs]):>20}"
+               if per_replica_max else "")
+        print(f"   {n:>8} {spread([r['throughput'] for r in rs], '{:.1f}'):>22} "
+              f"{spread([r['p50_ms'] for r in rs], '{:.0f}'):>24} "
+              f"{spread([r['p99_ms'] for r in rs], '{:.0f}'):>24} "
+              f"{spread(eff):>20}{cap} {sum(r['ok'] + r['failed'] for r in rs):>8} "
+              f"{sum(r['failed'] for r in rs):>7}{mark}")
 
 
 # -- 3. overload ------------------------------------------------------------------------------
@@ -672,7 +679,7 @@ def run(args: argparse.Namespace, bench: Bench, figures: dict) -> None:
 
     q = args.quick
     n_lat, lat_rounds = (40, 3) if q else (150, 4)
-    ingress_s, engine_s, sweep_rounds = (3.0, 5.0, 2) if q else (5.0, 10.0, 3)
+    ingress_s, engine_s, sweep_rounds = (3.0, 5.0, 2) if q else (5.0, 8.0, 3)
     step_s, overload_s = (3.0, 8.0) if q else (5.0, 20.0)
     llama_n = 2 if q else 3
 
@@ -687,31 +694,39 @@ def run(args: argparse.Namespace, bench: Bench, figures: dict) -> None:
           f"{os.getloadavg()[0]:.2f} at the start", flush=True)
 
     # part 1 and the engine sweep: one Ray server of every pipeline, one ingress replica
-    local_proc, local = start_local([{"kind": "noop"}, {"kind": "rag", "url": fast.url}],
-                                    bench.tmp / "local.log")
-    bench.children.append(local_proc)
     pools = {n: [s.url for s in slow[:n]] for n in (1, 2, 4)}
-    base = bench.serve([build("noop"), build("rag", fast.url)]
-                       + [build("pool", pools[n], engine=f"pool{n}", replicas=2 * n, batch=2)
-                          for n in pools], ingress_replicas=1)
+    pool_kw = [{"kind": "pool", "url": pools[n], "engine": f"pool{n}", "replicas": 2 * n,
+                "batch": 2} for n in pools]
+    local_proc, local = start_local([{"kind": "noop"}, {"kind": "rag", "url": fast.url},
+                                     *pool_kw], bench.tmp / "local.log")
+    bench.children.append(local_proc)
+    base = bench.serve([build("noop"), build("rag", fast.url)] + [build(**kw) for kw in pool_kw],
+                       ingress_replicas=1)
     log(f"Ray server up at {base} (pipelines noop, rag, pool1, pool2, pool4)")
     figures["latency"] = lat = added_latency(bench, local, base, n_lat, lat_rounds)
-    stop_proc(local_proc)
     report_latency(lat)
 
     def pool_body(i: int) -> dict:
         return {"prompt": f"question {i}"}
 
-    engine_rows: dict[int, list[dict]] = {n: [] for n in pools}
+    # the same pools served locally too: what the engines give without Ray, on this machine
+    engine_rows: dict[str, dict[int, list[dict]]] = {
+        side: {n: [] for n in pools} for side in ("ray", "local")}
+    sides = {"ray": base, "local": local}
     for n in pools:  # warm every pool (engine actor and its replicas)
-        throughput(base, f"/v1/pipelines/pool{n}/runs", pool_body, 5 * n, 1.0)
+        for url in sides.values():
+            throughput(url, f"/v1/pipelines/pool{n}/runs", pool_body, 5 * n, 1.0)
     for r in range(sweep_rounds):
         for n in (pools if r % 2 == 0 else reversed(list(pools))):
-            engine_rows[n].append(throughput(base, f"/v1/pipelines/pool{n}/runs", pool_body,
-                                             5 * n, engine_s, ramp=2.0))
-            log(f"part 2 engines={n} round {r + 1}: {engine_rows[n][-1]['throughput']:.1f} "
-                "req/s")
+            for side in (("ray", "local") if r % 2 == 0 else ("local", "ray")):
+                engine_rows[side][n].append(throughput(
+                    sides[side], f"/v1/pipelines/pool{n}/runs", pool_body, 5 * n, engine_s,
+                    ramp=2.0))
+            log(f"part 2 engines={n} round {r + 1}: Ray "
+                f"{engine_rows['ray'][n][-1]['throughput']:.1f} req/s, local "
+                f"{engine_rows['local'][n][-1]['throughput']:.1f} req/s")
     served = [s.stats()["served"] for s in slow]
+    stop_proc(local_proc)
 
     def noop_body(i: int) -> dict:
         return {"prompt": f"hello {i}"}
@@ -737,12 +752,17 @@ def run(args: argparse.Namespace, bench: Bench, figures: dict) -> None:
           "and latency over the steady window (after a ramp-up of 2 s for the engines, 0.5 s "
           "for the ingress, until the run's end); requests: all answered, every started one "
           "awaited; non-200: failed or refused")
-    report_throughput(f"vs engine replicas (N latency-model servers as one pool, 2 sequences "
-                      f"each, {SLOW_TOKENS} tokens at {SLOW.decode_tps:g} tok/s; 5N clients, "
-                      f"2N generate replicas taking batches of 2; {engine_s:g} s runs)",
-                      engine_rows, "engines",
-                      target=True)
-    print(f"   requests each engine server served: {served}")
+    cap = SLOW.max_seqs * SLOW.decode_tps / SLOW_TOKENS  # one engine server's most req/s
+    report_throughput(f"vs engine replicas, through Ray (N latency-model servers as one pool, "
+                      f"2 sequences each, {SLOW_TOKENS} tokens at {SLOW.decode_tps:g} tok/s: "
+                      f"{cap:.2f} req/s each at most; "
+                      f"5N clients, 2N generate replicas taking batches of 2; {engine_s:g} s "
+                      "runs)", engine_rows["ray"], "engines", target=True,
+                      per_replica_max=cap)
+    report_throughput("the same pools served locally (one process, no Ray), interleaved "
+                      "with the Ray runs", engine_rows["local"], "engines", target=True,
+                      per_replica_max=cap)
+    print(f"   requests each engine server served (both sides, warm-ups included): {served}")
     report_throughput(f"vs ingress replicas (no-op pipeline, {INGRESS_CLIENTS} clients, "
                       f"{ingress_s:g} s runs; all on 2 shared cores)", ingress_rows, "ingress",
                       target=False)
@@ -781,7 +801,7 @@ def run(args: argparse.Namespace, bench: Bench, figures: dict) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="shorter phases (~3 minutes)")
+    ap.add_argument("--quick", action="store_true", help="shorter phases (~5 minutes)")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     ap.add_argument("--local-server", metavar="JSON",
