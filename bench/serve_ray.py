@@ -30,7 +30,9 @@ each comparison side by side in the same run, several repeats, median [min - max
    every 50 ms from a separate process, target p99 < 100 ms); only 200 and 429 allowed;
    the RSS of every actor process of the cluster (``ray.util.state.list_actors``:
    hub, ingress replicas, Serve's proxy and controller, stage hosts, engine actors)
-   sampled every second, first vs last sample; the gate's in_flight back to 0 after.
+   sampled every second, first vs last sample and once settled (gate idle + 2 s); the
+   gate's in_flight back to 0 after. (On Ray the backlog of an overload forms in
+   Serve's proxy and the ingress replicas, in front of the gate: see RESULTS.md.)
 4. A real llama.cpp pool (smollm2-135m-instruct, ``replicas: 2``, ``n_threads: 1``
    each) served through Ray vs served locally: output tokens/s of concurrent streamed
    chat completions (greedy, same prompts), alternating rounds; target ratio >= 0.9.
@@ -43,7 +45,7 @@ servers and this load generator all share two cores: more ingress replicas canno
 CPU here (part 2's ingress sweep shows their cost, not their gain), and the llama.cpp
 replicas and the Ray processes compete for the same cores in part 4.
 
-    python bench/serve_ray.py            # ~8 minutes
+    python bench/serve_ray.py            # ~10 minutes here (with other jobs on the machine)
     python bench/serve_ray.py --quick    # ~5 minutes
     python bench/serve_ray.py --json out.json
 """
