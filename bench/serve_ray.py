@@ -1,6 +1,8 @@
-"""Serving on a Ray cluster: `tailrace serve --runtime ray` (``ClusterServer``) measured
-on one 3-node ``ray.cluster_utils.Cluster`` (a head and two workers, 2 logical CPUs each),
-each comparison side by side in the same run, several repeats, median [min - max]:
+"""Serving on a Ray cluster: `tailrace serve --runtime ray` measured against local serve.
+
+`tailrace serve --runtime ray` (``ClusterServer``) on one 3-node
+``ray.cluster_utils.Cluster`` (a head and two workers, 2 logical CPUs each), each
+comparison side by side in the same run, several repeats, median [min - max]:
 
 1. Added latency per request of serving on Ray over serving locally: sequential
    requests over one keep-alive connection (serve_load.py's client), the two servers
