@@ -42,7 +42,7 @@ test: $(STAMP) $(CHROMIUM)  ## set up and run the tests
 chaos: $(STAMP)
 	TAILRACE_FAULT_PROFILE=chaos $(BIN)/python -m pytest tests/fault -x
 
-bench: $(STAMP)  ## run the benchmarks and print their figures (~37 minutes)
+bench: $(STAMP)  ## run the benchmarks and print their figures (~45 minutes)
 	command -v wrk >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 		apt-get install -y -qq wrk >/dev/null; } || \
 		echo "warning: could not install wrk; serve_load.py skips its side-by-side run"
@@ -56,6 +56,7 @@ bench: $(STAMP)  ## run the benchmarks and print their figures (~37 minutes)
 	$(BIN)/python bench/serve_load.py
 	$(BIN)/python bench/ray_overhead.py
 	$(BIN)/python bench/scale_out.py
+	$(BIN)/python bench/serve_ray.py
 	$(BIN)/python bench/memory.py
 	$(BIN)/python bench/cascade.py
 	$(BIN)/python bench/vs_sage.py
