@@ -468,15 +468,17 @@ class RayRun:
                     self.streamed.pop(rid, None)
 
     def _stream(self, pieces: dict) -> None:
-        """Streamed pieces from a host: to each caller's ``_stream``, in order; an
-        output that waited for them goes on once they are all in."""
-        for rid, got in pieces.items():
+        """Streamed pieces from a host: to each caller's ``_stream``, in order, each
+        position once (a record replayed after an actor died streams its first pieces
+        again); an output that waited for them goes on once they are all in."""
+        for rid, (first, got) in pieces.items():
             live = self.held.get(rid)
             s = live[1] if live is not None else None
             if s is not None:
-                for piece in got:
+                had = self.streamed.get(rid, 0)
+                for piece in got[max(0, had + 1 - first):]:
                     s(piece)
-                n = self.streamed[rid] = self.streamed.get(rid, 0) + len(got)
+                n = self.streamed[rid] = max(had, first + len(got) - 1)
                 waiting = self.parked.get(rid)
                 if waiting is not None and n >= waiting[0]:
                     self._unpark(rid)

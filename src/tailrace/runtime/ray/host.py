@@ -62,7 +62,8 @@ class Outbox:
         self.closed = False
         self.instances: dict[tuple[int, int], HostedWorker] = {}
         self.side: HostSide | None = None  # a served run's live fields (first install)
-        self.pieces: dict[Any, list[str]] = {}  # streamed pieces not yet drained
+        # streamed pieces not yet drained: request key -> (first's position, pieces)
+        self.pieces: dict[Any, tuple[int, list[str]]] = {}
         self.flusher = asyncio.ensure_future(self._flush())
 
     def _put(self, entry: Any) -> asyncio.Future:
@@ -88,13 +89,14 @@ class Outbox:
         ack."""
         return self._put(Commit(stage, key, token, parents))
 
-    def piece(self, rid: Any, piece: str) -> None:
-        """A streamed text piece of request ``rid`` for the driver (on the loop)."""
+    def piece(self, rid: Any, piece: str, at: int = 1) -> None:
+        """A streamed text piece of request ``rid`` for the driver (on the loop); ``at``:
+        its position in the record's stream."""
         got = self.pieces.get(rid)
         if got is None:
-            self.pieces[rid] = [piece]
+            self.pieces[rid] = (at, [piece])
         else:
-            got.append(piece)
+            got[1].append(piece)
         self.wake.set()
 
     def ack(self, upto: int) -> None:

@@ -135,9 +135,11 @@ class MeterReport(NamedTuple):
 
 
 class Pieces(NamedTuple):
-    """Streamed text pieces for the driver, in order, by request key."""
+    """Streamed text pieces for the driver, in order, by request key, each run of them
+    with the position of its first (1, 2, ...: counted over the record's hosts, so
+    pieces a replayed record streams again are known and skipped)."""
 
-    pieces: dict  # request key -> [piece, ...]
+    pieces: dict  # request key -> (position of the first, [piece, ...])
 
 
 class Drained(NamedTuple):

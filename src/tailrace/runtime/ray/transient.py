@@ -112,13 +112,13 @@ class HostStream:
 
     __slots__ = ("rid", "put", "loop", "sent")
 
-    def __init__(self, rid: Any, put: Callable[[Any, str], None],
+    def __init__(self, rid: Any, put: Callable[[Any, str, int], None],
                  loop: asyncio.AbstractEventLoop, sent: int = 0) -> None:
         self.rid, self.put, self.loop, self.sent = rid, put, loop, sent
 
     def __call__(self, piece: str) -> None:
         self.sent += 1
-        self.loop.call_soon_threadsafe(self.put, self.rid, piece)
+        self.loop.call_soon_threadsafe(self.put, self.rid, piece, self.sent)
 
     def __reduce__(self) -> tuple:
         return _stream_mark, (self.sent,)
@@ -129,10 +129,11 @@ class HostSide:
     request's records here, forgotten with them) and the keys cancelled so far.
 
     key: the field every served record keeps (the request id).
-    put: ``put(rid, piece)`` queues a streamed piece for the driver (on the loop).
+    put: ``put(rid, piece, position)`` queues a streamed piece for the driver (on the
+         loop).
     """
 
-    def __init__(self, key: str, put: Callable[[Any, str], None]) -> None:
+    def __init__(self, key: str, put: Callable[[Any, str, int], None]) -> None:
         self.key = key
         self.put = put
         self.flags: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
