@@ -3,11 +3,51 @@ like Bytewax's ``entry_point``, one test covers them all."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+import time
 
 import pytest
 
 import tailrace as tr
+
+
+def wait_until(cond, timeout=60.0, what="condition"):
+    """Poll ``cond`` until it holds; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what}: not met in {timeout:g} s"
+        time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def multi_node_cluster(nodes=3, num_cpus=1):
+    """Ray's own test cluster (``ray.cluster_utils.Cluster``: ``nodes`` raylets on this
+    machine), this process connected to it. It cannot share the process with the
+    session's single-node Ray: that one is shut down first and started again after."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    restart = ray.is_initialized()
+    if restart:
+        ray.shutdown()
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": num_cpus})
+    for _ in range(nodes - 1):
+        c.add_node(num_cpus=num_cpus)
+    c.wait_for_nodes()
+    ray.init(address=c.address, logging_level="WARNING")
+    try:
+        yield c
+    finally:
+        if "ray.serve" in sys.modules:
+            sys.modules["ray.serve"].shutdown()
+        ray.shutdown()
+        c.shutdown()
+        if restart:
+            ray.init(address="local", num_cpus=2, include_dashboard=False,
+                     logging_level="WARNING")
+
 
 EXECUTORS = [("local", True), ("local", False), ("ray", True), ("ray", False)]
 

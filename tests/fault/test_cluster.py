@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import time
 
 import httpx
 import pytest
@@ -25,18 +24,12 @@ from hypothesis import strategies as st
 
 import tailrace as tr
 from tailrace.compiler import compile_pipeline
+from tests.conftest import wait_until
 
 from .cluster_ops import MODES, gate, keep, work
 from .harness import fault_settings
 
 pytestmark = pytest.mark.slow
-
-def wait_until(cond, timeout=60.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"{what}: not met in {timeout:g} s"
-        time.sleep(0.05)
-
 
 @pytest.fixture(scope="module")
 def server(ray_session):

@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 
 import tailrace as tr
+from tests.conftest import multi_node_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -26,25 +27,8 @@ def node_of(x):
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray = pytest.importorskip("ray")
-    from ray.cluster_utils import Cluster
-
-    restart = ray.is_initialized()
-    if restart:
-        ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    for _ in range(2):
-        c.add_node(num_cpus=1)
-    c.wait_for_nodes()
-    ray.init(address=c.address, logging_level="WARNING")
-    try:
+    with multi_node_cluster() as c:
         yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
-        if restart:
-            ray.init(address="local", num_cpus=2, include_dashboard=False,
-                     logging_level="WARNING")
 
 
 def test_spread_places_replicas_on_different_nodes(cluster):

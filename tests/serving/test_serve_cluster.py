@@ -28,6 +28,7 @@ import pytest
 import tailrace as tr
 from tailrace.compiler import compile_pipeline
 from tailrace.control import AdmissionGate, make_policy
+from tests.conftest import multi_node_cluster, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -54,38 +55,11 @@ def fcfs_gate():
     return AdmissionGate(make_policy("fcfs", max_in_flight=MAX_IN_FLIGHT, max_queue=MAX_QUEUE))
 
 
-def wait_until(cond, timeout=60.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"{what}: not met in {timeout:g} s"
-        time.sleep(0.05)
-
-
 @pytest.fixture(scope="module")
 def cluster():
-    ray = pytest.importorskip("ray")
     pytest.importorskip("ray.serve")
-    from ray.cluster_utils import Cluster
-
-    restart = ray.is_initialized()
-    if restart:
-        ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    for _ in range(2):
-        c.add_node(num_cpus=1)
-    c.wait_for_nodes()
-    ray.init(address=c.address, logging_level="WARNING")
-    try:
+    with multi_node_cluster() as c:
         yield c
-    finally:
-        from ray import serve
-
-        serve.shutdown()
-        ray.shutdown()
-        c.shutdown()
-        if restart:
-            ray.init(address="local", num_cpus=2, include_dashboard=False,
-                     logging_level="WARNING")
 
 
 @pytest.fixture(scope="module")

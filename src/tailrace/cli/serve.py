@@ -249,12 +249,7 @@ def serve(args: argparse.Namespace) -> int:
             signal.signal(signal.SIGTERM, old_term)
         hub.stop()
         sock.close()
-    if failed:
-        for line in failed:
-            print(f"tailrace: error: {line}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    print("tailrace: stopped" + (" (interrupted)" if interrupted else ""), file=sys.stderr)
-    return 0
+    return _ended(failed, interrupted)
 
 
 def _autoscale(value: str | None) -> tuple[int, int] | None:
@@ -333,6 +328,11 @@ def serve_on_cluster(args: argparse.Namespace, plans: list[Any], *, api_key: str
         if in_main:
             signal.signal(signal.SIGTERM, old_term)
         server.stop()
+    return _ended(failed, interrupted)
+
+
+def _ended(failed: list[str], interrupted: bool) -> int:
+    """Say how the server ended; its exit status."""
     if failed:
         for line in failed:
             print(f"tailrace: error: {line}", file=sys.stderr)
