@@ -12,6 +12,12 @@ import pytest
 
 import tailrace as tr
 
+# Ray starts a new local instance when any Ray call is made unconnected: a background
+# thread of an earlier test (a Serve handle's metrics pusher, a lease renewer) would then
+# start one between a fixture's ray.shutdown() and its ray.init(address=...). Every
+# connection in the tests is explicit.
+os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
+
 
 def wait_until(cond, timeout=60.0, what="condition"):
     """Poll ``cond`` until it holds; fail naming ``what`` after ``timeout`` seconds."""
@@ -36,6 +42,8 @@ def multi_node_cluster(nodes=3, num_cpus=1):
     for _ in range(nodes - 1):
         c.add_node(num_cpus=num_cpus)
     c.wait_for_nodes()
+    if ray.is_initialized():  # a stray call reconnected meanwhile (see the top)
+        ray.shutdown()
     ray.init(address=c.address, logging_level="WARNING")
     try:
         yield c
