@@ -113,8 +113,9 @@ def settled(srv):
 def test_the_plan_spans_the_nodes_and_readyz_is_up(server):
     import ray
 
-    r = httpx.get(server.url + "/readyz")
-    assert r.status_code == 200 and r.json()["ready"] is True
+    # the replicas poll the hub's readiness (every 0.5 s): /readyz turns 200 shortly after
+    wait_until(lambda: httpx.get(server.url + "/readyz").status_code == 200, what="/readyz")
+    assert httpx.get(server.url + "/readyz").json()["ready"] is True
     (run,) = [r for r in ray.get(server.hub.actors.remote()) if r["pipeline"] == "chat"]
     nodes = {node for _, node in run["stages"]["answer"]}
     assert len(nodes) == 3  # spread: one generate replica per node

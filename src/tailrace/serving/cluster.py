@@ -299,20 +299,23 @@ class _HubLink:
     def start(self) -> None:
         self._poller = asyncio.get_running_loop().create_task(self._poll())
 
-    async def _poll(self) -> None:
+    async def refresh(self) -> None:
+        """Read the hub's readiness now."""
         from ray.exceptions import RayError
 
+        try:
+            state = await self.actor.ready.remote()
+            for name, (ok, why) in state.items():
+                self.ready[name], self.failures[name] = ok, why
+        except RayError as e:
+            for name in self.ready:
+                self.ready[name] = False
+                self.failures[name] = f"the hub actor is unreachable ({type(e).__name__})"
+
+    async def _poll(self) -> None:
         while True:
-            try:
-                state = await self.actor.ready.remote()
-                for name, (ok, why) in state.items():
-                    self.ready[name], self.failures[name] = ok, why
-            except RayError as e:
-                for name in self.ready:
-                    self.ready[name] = False
-                    self.failures[name] = (f"the hub actor is unreachable "
-                                           f"({type(e).__name__})")
             await asyncio.sleep(POLL_S)
+            await self.refresh()
 
     def figures(self) -> dict[str, Any]:
         """The hub's figures (a blocking call: ``/metrics`` and ``/dashboard/data`` are
@@ -364,7 +367,6 @@ def build_ingress_app(app_name: str, plans: list[Any], gated: bool,
 
     actor = ray.get_actor(hub_name(app_name), namespace=NAMESPACE)
     link = _HubLink(actor, [p.name for p in plans])
-    link.start()
     hub = _RemoteHub(link, [RemoteService(link, p.name, p) for p in plans], gated, **options)
     app = create_app(hub)
     app.add_middleware(_IngressHeader, replica=_replica_id())
@@ -414,7 +416,11 @@ def ingress_deployment() -> Any:
             self._args = (app_name, plans, gated, options)
 
         async def __serve_build_asgi_app__(self) -> Any:
-            return build_ingress_app(*self._args)
+            app = build_ingress_app(*self._args)
+            link = app.state.hub.link
+            await link.refresh()  # a new replica knows the hub's readiness before serving
+            link.start()
+            return app
 
     return Ingress
 
