@@ -35,6 +35,19 @@ def test_every_edge_has_the_stage_bound():
     assert (b.replicas, b.mode, b.queue) == (2, "thread", 8)
 
 
+def test_elastic_replicas_compile_to_bounds_and_render():
+    p = tr.Pipeline("e")
+    p.source([1]).map(abs, id="a", replicas={"min": 1, "max": 4}, queue=64).sink()
+    plan = tr.compile_pipeline(p)
+    a = plan.stage("a")
+    assert (a.replicas, a.max_replicas, a.elastic, a.mode) == (1, 4, True, "thread")
+    assert a.execution is not None and a.execution.push == 64 // (8 * 4)  # for 4 replicas
+    assert "replicas=1..4 (autoscaled on Ray)" in plan.render("text")
+    assert plan.to_dict()["stages"][1]["max_replicas"] == 4
+    fixed = tr.compile_pipeline(chain(replicas=2)).stage("b")
+    assert (fixed.max_replicas, fixed.elastic) == (0, False)
+
+
 def test_fan_out_is_not_fused():
     p = tr.Pipeline("f")
     s = p.source([1]).map(abs, id="a")
@@ -49,12 +62,13 @@ def test_render_formats():
         "flowchart LR", '  n_source["source: source"]']
     assert "  n_a -->|1024| n_b" in plan.render("mermaid")
     assert plan.to_dict()["stages"][2] == {
-        "id": "b", "upstream": ["a"], "replicas": 2, "mode": "thread", "queue": 1024,
+        "id": "b", "upstream": ["a"], "replicas": 2, "max_replicas": 2, "mode": "thread",
+        "queue": 1024,
         "ops": [{"id": "b", "op": "map", "state": "stateless",
                  "params": {"fn": "builtins.abs"},
                  "contract": {"replicas": 2, "batch": None, "timeout_ms": None, "retries": 0,
                               "queue": None, "blocking": False,
-                              "placement": None}}],
+                              "placement": None, "max_replicas": None}}],
         "execution": {"call": "chain", "mode": "thread", "max_batch": 512,
                       "max_wait_ms": 0.0, "push": 64, "timeout_ms": None, "retries": 0,
                       "cancel": "none", "threads": 1}}

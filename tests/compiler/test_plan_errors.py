@@ -83,6 +83,17 @@ CASES = {
         f"  - {{id: a, op: stateful, fn: {F}.upper, key: text, replicas: 2}}\n",
         "p.yaml:5: stage 'a': a keyed-state operator cannot have replicas (got 2); its "
         "state lives in one replica — remove 'replicas'"),
+    "elastic keyed state": (
+        f"  - {{id: a, op: stateful, fn: {F}.upper, key: text, replicas: {{min: 1, max: 2}}}}\n",
+        "p.yaml:5: stage 'a': a keyed-state operator cannot have replicas (got 2); its "
+        "state lives in one replica — remove 'replicas'"),
+    "replica bounds with an unknown key": (
+        f"  - {{id: a, op: map, fn: {F}.upper, input: text, replicas: {{min: 1, most: 3}}}}\n",
+        "p.yaml:5: stage 'a': 'replicas' must be a positive integer or a mapping like "
+        "{min: 1, max: 4}, got {'min': 1, 'most': 3}"),
+    "replica bounds upside down": (
+        f"  - {{id: a, op: map, fn: {F}.upper, input: text, replicas: {{min: 3, max: 2}}}}\n",
+        "p.yaml:5: stage 'a': 'replicas.max' must be an integer >= 'replicas.min' (3), got 2"),
     "batch contract on filter": (
         f"  - {{id: a, op: filter, fn: {F}.upper, input: text, batch: {{max_size: 4}}}}\n",
         "p.yaml:5: stage 'a': operator 'filter' does not take a 'batch' contract; use a "

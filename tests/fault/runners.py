@@ -597,7 +597,7 @@ def _on_first_answer(svc: Any, sc: Scenario, probe: Probe, ray: Any, skipped: se
         if victim is not None:
             for r in active_runs():
                 actors = r["stages"].get(victim) or next(iter(r["stages"].values()), [])
-                for name, _node in actors[:1]:
+                for name, _node in actors[-1:]:  # the newest replica (scaled out, if any)
                     ray.kill(ray.get_actor(name), no_restart=False)
 
     def hooked(fn: Any) -> Any:
@@ -656,7 +656,7 @@ def run_ray(sc: Scenario, ray: Any) -> Report:
             killed.append(None)
             for r in active_runs():
                 actors = r["stages"].get(victim) or next(iter(r["stages"].values()), [])
-                for name, _node in actors[:1]:
+                for name, _node in actors[-1:]:  # the newest replica (scaled out, if any)
                     ray.kill(ray.get_actor(name), no_restart=False)
                     killed[0] = name
 

@@ -17,6 +17,8 @@ def _contract(draw, op: str, target: str) -> tuple:
         c["queue"] = draw(st.integers(1, 16))
     if op != "stateful" and draw(st.integers(0, 3)) == 0:
         c["replicas"] = draw(st.integers(2, 3))
+    elif op != "stateful" and target.startswith("ray") and draw(st.integers(0, 3)) == 0:
+        c["replicas"] = {"min": 1, "max": draw(st.integers(2, 3))}  # autoscaled
     if op in SYNC_FN_OPS + ("select",) and draw(st.integers(0, 3)) == 0:
         c["blocking"] = True
     if draw(st.integers(0, 3)) == 0:

@@ -1,6 +1,7 @@
 """The record lifecycle on Ray (``tr.run(runtime="ray")``, and requests served by a
 ``PipelineService(runtime="ray")``): random pipelines and faults, sometimes admission,
-callers that cancel, a stop in flight, sometimes a stage actor killed mid-run. One Ray
+callers that cancel, a stop in flight, sometimes a stage actor killed mid-run, sometimes
+elastic stages (``replicas: {min, max}``) scaling out and in while records flow. One Ray
 session for the whole test session (``ray_session``); few examples, Ray runs are slow."""
 
 import pytest
@@ -12,6 +13,17 @@ from .runners import run_ray, run_service
 from .strategies import scenarios
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def eager_autoscaling():
+    """Elastic stages scale within these short runs (defaults: 1 s up, 10 s down)."""
+    from tailrace.runtime.ray import driver
+
+    saved = driver.SCALE_TICK_S, driver.SCALE_UP_S, driver.SCALE_DOWN_S
+    driver.SCALE_TICK_S, driver.SCALE_UP_S, driver.SCALE_DOWN_S = 0.02, 0.02, 0.1
+    yield
+    driver.SCALE_TICK_S, driver.SCALE_UP_S, driver.SCALE_DOWN_S = saved
 
 
 @fault_settings("ray")

@@ -39,7 +39,9 @@ class BatchSpec:
 class Contract:
     """What a stage promises and needs; the compiler and runtime honour it.
 
-    replicas:   parallel copies of the stage (stateless stages only).
+    replicas:   parallel copies of the stage (stateless stages only); given as
+                ``{min: 1, max: 4}`` the Ray runtime scales them between the bounds on
+                load (``max_replicas`` holds the upper bound; other runtimes run ``min``).
     batch:      call the operator on lists (see ``BatchSpec``).
     timeout_ms: per-record (or per-batch) limit; the record becomes an error record.
     retries:    extra attempts after an exception or timeout.
@@ -57,6 +59,7 @@ class Contract:
     queue: int | None = None
     blocking: bool = False
     placement: dict[str, Any] | None = None
+    max_replicas: int | None = None
 
 
 @dataclass(frozen=True)
@@ -194,6 +197,12 @@ def make_contract(kw: dict[str, Any]) -> Contract:
     given = {k: kw.pop(k) for k in CONTRACT_KEYS if k in kw}
     if isinstance(given.get("batch"), dict):
         given["batch"] = BatchSpec(**given["batch"])
+    bounds = given.get("replicas")
+    if isinstance(bounds, dict):
+        if set(bounds) != {"min", "max"}:
+            raise TypeError(f"'replicas' must be a positive integer or a mapping like "
+                            f"{{min: 1, max: 4}}, got {bounds!r}")
+        given["replicas"], given["max_replicas"] = bounds["min"], bounds["max"]
     if kw:
         raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(kw))}; "
                         f"contract keys are: {', '.join(CONTRACT_KEYS)}")

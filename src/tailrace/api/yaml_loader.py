@@ -191,4 +191,8 @@ def _stage(raw: Any, prev: str, where: str) -> StageSpec:
                               or set(batch) - {"max_size", "max_wait_ms"}):
         raise PlanError(f"'batch' must be a mapping like {{max_size: 8, max_wait_ms: 5}}, got "
                         f"{batch!r}", where=where, stage=sid)
-    return StageSpec(sid, op, tuple(after), params, make_contract(contract_kw), where)
+    try:
+        contract = make_contract(contract_kw)
+    except TypeError as e:
+        raise PlanError(str(e), where=where, stage=sid) from None
+    return StageSpec(sid, op, tuple(after), params, contract, where)

@@ -98,6 +98,8 @@ class PlanStage:
     mode: ``inline`` (runs on the event loop), ``thread`` (blocking code: worker
     threads), ``async`` (coroutine operators awaited on the loop).
     execution: how the stage is called (``Execution``); None for a source.
+    max_replicas: the most replicas the Ray runtime may scale the stage to on load
+    (``replicas`` is the least); 0: fixed at ``replicas``.
     """
 
     id: str
@@ -107,6 +109,12 @@ class PlanStage:
     mode: str
     queue: int
     execution: Execution | None = None
+    max_replicas: int = 0
+
+    @property
+    def elastic(self) -> bool:
+        """Its replicas scale between ``replicas`` and ``max_replicas`` (on Ray)."""
+        return self.max_replicas > self.replicas
 
 
 @dataclass(frozen=True)
@@ -173,7 +181,8 @@ def _mode(op: PlanOp) -> str:
         base_async = False
     if base_async:
         return "async"
-    if c.blocking or op.op.blocking or c.replicas > 1 or c.timeout_ms is not None:
+    if (c.blocking or op.op.blocking or max(c.replicas, c.max_replicas or 0) > 1
+            or c.timeout_ms is not None):
         return "thread"
     return "inline"
 
@@ -218,7 +227,8 @@ def execution(ops: tuple[PlanOp, ...], replicas: int, queue: int, mode: str) -> 
 
 def _fusable(op: PlanOp) -> bool:
     c = op.contract
-    return (op.op.fusable and c.replicas == 1 and c.timeout_ms is None and c.retries == 0
+    return (op.op.fusable and c.replicas == 1 and not c.max_replicas
+            and c.timeout_ms is None and c.retries == 0
             and c.batch is None and _mode(op) == "inline")
 
 
@@ -271,8 +281,11 @@ def compile_pipeline(p: Pipeline, *, fuse: bool = True,
         ups = tuple(_remap(ref, stage_of) for ref in first.spec.upstream)
         stage_ops = tuple(ops[c] for c in chain)
         mode, replicas = _mode(first), first.contract.replicas
-        exe = None if first.op.kind == "source" else execution(stage_ops, replicas, queue, mode)
-        stages.append(PlanStage(sid, stage_ops, ups, replicas, mode, queue, exe))
+        most = max(replicas, first.contract.max_replicas or 0)
+        # an elastic stage's pushes are sized for its most replicas: each can get work
+        exe = None if first.op.kind == "source" else execution(stage_ops, most, queue, mode)
+        stages.append(PlanStage(sid, stage_ops, ups, replicas, mode, queue, exe,
+                                most if most > replicas else 0))
         edges += [Edge(u, sid, queue) for u in ups]
     return Plan(p.name, tuple(stages), tuple(edges), fuse, p)
 

@@ -34,7 +34,8 @@ def plan_to_dict(plan: Any) -> dict[str, Any]:
             ops.append({"id": o.id, "op": o.op.name, "state": o.op.state,
                         "params": params, "contract": contract})
         stages.append({"id": s.id, "ops": ops, "upstream": list(s.upstream),
-                       "replicas": s.replicas, "mode": s.mode, "queue": s.queue,
+                       "replicas": s.replicas, "max_replicas": s.max_replicas or s.replicas,
+                       "mode": s.mode, "queue": s.queue,
                        "execution": asdict(s.execution) if s.execution else None})
     edges = [{"from": e.src, "to": e.dst, "bound": e.bound} for e in plan.edges]
     return {"pipeline": plan.name, "fused": plan.fused, "stages": stages, "edges": edges}
@@ -46,7 +47,9 @@ def _text(plan: Any) -> str:
              f"{'' if plan.fused else ' (fusion off)'}"]
     for s in plan.stages:
         extra = [s.mode]
-        if s.replicas > 1:
+        if s.elastic:
+            extra.append(f"replicas={s.replicas}..{s.max_replicas} (autoscaled on Ray)")
+        elif s.replicas > 1:
             extra.append(f"replicas={s.replicas}")
         lines.append(f"  {s.id}  [{', '.join(extra)}]")
         if s.execution is not None:
@@ -72,7 +75,9 @@ def _mermaid(plan: Any) -> str:
     lines = ["flowchart LR"]
     for s in plan.stages:
         label = "<br/>".join(f"{o.id}: {o.op.name}" for o in s.ops)
-        if s.replicas > 1:
+        if s.elastic:
+            label += f"<br/>x{s.replicas}..{s.max_replicas}"
+        elif s.replicas > 1:
             label += f"<br/>x{s.replicas}"
         lines.append(f'  {node(s.id)}["{label}"]')
     for e in plan.edges:

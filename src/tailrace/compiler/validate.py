@@ -121,6 +121,10 @@ def check_contract(spec: StageSpec, op: OpDef) -> None:
     c = spec.contract
     if not _is_int(c.replicas) or c.replicas < 1:
         raise _err(spec, f"'replicas' must be a positive integer, got {c.replicas!r}")
+    if c.max_replicas is not None and (not _is_int(c.max_replicas)
+                                       or c.max_replicas < c.replicas):
+        raise _err(spec, f"'replicas.max' must be an integer >= 'replicas.min' "
+                   f"({c.replicas}), got {c.max_replicas!r}")
     if not _is_int(c.retries) or c.retries < 0:
         raise _err(spec, f"'retries' must be a non-negative integer, got {c.retries!r}")
     if c.timeout_ms is not None and (not _is_num(c.timeout_ms) or c.timeout_ms <= 0):
@@ -143,10 +147,11 @@ def check_contract(spec: StageSpec, op: OpDef) -> None:
         problem = placement_problem(c.placement)
         if problem:
             raise _err(spec, problem)
-    if c.replicas > 1 and op.state != "stateless":
+    most = max(c.replicas, c.max_replicas or 0)
+    if most > 1 and op.state != "stateless":
         raise _err(spec, f"a {op.state}-state operator cannot have replicas (got "
-                   f"{c.replicas}); its state lives in one replica — remove 'replicas'")
-    if op.kind in ("source", "sink") and (c.replicas > 1 or c.retries or c.timeout_ms
+                   f"{most}); its state lives in one replica — remove 'replicas'")
+    if op.kind in ("source", "sink") and (most > 1 or c.retries or c.timeout_ms
                                           or c.batch):
         raise _err(spec, f"'{op.kind}' stages take no replicas, retries, timeout_ms or "
                    "batch; put that work in a stage before it")

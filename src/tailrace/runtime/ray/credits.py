@@ -50,6 +50,11 @@ class CreditWindow:
         self.max_used = 0  # most records ever in flight at once (the edge's peak depth)
         self._waiters: deque = deque()
 
+    @property
+    def waiting(self) -> bool:
+        """Someone waits for credits (the consumer is behind)."""
+        return bool(self._waiters)
+
     def take_nowait(self, n: int) -> bool:
         """Take ``n`` credits if they are free and nobody waits before us."""
         if self._waiters or self.used + n > self.size:
@@ -122,13 +127,17 @@ class Link:
                  unsendable: Callable[[BatchKey, list, Lineage, BaseException],
                                       asyncio.Future | None]) -> None:
         self.route = route
+        self.run_id = run_id
         self.window = CreditWindow(route.window)
         self.chunk = route.chunk
+        self.hosts = list(route.hosts)  # grows when an elastic consumer scales out
+        self.specs = list(route.specs)
         self.keys = [(run_id, route.target, r) for r in range(len(route.hosts))]
         self.outstanding = [0] * len(route.hosts)
         self.link_id = random.getrandbits(62)
         self.seqs = [0] * len(route.hosts)  # next push seq, per consumer replica
         self.unacked: list[dict[int, None]] = [{} for _ in route.hosts]  # in seq order
+        self.active: list[bool] | None = None  # None: every replica takes new pushes
         self._next = 0
         self._deliver = deliver
         self._unsendable = unsendable
@@ -170,7 +179,7 @@ class Link:
             self.seqs[r] = seq + 1
             unacked[seq] = None
             self.outstanding[r] += n
-            ref = self.route.hosts[r].push.remote(msg)
+            ref = self.hosts[r].push.remote(msg)
             acks.append(asyncio.ensure_future(
                 self._acked(r, seq, n, key, part, ids, born, ref)))
 
@@ -202,14 +211,29 @@ class Link:
             prev = s
         return self.link_id, seq, prev, next(iter(unacked), seq)
 
+    def reroute(self, hosts: tuple, specs: tuple, active: tuple[bool, ...]) -> None:
+        """The consumer stage scaled: ``hosts``/``specs`` of all its replicas so far (new
+        ones are appended; a replica is never removed, pushes to it may be unacked) and
+        which of them take new pushes (a retired replica finishes what it holds)."""
+        for r in range(len(self.hosts), len(hosts)):
+            self.hosts.append(hosts[r])
+            self.specs.append(specs[r])
+            self.keys.append((self.run_id, self.route.target, r))
+            self.outstanding.append(0)
+            self.seqs.append(0)
+            self.unacked.append({})
+        self.active = None if all(active) else list(active)
+
     def _pick(self) -> int:
-        """The consumer replica with the fewest of our records in flight (round robin ties)."""
+        """The consumer replica with the fewest of our records in flight (round robin
+        ties), among those that take new pushes."""
         out = self.outstanding
         k = len(out)
-        best = self._next % k
+        act = self.active
+        best = -1
         for i in range(k):
             r = (self._next + i) % k
-            if out[r] < out[best]:
+            if (act is None or act[r]) and (best < 0 or out[r] < out[best]):
                 best = r
         self._next = best + 1
         return best
@@ -217,7 +241,7 @@ class Link:
     async def _acked(self, r: int, seq: int, n: int, key: BatchKey, part: list,
                      lin: Lineage, born: float, ref: Any) -> None:
         """Wait for the push's end-to-end ack; reinstall and push again after a restart."""
-        host = self.route.hosts[r]
+        host = self.hosts[r]
         first_failure: float | None = None
         delay = 0.02
         try:
@@ -225,7 +249,7 @@ class Link:
                 try:
                     if await ref != NEED_INSTALL:
                         return
-                    await host.install.remote(self.route.specs[r], r)
+                    await host.install.remote(self.specs[r], r)
                 except self._retry:
                     now = time.monotonic()
                     if first_failure is None:

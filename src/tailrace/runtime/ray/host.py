@@ -64,6 +64,8 @@ class Outbox:
         self.side: HostSide | None = None  # a served run's live fields (first install)
         # streamed pieces not yet drained: request key -> (first's position, pieces)
         self.pieces: dict[Any, tuple[int, list[str]]] = {}
+        # elastic consumer stage -> (hosts, specs, active) of its replicas (``reroute``)
+        self.reroutes: dict[int, tuple] = {}
         self.flusher = asyncio.ensure_future(self._flush())
 
     def _put(self, entry: Any) -> asyncio.Future:
@@ -227,6 +229,18 @@ class StageHost:
         box = self.runs.get(run_id)
         if box is not None and box.side is not None:
             box.side.cancel(rids)
+
+    async def reroute(self, run_id: str, target: int, hosts: tuple, specs: tuple,
+                      active: tuple[bool, ...]) -> None:
+        """Elastic stage ``target`` of the run scaled: the links to it of every replica
+        here (and of replicas installed later, e.g. after this actor restarted) use
+        ``hosts``/``specs`` and push only to the ``active`` ones (``Link.reroute``)."""
+        box = self._outbox(run_id)
+        if box is None:
+            return
+        box.reroutes[target] = (hosts, specs, active)
+        for inst in box.instances.values():
+            inst.reroute(target, hosts, specs, active)
 
     async def finish(self, run_id: str) -> list:
         """End the run here: stop its replicas, return their final meter snapshots."""

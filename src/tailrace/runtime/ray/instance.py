@@ -146,10 +146,13 @@ class HostedWorker:
             port: [Link(r, spec.run_id, outbox.deliver if r.sink else None, self._unsendable)
                    for r in routes]
             for port, routes in spec.routes.items()}
+        for target, (hosts, specs, active) in outbox.reroutes.items():
+            self.reroute(target, hosts, specs, active)
         self.bound = s.queue
         self.depth = 0
         self.max_depth = 0
         self.dirty = True
+        self.running = False  # a micro-batch is in the operators now
         self._q: deque = deque()  # (enqueued, born, key, records, lineage, done future)
         self._room: deque = deque()  # pushes waiting for room in the queue, FIFO
         self._streams: dict[int, Stream] = {}  # producer link -> its pushes' order
@@ -192,6 +195,7 @@ class HostedWorker:
     def _enqueue(self, item: tuple) -> None:
         n, born, key, records, lin, done = item
         self.depth += n
+        self.dirty = True
         if self.depth > self.max_depth:
             self.max_depth = self.depth
         self._q.append((perf_counter(), born, key, records, lin, done))
@@ -215,12 +219,14 @@ class HostedWorker:
             self._admit()
             if done.done():  # the pushing call was cancelled (run aborted)
                 continue
+            self.running = self.dirty = True
             try:
                 result = await self._run(enq, born, key, records, lin)
             except Exception as e:  # noqa: BLE001 - a runtime fault: fail this push
                 done.set_exception(e)
             else:
                 done.set_result(result)
+            self.running = False
             self.dirty = True
 
     async def _run(self, enq: float, born: float, key: BatchKey, records: list,
@@ -273,6 +279,14 @@ class HostedWorker:
             return acks, None
         return acks, (self.index, key, token, fanned_ids)
 
+    def reroute(self, target: int, hosts: tuple, specs: tuple,
+                active: tuple[bool, ...]) -> None:
+        """Elastic stage ``target`` scaled: update this replica's links to it."""
+        for links in self.links.values():
+            for link in links:
+                if link.route.target == target and not link.route.sink:
+                    link.reroute(hosts, specs, active)
+
     def _unsendable(self, key: BatchKey, records: list, lin: Lineage,
                     exc: BaseException) -> asyncio.Future:
         """Records that cannot be serialised for the next stage become error records here."""
@@ -291,7 +305,10 @@ class HostedWorker:
         sched = Histogram()
         sched.merge(self.scheduling)
         return MeterReport(self.index, self.replica, self.incarnation, self.node, meters,
-                           self.max_depth, sched, sink_depth)
+                           self.max_depth, sched, sink_depth,
+                           self.depth + sum(item[0] for item in self._room), self.running,
+                           any(link.window.waiting for links in self.links.values()
+                               for link in links))
 
     def close(self) -> None:
         """Stop the loop, fail waiting pushes, release the replica's thread."""

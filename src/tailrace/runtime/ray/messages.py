@@ -132,6 +132,9 @@ class MeterReport(NamedTuple):
     max_depth: int  # most records in the replica's input queue
     scheduling: Any  # Histogram: source read -> first operator start (first stages)
     sink_depth: dict  # sink stage index -> most records in flight to it from this replica
+    depth: int = 0  # pushes' records waiting in its queue now (autoscaling reads it)
+    running: bool = False  # a micro-batch is in its operators now
+    blocked: bool = False  # its output waits for a consumer's credits (not its own work)
 
 
 class Pieces(NamedTuple):

@@ -109,33 +109,49 @@ class HostPool:
 
     def _assign(self, plan: Plan, stages: list[int],
                 placements: dict[int, StagePlacement]) -> dict[tuple[int, int], HostHandle]:
-        import ray
-
-        nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
-        cap = max(1, int(ray.cluster_resources().get("CPU", 1)))
+        nodes, cap = _cluster()
         load: dict[int, int] = {}  # id(host) -> replicas assigned in this run
         out: dict[tuple[int, int], HostHandle] = {}
         for i in stages:
-            s = plan.stages[i]
             pl = placements.get(i, StagePlacement())
             taken: set[int] = set()
-            for r in range(s.replicas):
-                node = nodes[r % len(nodes)] if pl.strategy == "spread" and nodes else None
-                key = (pl.num_cpus, pl.num_gpus, pl.memory, pl.resources, node)
-                pool = self.hosts.setdefault(key, [])
-                free = [h for h in pool if id(h) not in taken
-                        and not (pl.dedicated and load.get(id(h)))]
-                limit = cap if node is None else 1
-                if not free or (not pl.dedicated and len(pool) < limit
-                                 and min(load.get(id(h), 0) for h in free) > 0):
-                    host = self._create(key, pl, node)
-                    pool.append(host)
-                else:
-                    host = min(free, key=lambda h: load.get(id(h), 0))
-                taken.add(id(host))
-                load[id(host)] = load.get(id(host), 0) + 1
-                out[(i, r)] = host
+            for r in range(plan.stages[i].replicas):
+                out[(i, r)] = self._place(r, pl, nodes, cap, load, taken)
         return out
+
+    def add(self, stage: int, replica: int, pl: StagePlacement,
+            assignment: dict[tuple[int, int], HostHandle]) -> HostHandle:
+        """A host for a new replica of an elastic stage (a run's ``assignment`` so far):
+        the least-loaded host of its kind that runs no replica of the stage yet, or a
+        new one (Ray places it; one that needs resources no node has waits for the
+        autoscaler to add a node)."""
+        with self.lock:
+            nodes, cap = _cluster()
+            load: dict[int, int] = {}
+            for h in assignment.values():
+                load[id(h)] = load.get(id(h), 0) + 1
+            taken = {id(h) for (i, _), h in assignment.items() if i == stage}
+            return self._place(replica, pl, nodes, cap, load, taken)
+
+    def _place(self, r: int, pl: StagePlacement, nodes: list[str], cap: int,
+               load: dict[int, int], taken: set[int]) -> HostHandle:
+        """The host for replica ``r`` of a stage (``taken``: hosts of its other
+        replicas), counted in ``load`` and ``taken``; creates it when needed."""
+        node = nodes[r % len(nodes)] if pl.strategy == "spread" and nodes else None
+        key = (pl.num_cpus, pl.num_gpus, pl.memory, pl.resources, node)
+        pool = self.hosts.setdefault(key, [])
+        free = [h for h in pool if id(h) not in taken
+                and not (pl.dedicated and load.get(id(h)))]
+        limit = cap if node is None else 1
+        if not free or (not pl.dedicated and len(pool) < limit
+                        and min(load.get(id(h), 0) for h in free) > 0):
+            host = self._create(key, pl, node)
+            pool.append(host)
+        else:
+            host = min(free, key=lambda h: load.get(id(h), 0))
+        taken.add(id(host))
+        load[id(host)] = load.get(id(host), 0) + 1
+        return host
 
     def _create(self, key: tuple, pl: StagePlacement, node: str | None) -> HostHandle:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -158,6 +174,14 @@ class HostPool:
 
     def all(self) -> list[HostHandle]:
         return [h for pool in self.hosts.values() for h in pool]
+
+
+def _cluster() -> tuple[list[str], int]:
+    """The alive nodes' ids (sorted) and the cluster's CPU count (at least 1)."""
+    import ray
+
+    nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+    return nodes, max(1, int(ray.cluster_resources().get("CPU", 1)))
 
 
 _POOL: HostPool | None = None

@@ -1,0 +1,142 @@
+"""Elastic stages on Ray: ``replicas: {min, max}`` scales a stage's replicas on its
+queue depth (and admission backlog) while the run goes on, and back when it idles;
+every record still ends exactly once, also when a scaled-out replica's actor dies."""
+
+import threading
+import time
+from collections import Counter
+from itertools import groupby
+
+import pytest
+
+import tailrace as tr
+from tailrace.errors import PlanError
+from tailrace.runtime.ray import active_runs, driver
+
+
+def slow(x):
+    time.sleep(0.01)
+    return x * 2
+
+
+def plus(x):
+    return x + 1
+
+
+@pytest.fixture
+def quick(monkeypatch):
+    """Scale decisions in fractions of a second (the defaults are 1 s up, 10 s down)."""
+    monkeypatch.setattr(driver, "SCALE_UP_S", 0.2)
+    monkeypatch.setattr(driver, "SCALE_DOWN_S", 0.5)
+
+
+def _peak(stage: str, seen: list, stop: threading.Event) -> None:
+    while not stop.is_set():
+        for r in active_runs():
+            n = r.get("active_replicas", {}).get(stage)
+            if n is not None:
+                seen.append(n)
+        time.sleep(0.02)
+
+
+def test_a_busy_elastic_stage_scales_out_and_loses_nothing(ray_session, quick):
+    n = 600
+    p = tr.Pipeline("elastic")
+    p.source(range(n)).map(slow, id="work", replicas={"min": 1, "max": 3}, queue=64) \
+        .map(plus, id="post").sink(got := [])
+    seen: list = []
+    stop = threading.Event()
+    watcher = threading.Thread(target=_peak, args=("work", seen, stop), daemon=True)
+    watcher.start()
+    try:
+        result = tr.run(p, runtime="ray")
+    finally:
+        stop.set()
+        watcher.join()
+    assert Counter(got) == Counter(x * 2 + 1 for x in range(n))
+    assert result.stats.records_in == result.stats.records_out == n
+    assert max(seen) >= 2, f"never scaled out: {sorted(set(seen))}"
+    assert max(seen) <= 3  # the declared bound
+    assert result.stats["work"].records_in == n  # summed over every replica it had
+
+
+def test_a_fixed_stage_is_never_scaled(ray_session, quick):
+    p = tr.Pipeline("fixed")
+    p.source(range(200)).map(slow, id="work", replicas=1, queue=64).sink(got := [])
+    seen: list = []
+    stop = threading.Event()
+    watcher = threading.Thread(target=_peak, args=("work", seen, stop), daemon=True)
+    watcher.start()
+    try:
+        tr.run(p, runtime="ray")
+    finally:
+        stop.set()
+        watcher.join()
+    assert sorted(got) == [x * 2 for x in range(200)]
+    assert not seen  # not elastic: nothing to report
+
+
+def test_scaled_out_replicas_retire_when_idle_and_return_under_load(ray_session, quick):
+    """A served-style run: load, a pause (back to min), load again (out again)."""
+    import asyncio
+
+    async def feed():
+        for x in range(300):
+            yield x
+        await asyncio.sleep(3.0)  # idle: the extra replicas retire
+        for x in range(300, 600):
+            yield x
+
+    p = tr.Pipeline("waves")
+    p.source(feed()).map(slow, id="work", replicas={"min": 1, "max": 2}, queue=64) \
+        .sink(got := [])
+    seen: list = []
+    stop = threading.Event()
+    watcher = threading.Thread(target=_peak, args=("work", seen, stop), daemon=True)
+    watcher.start()
+    try:
+        tr.run(p, runtime="ray")
+    finally:
+        stop.set()
+        watcher.join()
+    assert sorted(got) == [x * 2 for x in range(600)]
+    runs = [k for k, _ in groupby(seen)]
+    assert runs[:4] == [1, 2, 1, 2], f"expected out, in, out again: {runs}"
+
+
+def test_killing_a_scaled_out_replica_loses_and_duplicates_nothing(ray_session, quick):
+    ray = ray_session
+    n = 1500
+    got: list = []
+    killed: list = []
+
+    def sink(x):
+        got.append(x)
+        if len(got) == 500 and not killed:
+            [run] = [r for r in active_runs() if r["pipeline"] == "elastic-kill"]
+            hosts = run["stages"]["work"]
+            if len(hosts) > 1:
+                ray.kill(ray.get_actor(hosts[-1][0]), no_restart=False)
+                killed.append(hosts[-1][0])
+
+    p = tr.Pipeline("elastic-kill")
+    p.source(range(n)).map(slow, id="work", replicas={"min": 1, "max": 2}, queue=64) \
+        .map(plus, id="post").sink(sink)
+    result = tr.run(p, runtime="ray")
+    assert killed, "the stage never scaled out before 500 outputs"
+    assert Counter(got) == Counter(x * 2 + 1 for x in range(n))
+    assert result.stats.records_out == n
+
+
+@pytest.mark.parametrize("bounds, message", [
+    ({"min": 2, "max": 1}, "'replicas.max' must be an integer >= 'replicas.min' (2)"),
+    ({"min": 1}, "'replicas' must be a positive integer or a mapping like {min: 1, max: 4}"),
+    ({"min": 1, "max": 2, "step": 1}, "a mapping like {min: 1, max: 4}"),
+])
+def test_bad_bounds_are_refused(bounds, message):
+    p = tr.Pipeline("bad")
+    with pytest.raises(PlanError, match=message.replace("{", r"\{").replace("(", r"\(")
+                       .replace(")", r"\)")):
+        p.source([1]).map(plus, replicas=bounds).sink([])
+        tr.compile_pipeline(p)
+
