@@ -58,6 +58,7 @@ def test_a_busy_elastic_stage_scales_out_and_loses_nothing(ray_session, quick):
     assert max(seen) >= 2, f"never scaled out: {sorted(set(seen))}"
     assert max(seen) <= 3  # the declared bound
     assert result.stats["work"].records_in == n  # summed over every replica it had
+    assert result.stats["work"].replicas == max(seen)  # the table shows the replicas it had
 
 
 def test_a_fixed_stage_is_never_scaled(ray_session, quick):
@@ -140,3 +141,47 @@ def test_bad_bounds_are_refused(bounds, message):
         p.source([1]).map(plus, replicas=bounds).sink([])
         tr.compile_pipeline(p)
 
+
+
+def slow_request(r):
+    time.sleep(0.03)
+    return {**r, "y": r["x"] * 10}
+
+
+def test_a_served_elastic_stage_scales_under_admission_and_answers_everyone(ray_session,
+                                                                              quick):
+    """Requests through ``PipelineService(runtime="ray")`` and a gate: the stage scales
+    out while they queue, every caller gets its own answer, every ticket comes back."""
+    import asyncio
+
+    from tailrace.control import AdmissionGate, make_policy
+    from tailrace.serving import PipelineService
+
+    gate = AdmissionGate(make_policy("fcfs", max_in_flight=16, max_queue=1000))
+    p = tr.Pipeline("elastic-svc")
+    p.source(fields=["x"]).map(slow_request, id="work", replicas={"min": 1, "max": 3},
+                               queue=16).sink()
+    svc = PipelineService(p, admission=gate, runtime="ray", timeout_s=120).start()
+    seen: list = []
+    stop = threading.Event()
+    watcher = threading.Thread(target=_peak, args=("work", seen, stop), daemon=True)
+    try:
+        assert svc.wait_ready(120), svc.failure
+        watcher.start()
+
+        async def main():
+            return await asyncio.gather(*(svc.submit({"x": i}) for i in range(150)))
+
+        got = asyncio.run(main())
+        assert got == [{"x": i, "y": 10 * i} for i in range(150)]
+        assert max(seen) >= 2, f"never scaled out: {sorted(set(seen))}"
+        deadline = time.monotonic() + 30
+        while gate.statistics().in_flight and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert gate.statistics().in_flight == 0 and svc.pending == 0
+    finally:
+        stop.set()
+        if watcher.is_alive():
+            watcher.join()
+        svc.stop()
+        gate.close()

@@ -135,6 +135,8 @@ def build_stats(plan: Plan, reports: dict[tuple, Any], *,
         n_host = sum(1 for o in s.ops if o.op.kind != "sink")
         for j in range(n_host):
             st = merged([r.meters[j] for r in reps], stage_meter(s, j))
+            if s.elastic:  # the replicas it had: it may have scaled out during the run
+                st = replace(st, replicas=max(st.replicas, len(nodes)))
             stages.append(_extend(st, restarts=restarts, nodes=nodes))
         if s.ops[-1].op.kind == "sink":
             m = sink_meters[i]

@@ -398,10 +398,10 @@ class RayRun:
         down: dict[int, float | None] = dict.fromkeys(self.elastic)
         while True:
             await asyncio.sleep(SCALE_TICK_S)
-            waiting = await self._admission_backlog()
+            waiting, admitted = await self._admission_backlog()
             now = loop.time()
             for i in self.elastic:
-                busy, idle = self._load(i, waiting)
+                busy, idle = self._load(i, waiting, admitted)
                 t_up = up[i] = (up[i] or now) if busy else None
                 t_down = down[i] = (down[i] or now) if idle else None
                 if t_up is not None and now - t_up >= SCALE_UP_S \
@@ -413,23 +413,27 @@ class RayRun:
                     up[i] = down[i] = None
                     await self._scale_in(i)
 
-    async def _admission_backlog(self) -> int:
-        """Requests waiting at the admission gate now (0 without one)."""
+    async def _admission_backlog(self) -> tuple[int, int]:
+        """Requests waiting at the admission gate now, and admitted ones (0, 0 without a
+        gate)."""
         if self.admission is None:
-            return 0
+            return 0, 0
         try:
-            return int((await asyncio.to_thread(self.admission.statistics)).queued)
+            st = await asyncio.to_thread(self.admission.statistics)
+            return int(st.queued), int(st.in_flight)
         except Exception:  # noqa: BLE001 - a gate without figures (or gone): no signal
-            return 0
+            return 0, 0
 
-    def _load(self, i: int, waiting: int) -> tuple[bool, bool]:
-        """``(busy, idle)`` of elastic stage ``i`` from its replicas' latest reports."""
+    def _load(self, i: int, waiting: int, admitted: int) -> tuple[bool, bool]:
+        """``(busy, idle)`` of elastic stage ``i`` from its replicas' latest reports
+        and the gate's backlog (it counts when more requests are admitted than the stage
+        has replicas: with fewer, another replica would have nothing to do)."""
         got = [self.latest.get((i, r)) for r, a in enumerate(self.active[i]) if a]
         reps = [rep for rep in got if rep is not None]
         if len(reps) < len(got):  # a new replica has not reported yet
             return False, False
         busy = all(rep.depth > 0 and not rep.blocked for rep in reps) or (
-            waiting > 0 and i in self.first
+            waiting > 0 and admitted > len(reps) and i in self.first
             and all(rep.running and not rep.blocked for rep in reps))
         idle = any(rep.depth == 0 and not rep.running for rep in reps)
         return busy, idle
