@@ -57,6 +57,7 @@ bench: $(STAMP)  ## run the benchmarks and print their figures (~45 minutes)
 	$(BIN)/python bench/ray_overhead.py
 	$(BIN)/python bench/scale_out.py
 	$(BIN)/python bench/serve_ray.py
+	$(BIN)/python bench/autoscale_ray.py
 	$(BIN)/python bench/memory.py
 	$(BIN)/python bench/cascade.py
 	$(BIN)/python bench/vs_sage.py
