@@ -2,6 +2,7 @@
 queue depth (and admission backlog) while the run goes on, and back when it idles;
 every record still ends exactly once, also when a scaled-out replica's actor dies."""
 
+import asyncio
 import threading
 import time
 from collections import Counter
@@ -16,6 +17,11 @@ from tailrace.runtime.ray import active_runs, driver
 
 def slow(x):
     time.sleep(0.01)
+    return x * 2
+
+
+def slower(x):
+    time.sleep(0.02)
     return x * 2
 
 
@@ -79,8 +85,6 @@ def test_a_fixed_stage_is_never_scaled(ray_session, quick):
 
 def test_scaled_out_replicas_retire_when_idle_and_return_under_load(ray_session, quick):
     """A served-style run: load, a pause (back to min), load again (out again)."""
-    import asyncio
-
     async def feed():
         for x in range(300):
             yield x
@@ -185,3 +189,28 @@ def test_a_served_elastic_stage_scales_under_admission_and_answers_everyone(ray_
             watcher.join()
         svc.stop()
         gate.close()
+
+
+def test_a_replica_waiting_for_placement_holds_up_no_other_stage(ray_session, quick,
+                                                                 monkeypatch):
+    """A scale-out that waits (its actor pending until the Ray autoscaler adds a node:
+    here it never comes) neither stops the other elastic stages from scaling nor the run
+    from ending."""
+    orig = driver.RayRun._scale_out
+    pending: list = []
+
+    async def placing(self, i):
+        if self.plan.stages[i].id == "first":
+            pending.append(i)
+            await asyncio.sleep(1000)  # never placed
+        await orig(self, i)
+
+    monkeypatch.setattr(driver.RayRun, "_scale_out", placing)
+    p = tr.Pipeline("elastic-two")
+    p.source(range(600)).map(slow, id="first", replicas={"min": 1, "max": 2}, queue=64) \
+        .map(slower, id="second", replicas={"min": 1, "max": 2}, queue=64).sink(got := [])
+    result = tr.run(p, runtime="ray")
+    assert sorted(got) == [x * 4 for x in range(600)]
+    assert pending, "the first stage never tried to scale out"
+    assert result.stats["first"].replicas == 1
+    assert result.stats["second"].replicas == 2

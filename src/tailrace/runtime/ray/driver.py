@@ -232,6 +232,7 @@ class RayRun:
         self.latest: dict[tuple[int, int], MeterReport] = {}
         self.scale_events: list[tuple[float, str, int]] = []  # (time, stage id, replicas)
         self._tg: asyncio.TaskGroup | None = None
+        self._steps: dict[int, asyncio.Task] = {}  # elastic stage -> its scale-out
 
     # -- placement and installation -------------------------------------------------------
     def _route(self, consumer: int, assignment: dict, holders: dict) -> Route:
@@ -327,8 +328,8 @@ class RayRun:
                 # every source batch is acknowledged end to end: all records are out
                 await self._finish()
                 finished = True
-                for t in drains:  # only meter snapshots may be left, and finish had them
-                    t.cancel()
+                for t in drains + list(self._steps.values()):  # only meter snapshots
+                    t.cancel()  # may be left, and finish had them
         except BaseExceptionGroup as eg:
             raise cause(eg.exceptions[0]) from None
         finally:
@@ -404,10 +405,16 @@ class RayRun:
                 busy, idle = self._load(i, waiting, admitted)
                 t_up = up[i] = (up[i] or now) if busy else None
                 t_down = down[i] = (down[i] or now) if idle else None
+                step = self._steps.get(i)
+                if step is not None and not step.done():  # a replica is being placed
+                    continue
                 if t_up is not None and now - t_up >= SCALE_UP_S \
                         and sum(self.active[i]) < self.plan.stages[i].max_replicas:
                     up[i] = down[i] = None
-                    await self._scale_out(i)
+                    # in the background: a replica waiting for resources (the Ray
+                    # autoscaler adding a node) must not stop the other stages' scaling
+                    assert self._tg is not None
+                    self._steps[i] = self._tg.create_task(self._scale_out(i))
                 elif t_down is not None and now - t_down >= SCALE_DOWN_S \
                         and sum(self.active[i]) > self.plan.stages[i].replicas:
                     up[i] = down[i] = None
