@@ -281,3 +281,87 @@ def test_penalise_and_top_p_on_small_logits():
     rng = np.random.default_rng(0)
     assert {sample(logits, 5.0, rng, top_p=0.3) for _ in range(50)} == {2}
     assert len({sample(logits, 5.0, rng) for _ in range(50)}) > 1
+
+
+# -- prefix reuse (the KV of finished sequences) -------------------------------------------
+TURNS = ["Tell me about the moon.", "How far away is it?", "Could people live there?",
+         "What would they eat?", "Summarise our talk in one sentence."]
+
+
+def converse(eng: LlamaCppEngine, max_tokens: int = 24) -> list:
+    """A five-turn chat, each turn sent with the whole history (as an OpenAI client does)."""
+    history: list[dict[str, str]] = []
+    out = []
+    for text in TURNS:
+        history.append({"role": "user", "content": text})
+        g = eng.generate([GenerationRequest(messages=tuple(history), max_tokens=max_tokens)])[0]
+        history.append({"role": "assistant", "content": g.text})
+        out.append(g)
+    return out
+
+
+@pytest.fixture(scope="module")
+def no_reuse():
+    eng = LlamaCppEngine("smollm2-135m-instruct", n_threads=2, n_ctx=1024, n_seq_max=2,
+                         prefix_cache=False)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def reuse():
+    eng = LlamaCppEngine("smollm2-135m-instruct", n_threads=2, n_ctx=1024, n_seq_max=2,
+                         cache_sequences=2)
+    yield eng
+    eng.close()
+
+
+def test_prefix_reuse_keeps_greedy_outputs_identical(reuse, no_reuse):
+    plain = converse(no_reuse)
+    cached = converse(reuse)
+    assert [g.text for g in cached] == [g.text for g in plain]
+    assert cached == plain  # token counts and finish reasons too
+    assert all("cached_tokens" not in g.extra for g in plain)
+    # turn k starts from turn k-1's prompt, in whole prefill chunks (a partial chunk's
+    # KV is computed differently: it is not kept)
+    c = reuse.prefill_chunk
+    for prev, g in zip(cached, cached[1:], strict=False):
+        assert g.extra.get("cached_tokens", 0) >= prev.prompt_tokens // c * c
+    assert cached[-1].extra["cached_tokens"] >= 2 * c
+    assert no_reuse.cache_statistics()["hit_tokens"] == 0
+
+
+def test_an_identical_prompt_reuses_its_whole_chunks(reuse):
+    req = chat("Name a large ocean. " * 20, max_tokens=8)
+    first = reuse.generate([req])[0]
+    again = reuse.generate([req])[0]
+    assert again == first
+    c = reuse.prefill_chunk  # the last token always runs (its logits start the answer)
+    assert first.prompt_tokens > 2 * c
+    assert again.extra["cached_tokens"] == (again.prompt_tokens - 1) // c * c
+    st = reuse.cache_statistics()
+    assert st["hit_tokens"] > 0 and 0 < st["hit_ratio"] < 1 and st["lookups"] >= 2
+    assert st["cache_bytes"] > 0  # two cache-only streams of 1,024 tokens
+
+
+def test_the_cache_is_bounded_by_its_streams_and_stays_correct(reuse, no_reuse):
+    """More distinct prompts than streams: older prefixes are evicted (least recently
+    used), the streams never hold more than one prefix each, answers stay exact."""
+    qs = [chat(q, max_tokens=6) for q in QUESTIONS]
+    for _ in range(2):
+        for q in qs:
+            assert reuse.generate([q])[0].text == no_reuse.generate([q])[0].text
+    held = [k for k in reuse._kv if k is not None]
+    assert len(held) <= reuse.n_streams == 4
+    batched = reuse.generate(qs)  # concurrent: two decode at once, the rest wait
+    assert [g.text for g in batched] == [no_reuse.generate([q])[0].text for q in qs]
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"cache_sequences": -1}, "cache_sequences must be an integer >= 0"),
+    ({"cache_sequences": 300}, r"n_seq_max \+ cache_sequences <= 256 \(got 300\)"),
+    ({"cache_sequences": 2, "prefix_cache": False}, "cache_sequences needs prefix_cache"),
+])
+def test_bad_cache_options_are_refused(kw, message):
+    with pytest.raises(EngineError, match=message):
+        LlamaCppEngine("smollm2-135m-instruct", n_threads=1, n_ctx=64, n_seq_max=1, **kw)

@@ -28,7 +28,6 @@ grammar decides where the JSON ends). Constrained and free sequences share each 
 from __future__ import annotations
 
 import ctypes
-import heapq
 import logging
 import math
 import os
@@ -52,6 +51,8 @@ _BACKEND_READY = False
 _LOG = logging.getLogger(__name__)
 _LOG_STATE = {"level": 0}
 _LOG_CALLBACK: Any = None  # the ctypes callback; must stay referenced while installed
+#: llama.cpp's most sequences per context (LLAMA_MAX_SEQ)
+MAX_SEQUENCES = 256
 
 
 def _on_llama_log(level: int, text: bytes | None, _user: Any) -> None:
@@ -123,6 +124,7 @@ class _Seq:
     last: int = -1  # the last sampled token, sent in the next step
     n_gen: int = 0
     row: int = -1  # batch index whose logits belong to this sequence (-1: none)
+    cached: int = 0  # prompt tokens whose KV came from the prefix cache
 
     def __post_init__(self) -> None:
         self.n_prompt = len(self.prompt)
@@ -145,7 +147,8 @@ class LlamaCppEngine:
 
     def __init__(self, model: str = "smollm2-135m-instruct", *, path: str | None = None,
                  n_threads: int | None = None, n_ctx: int = 2048, n_seq_max: int = 8,
-                 n_batch: int = 512, seed: int = 0):
+                 n_batch: int = 512, seed: int = 0, prefix_cache: bool = True,
+                 cache_sequences: int = 0, prefill_chunk: int = 64):
         """Load the model and create its multi-sequence context.
 
         model:     catalog name (see ``registry.MODELS``); with ``path``, just the name.
@@ -157,6 +160,11 @@ class LlamaCppEngine:
         n_seq_max: sequences decoded together; the context holds ``n_ctx * n_seq_max``.
         n_batch:   most tokens per decode step (prompt prefill is chunked by it).
         seed:      seeds the sampling RNG of requests without their own ``seed``.
+        prefix_cache: keep a finished sequence's KV in its slot and start a new request
+                   from the idle slot holding its longest prefix (see ``_loop``).
+        cache_sequences: KV streams beyond ``n_seq_max`` that only hold cached prefixes
+                   (each ``n_ctx`` tokens: the cache's memory budget, ``cache_bytes``);
+                   at most ``n_seq_max`` sequences still decode at once.
         """
         lib = llama_lib()
         import numpy as np  # a dependency of llama-cpp-python
@@ -164,6 +172,16 @@ class LlamaCppEngine:
         if n_ctx < 1 or n_seq_max < 1 or n_batch < 1:
             raise EngineError(f"n_ctx, n_seq_max and n_batch must be positive (got {n_ctx}, "
                               f"{n_seq_max}, {n_batch})")
+        if isinstance(cache_sequences, bool) or not isinstance(cache_sequences, int) \
+                or cache_sequences < 0 or n_seq_max + cache_sequences > MAX_SEQUENCES:
+            raise EngineError(f"cache_sequences must be an integer >= 0 with n_seq_max + "
+                              f"cache_sequences <= {MAX_SEQUENCES} (got {cache_sequences!r})")
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) \
+                or prefill_chunk < 1:
+            raise EngineError(f"prefill_chunk must be a positive integer, got "
+                              f"{prefill_chunk!r}")
+        if cache_sequences and not prefix_cache:
+            raise EngineError("cache_sequences needs prefix_cache: true")
         self._np = np
         self._lib = lib
         self.model = model
@@ -192,6 +210,17 @@ class LlamaCppEngine:
         self.n_threads = n_threads
         self.n_seq_max = n_seq_max
         self.n_batch = max(n_batch, n_seq_max)
+        self.prefix_cache = bool(prefix_cache)
+        self.prefill_chunk = prefill_chunk
+        self.n_streams = n_seq_max + cache_sequences  # KV streams: decoding + cache-only
+        # per stream: the tokens whose KV it holds (a finished sequence's, for reuse),
+        # and when it was last used (LRU); the decode loop owns them
+        self._kv: list[Any] = [None] * self.n_streams
+        self._used = [0] * self.n_streams
+        self._tick = 0
+        self.cache_lookups = 0  # requests started (prompt tokens: cache_prompt_tokens)
+        self.cache_prompt_tokens = 0
+        self.cache_hit_tokens = 0  # prompt tokens not computed: their KV was reused
 
         mparams = lib.llama_model_default_params()
         mparams.n_gpu_layers = 0
@@ -209,10 +238,10 @@ class LlamaCppEngine:
             self.n_vocab = int(lib.llama_vocab_n_tokens(self._vocab))
             n_ctx = min(n_ctx, int(lib.llama_model_n_ctx_train(self._model)) or n_ctx)
             cparams = lib.llama_context_default_params()
-            cparams.n_ctx = n_ctx * n_seq_max
+            cparams.n_ctx = n_ctx * self.n_streams
             cparams.n_batch = self.n_batch
             cparams.n_ubatch = self.n_batch
-            cparams.n_seq_max = n_seq_max
+            cparams.n_seq_max = self.n_streams
             cparams.n_threads = n_threads
             cparams.n_threads_batch = n_threads
             cparams.kv_unified = False  # one KV stream per sequence: each gets n_ctx cells
@@ -221,8 +250,14 @@ class LlamaCppEngine:
             if not self._ctx:
                 self._ctx = None
                 raise EngineError(f"llama.cpp could not create a context of "
-                                  f"{n_ctx * n_seq_max} tokens for {self.path}")
+                                  f"{n_ctx * self.n_streams} tokens for {self.path}")
             self.context_length = min(n_ctx, int(lib.llama_n_ctx_seq(self._ctx)))
+            # K and V, f16, per layer: what one cached token costs
+            kv_per_token = 2 * 2 * int(lib.llama_model_n_layer(self._model)) * (
+                int(lib.llama_model_n_embd(self._model))
+                * int(lib.llama_model_n_head_kv(self._model))
+                // max(1, int(lib.llama_model_n_head(self._model))))
+            self.cache_bytes = cache_sequences * self.context_length * kv_per_token
             self._mem = lib.llama_get_memory(self._ctx)
             self._template = self._meta("tokenizer.chat_template")
             if info is not None:
@@ -290,6 +325,16 @@ class LlamaCppEngine:
         if call.error is not None:
             raise call.error
         return call.results  # type: ignore[return-value]
+
+    def cache_statistics(self) -> dict[str, float]:
+        """The prefix cache's counters: requests started (``lookups``), their prompt
+        tokens, the prompt tokens whose KV was reused (``hit_tokens``), their ratio, and
+        the cache-only streams' memory (``cache_bytes``; idle decoding slots cache too)."""
+        total = self.cache_prompt_tokens
+        return {"lookups": self.cache_lookups, "prompt_tokens": total,
+                "hit_tokens": self.cache_hit_tokens,
+                "hit_ratio": self.cache_hit_tokens / total if total else 0.0,
+                "cache_bytes": self.cache_bytes}
 
     def close(self) -> None:
         """Free the llama.cpp context and model (the engine cannot be used afterwards)."""
@@ -464,9 +509,39 @@ class LlamaCppEngine:
 
         waiting: deque[tuple[_Call, int, GenerationRequest, list[int], Any]] = deque()
         inbox, lock = self._inbox, self._lock
-        free = list(range(self.n_seq_max))
+        kv, used = self._kv, self._used
+        busy: set[int] = set()  # streams of active sequences
         active: list[_Seq] = []  # kept sorted by slot: llama.cpp splits per-seq streams
-        lib.llama_memory_clear(mem, True)  # into ubatches of consecutive seq ids
+        chunk = self.prefill_chunk
+        n_active_max, reuse = self.n_seq_max, self.prefix_cache  # into ubatches of
+        seq_rm = lib.llama_memory_seq_rm  # consecutive seq ids
+
+        def take_slot(prompt: Any) -> tuple[int, int]:
+            """The idle stream for ``prompt`` and how many of its tokens it holds: the
+            longest cached prefix, else the least recently used (an empty one first).
+            The stream keeps that prefix's KV; the rest is removed."""
+            best, best_n = -1, 0
+            if reuse:
+                for slot in range(len(kv)):
+                    held = kv[slot]
+                    if slot in busy or held is None or not len(held):
+                        continue
+                    n = min(len(held), len(prompt) - 1)  # the last token is always run:
+                    if n < chunk or n // chunk * chunk <= best_n:  # its logits start
+                        continue  # the generation
+                    diff = np.flatnonzero(held[:n] != prompt[:n])
+                    n = (int(diff[0]) if len(diff) else n) // chunk * chunk
+                    if n > best_n:
+                        best, best_n = slot, n
+            if best < 0:
+                best = min((slot for slot in range(len(kv)) if slot not in busy),
+                           key=lambda slot: (kv[slot] is not None, used[slot]))
+            if best_n == 0 or not seq_rm(mem, best, best_n, -1):
+                seq_rm(mem, best, -1, -1)
+                best_n = 0
+            kv[best] = None
+            busy.add(best)
+            return best, best_n
 
         def emit(s: _Seq, text: str) -> bool:
             """Give ``text`` to the call's callback; False: stop this sequence."""
@@ -485,12 +560,24 @@ class LlamaCppEngine:
                 emit(s, tail)
             call = s.call
             extra = {"mean_logprob": s.lp_sum / s.n_lp} if s.n_lp > 0 else {}
+            if s.cached:
+                extra["cached_tokens"] = s.cached
             call.results[s.index] = Generation(s.stream.text, s.n_prompt, s.n_gen, reason, extra)
             if s.grammar is not None:
                 free_grammar(s.grammar)
                 s.grammar = None
-            lib.llama_memory_seq_rm(mem, s.slot, -1, -1)
-            heapq.heappush(free, s.slot)
+            if reuse:  # its prompt's KV stays for a later request with the same prefix
+                # (and only the prompt's: generated tokens' KV was computed one token a
+                # step, which differs in the last bits from a prefill's; reusing it made
+                # greedy chats diverge from a run without the cache)
+                whole = s.fed // chunk * chunk  # a partial chunk's KV would differ too
+                seq_rm(mem, s.slot, whole, -1)
+                kv[s.slot] = s.prompt[:whole]
+                self._tick += 1
+                used[s.slot] = self._tick
+            else:
+                seq_rm(mem, s.slot, -1, -1)
+            busy.discard(s.slot)
             call.remaining -= 1
             if call.remaining == 0:
                 call.done.set()
@@ -504,8 +591,8 @@ class LlamaCppEngine:
                         self._looping = False
                         self._idle.set()
                         return
-                if waiting and free:
-                    while waiting and free:
+                if waiting and len(active) < n_active_max:
+                    while waiting and len(active) < n_active_max:
                         call, i, r, prompt, grammar = waiting.popleft()
                         if call.error is not None:  # its call already failed
                             if grammar is not None:
@@ -515,12 +602,17 @@ class LlamaCppEngine:
                         rng = np.random.default_rng(rseed) if r.temperature > 0 else None
                         stream = TextStream(() if grammar is not None
                                             else tuple(r.stop) + stops_default)
-                        active.append(_Seq(call, i, heapq.heappop(free),
-                                           np.asarray(prompt, dtype=np.int32),
+                        tokens = np.asarray(prompt, dtype=np.int32)
+                        slot, hit = take_slot(tokens)
+                        self.cache_lookups += 1
+                        self.cache_prompt_tokens += len(tokens)
+                        self.cache_hit_tokens += hit
+                        active.append(_Seq(call, i, slot, tokens,
                                            r.max_tokens, r.temperature, rng, stream,
                                            r.top_p, r.presence_penalty, r.frequency_penalty,
                                            {} if r.presence_penalty or r.frequency_penalty
-                                           else None, grammar, n_lp=0 if r.logprobs else -1))
+                                           else None, grammar, n_lp=0 if r.logprobs else -1,
+                                           fed=hit, pos=hit, cached=hit))
                     active.sort(key=lambda s: s.slot)
                     if not active:
                         continue
@@ -537,8 +629,8 @@ class LlamaCppEngine:
                         s.row = n
                         s.pos += 1
                         n += 1
-                    elif budget > 0:
-                        c = min(budget, s.n_prompt - s.fed)
+                    elif budget >= min(chunk, s.n_prompt - s.fed):
+                        c = min(chunk, s.n_prompt - s.fed)
                         budget -= c
                         end = n + c
                         tok[n:end] = s.prompt[s.fed:s.fed + c]
@@ -609,6 +701,7 @@ class LlamaCppEngine:
                     active = [s for s in active if s.row != -2]
         except BaseException as e:  # every call still waiting or generating gets the error
             lib.llama_memory_clear(mem, True)
+            kv[:] = [None] * len(kv)
             with lock:
                 waiting.extend(inbox)
                 inbox.clear()

@@ -338,6 +338,9 @@ def _build_generate(params: dict, contract: Any) -> OpRuntime:
                 r["_finish"] = g.finish_reason
                 r["_usage"] = {"prompt_tokens": g.prompt_tokens,
                                "completion_tokens": g.completion_tokens}
+                cached = g.extra.get("cached_tokens")
+                if cached:  # prompt tokens whose KV the engine reused (prefix cache)
+                    r["_usage"]["cached_tokens"] = cached
             result.append(r)
         return result
 

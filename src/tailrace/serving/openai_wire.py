@@ -560,7 +560,7 @@ def _count(engine: Any, text: str) -> int:
         return approx_tokens(text) if text else 0
 
 
-def usage_of(b: Binding, record: dict, text: str, answer: str) -> dict[str, int]:
+def usage_of(b: Binding, record: dict, text: str, answer: str) -> dict[str, Any]:
     """Prompt/completion/total tokens of one answer (see the module docstring).
 
     b:      the pipeline's binding.
@@ -576,10 +576,14 @@ def usage_of(b: Binding, record: dict, text: str, answer: str) -> dict[str, int]
         p, c = u["prompt_tokens"], u["completion_tokens"]
     else:
         p, c = _count(b.engine, text), _count(b.engine, answer)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    usage: dict[str, Any] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    cached = u.get("cached_tokens") if isinstance(u, dict) else None
+    if isinstance(cached, int) and cached > 0:  # OpenAI's field for prompt-cache hits
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
 
 
-def finish_reason(b: Binding, usage: dict[str, int], record: dict | None = None) -> str:
+def finish_reason(b: Binding, usage: dict[str, Any], record: dict | None = None) -> str:
     """The engine's finish reason (``stop``, ``length``, ``cancelled``) as the answering
     stage reported it in the record's ``_finish``; without one, ``"length"`` when the
     answer used all of ``max_tokens``, else ``"stop"``.
@@ -597,7 +601,7 @@ def finish_reason(b: Binding, usage: dict[str, int], record: dict | None = None)
 
 # -- responses ---------------------------------------------------------------------------
 def completion_body(req: WireRequest, rid: str, created: int, answer: str, finish: str,
-                    usage: dict[str, int]) -> dict[str, Any]:
+                    usage: dict[str, Any]) -> dict[str, Any]:
     """The non-streaming response object.
 
     req:     the parsed request.
@@ -619,7 +623,7 @@ def completion_body(req: WireRequest, rid: str, created: int, answer: str, finis
 
 
 def completions_body(req: WireRequest, rid: str, created: int,
-                     answers: list[tuple[str, str, dict[str, int]]]) -> dict[str, Any]:
+                     answers: list[tuple[str, str, dict[str, Any]]]) -> dict[str, Any]:
     """The response to a completion request with a list of prompts: one choice per
     prompt (by index), usage summed over them.
 
@@ -630,15 +634,19 @@ def completions_body(req: WireRequest, rid: str, created: int,
     """
     choices = [{"index": i, "text": a, "finish_reason": f, "logprobs": None}
                for i, (a, f, _) in enumerate(answers)]
-    usage = {k: sum(u[k] for _, _, u in answers)
-             for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    usage: dict[str, Any] = {k: sum(u[k] for _, _, u in answers)
+                             for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    cached = sum(u.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+                 for _, _, u in answers)
+    if cached:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
     return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
             "choices": choices, "usage": usage}
 
 
 def chunk(req: WireRequest, rid: str, created: int, text: str | None,
           finish: str | None = None, *, role: bool = False,
-          usage: dict[str, int] | None = None) -> bytes:
+          usage: dict[str, Any] | None = None) -> bytes:
     """One streamed SSE chunk (``text`` None and ``usage`` given: the usage-only chunk).
 
     req:     the parsed request.
