@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from tailrace.control import AdmissionGate, make_policy
 from tailrace.runtime.ray import active_runs
 from tailrace.serving import PipelineService, ServingHub
 from tailrace.serving.errors import RecordDropped, RequestFailed
+from tests.conftest import free_port
 from tests.serving import fakes
 from tests.serving.conftest import ROOT
 from tests.serving.server import running
@@ -229,9 +229,7 @@ def test_serve_runtime_ray_answers_then_drains_on_ctrl_c(pipe, ray_session):
 
 
 def test_serve_runtime_ray_one_line_errors(pipe, capsys, monkeypatch):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again: nothing listens there
+    port = free_port()  # closed again: nothing listens there
     assert main(["serve", str(pipe), "--runtime", "ray", "--address", f"127.0.0.1:{port}"]) == 2
     assert capsys.readouterr().err.strip() == (
         f"tailrace: error: cannot reach the Ray cluster at 127.0.0.1:{port}: Connection "
