@@ -16,12 +16,14 @@ process only deploys it, waits for Ctrl-C and takes it down (draining first).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import signal
 import socket
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from ..errors import TailraceError
@@ -234,19 +236,14 @@ def serve(args: argparse.Namespace) -> int:
 
     print(f"tailrace: serving {', '.join(hub.services)} on http://{shown}:{port}/v1 "
           "(OpenAI-compatible; GET /readyz, /metrics, /dashboard)", flush=True)
-    old_term = signal.getsignal(signal.SIGTERM)
-    in_main = threading.current_thread() is threading.main_thread()
-    if in_main:  # SIGTERM drains like Ctrl-C (uvicorn re-raises it after shutting down)
-        signal.signal(signal.SIGTERM, _terminate)
     interrupted = False
     threading.Thread(target=watch, name="tailrace-serve-ready", daemon=True).start()
     try:
-        server.run(sockets=[sock])
+        with _sigterm_interrupts():  # uvicorn re-raises it after shutting down
+            server.run(sockets=[sock])
     except KeyboardInterrupt:
         interrupted = True
     finally:
-        if in_main:
-            signal.signal(signal.SIGTERM, old_term)
         hub.stop()
         sock.close()
     return _ended(failed, interrupted)
@@ -302,31 +299,26 @@ def serve_on_cluster(args: argparse.Namespace, plans: list[Any], *, api_key: str
             metrics_public=args.metrics_public, tenants=tenants)
     except ValueError as e:
         raise TailraceError(str(e)) from None
-    old_term = signal.getsignal(signal.SIGTERM)
-    in_main = threading.current_thread() is threading.main_thread()
-    if in_main:
-        signal.signal(signal.SIGTERM, _terminate)
     interrupted, failed = False, []
     try:
-        server.start()
-        shown = f"[{args.host}]" if ":" in args.host else args.host
-        scale = (f"{autoscale[0]}..{autoscale[1]} autoscaled" if autoscale
-                 else str(args.ingress_replicas or 1))
-        print(f"tailrace: serving {', '.join(p.name for p in plans)} on "
-              f"http://{shown}:{port}/v1 (OpenAI-compatible; Ray Serve ingress, {scale} "
-              f"replicas, cluster {ray.get_runtime_context().gcs_address}; GET /readyz, "
-              "/metrics, /dashboard)", flush=True)
-        if server.wait_ready():
-            print("tailrace: ready (stage and engine actors up)", file=sys.stderr, flush=True)
-            while True:
-                time.sleep(3600)
-        failed = [f"pipeline '{name}' failed to start: {why}"
-                  for name, (_, why) in server.state().items() if why]
+        with _sigterm_interrupts():
+            server.start()
+            shown = f"[{args.host}]" if ":" in args.host else args.host
+            scale = (f"{autoscale[0]}..{autoscale[1]} autoscaled" if autoscale
+                     else str(args.ingress_replicas or 1))
+            print(f"tailrace: serving {', '.join(p.name for p in plans)} on "
+                  f"http://{shown}:{port}/v1 (OpenAI-compatible; Ray Serve ingress, {scale} "
+                  f"replicas, cluster {ray.get_runtime_context().gcs_address}; GET /readyz, "
+                  "/metrics, /dashboard)", flush=True)
+            if server.wait_ready():
+                print("tailrace: ready (stage and engine actors up)", file=sys.stderr, flush=True)
+                while True:
+                    time.sleep(3600)
+            failed = [f"pipeline '{name}' failed to start: {why}"
+                      for name, (_, why) in server.state().items() if why]
     except KeyboardInterrupt:
         interrupted = True
     finally:
-        if in_main:
-            signal.signal(signal.SIGTERM, old_term)
         server.stop()
     return _ended(failed, interrupted)
 
@@ -343,3 +335,18 @@ def _ended(failed: list[str], interrupted: bool) -> int:
 
 def _terminate(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """While inside, SIGTERM raises ``KeyboardInterrupt`` (it drains like Ctrl-C); the
+    previous handler is back on leaving. Off the main thread, where no handler can be
+    set, it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
