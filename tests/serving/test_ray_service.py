@@ -253,3 +253,37 @@ def test_runtime_options_are_checked_when_the_service_is_made():
         PipelineService(p, address="127.0.0.1:6379")
     with pytest.raises(tr.PlanError, match="nope"):
         PipelineService(p, runtime="ray", placement={"nope": {"num_cpus": 1}})
+
+
+@pytest.mark.slow
+def test_stop_after_a_start_that_failed_before_the_hub_still_shuts_serve_down(ray_session):
+    """The hub actor's name is taken, so ``start`` fails after it started Serve:
+    ``stop`` must still take Serve down (it returned early without a hub)."""
+    import ray
+
+    pytest.importorskip("ray.serve")
+    from ray import serve
+
+    from tailrace.serving.cluster import NAMESPACE, ClusterServer, hub_name, serve_running
+
+    if serve_running():  # left by an earlier test: this one starts its own
+        serve.shutdown()
+    squatter = ray.remote(Squatter).options(name=hub_name("tailrace-taken"),
+                                            namespace=NAMESPACE).remote()
+    try:
+        srv = ClusterServer([], port=free_port(), app_name="tailrace-taken")
+        with pytest.raises(ValueError, match="already"):
+            srv.start()
+        assert srv.hub is None and serve_running()  # Serve was started for it
+        srv.stop()
+        assert not serve_running(), "stop() left the Serve it started running"
+        srv.stop()  # a second stop does nothing
+    finally:
+        ray.kill(squatter)
+
+
+class Squatter:
+    """An actor that holds a hub's name."""
+
+    def ping(self):
+        return True

@@ -472,6 +472,7 @@ class ClusterServer:
         self.hub: Any = None
         self._gated = gate_factory is not None
         self._started_serve = False
+        self._deploying = False  # start() got as far as Serve: stop() has Serve to clean
 
     def start(self) -> ClusterServer:
         """Create the hub actor, start the pipelines' runs and deploy the ingress;
@@ -481,6 +482,7 @@ class ClusterServer:
         from ray import serve
 
         self._started_serve = not serve_running()
+        self._deploying = True
         serve.start(http_options={"host": self.host, "port": self.port},
                     proxy_location="HeadOnly", logging_config=QUIET)
         if not self._started_serve and not _listening(self.host, self.port):
@@ -541,21 +543,26 @@ class ClusterServer:
 
     def stop(self, timeout: float = 30.0) -> None:
         """Drain the pipelines (every admitted request gets its answer, at most
-        ``timeout`` s), delete the Serve application and the hub actor."""
+        ``timeout`` s), delete the Serve application and the hub actor, and shut Serve
+        down if ``start`` started it. Also after a ``start`` that failed half-way (the
+        hub actor never came up); a second call does nothing."""
         import ray
         from ray import serve
 
-        if self.hub is None:
-            return
-        with contextlib.suppress(Exception):  # the hub may be gone already
-            ray.get(self.hub.drain.remote(timeout), timeout=timeout + 10)
-        # Serve waits for its controller, which a lost cluster never answers: give up then
-        deleting = threading.Thread(target=_quietly, args=(serve.delete, self.app_name),
-                                    name="tailrace-serve-delete", daemon=True)
-        deleting.start()
-        deleting.join(timeout)
-        with contextlib.suppress(Exception):
-            ray.kill(self.hub)
-        self.hub = None
+        if self.hub is not None:
+            with contextlib.suppress(Exception):  # the hub may be gone already
+                ray.get(self.hub.drain.remote(timeout), timeout=timeout + 10)
+        if self._deploying:
+            # Serve waits for its controller, which a lost cluster never answers: give up
+            # then
+            deleting = threading.Thread(target=_quietly, args=(serve.delete, self.app_name),
+                                        name="tailrace-serve-delete", daemon=True)
+            deleting.start()
+            deleting.join(timeout)
+        if self.hub is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(self.hub)
+            self.hub = None
         if self._started_serve:  # Serve was started for this server: nothing left behind
             _quietly(serve.shutdown)
+        self._deploying = self._started_serve = False
