@@ -237,6 +237,13 @@ def test_serve_runtime_ray_one_line_errors(pipe, capsys, monkeypatch):
     assert main(["serve", str(pipe), "--address", "127.0.0.1:6379"]) == 2
     assert capsys.readouterr().err.strip() == (
         "tailrace: error: --address names a Ray cluster: add --runtime ray")
+    assert main(["serve", str(pipe), "--runtime", "ray", "--ingress-max-outstanding", "0"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "tailrace: error: --ingress-max-outstanding must be >= 1, got 0")
+    assert main(["serve", str(pipe), "--ingress-max-outstanding", "8"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "tailrace: error: --ingress-max-outstanding is an option of serving on Ray: add "
+        "--runtime ray")
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
     assert main(["serve", str(pipe), "--runtime", "ray"]) == 2
     err = capsys.readouterr().err
