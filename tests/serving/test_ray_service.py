@@ -265,13 +265,20 @@ def test_runtime_options_are_checked_when_the_service_is_made():
 @pytest.mark.slow
 def test_stop_after_a_start_that_failed_before_the_hub_still_shuts_serve_down(ray_session):
     """The hub actor's name is taken, so ``start`` fails after it started Serve:
-    ``stop`` must still take Serve down (it returned early without a hub)."""
+    ``stop`` must still take Serve down (it returned early without a hub), and must not
+    delete the Serve application of the server that holds the name."""
     import ray
 
     pytest.importorskip("ray.serve")
     from ray import serve
 
-    from tailrace.serving.cluster import NAMESPACE, ClusterServer, hub_name, serve_running
+    from tailrace.serving.cluster import (
+        NAMESPACE,
+        ClusterServer,
+        healthz_deployment,
+        hub_name,
+        serve_running,
+    )
 
     if serve_running():  # left by an earlier test: this one starts its own
         serve.shutdown()
@@ -285,8 +292,20 @@ def test_stop_after_a_start_that_failed_before_the_hub_still_shuts_serve_down(ra
         srv.stop()
         assert not serve_running(), "stop() left the Serve it started running"
         srv.stop()  # a second stop does nothing
+        # the name is taken because a server of that name runs: its Serve application
+        # stays when this failed start is stopped
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(healthz_deployment().bind(), name="tailrace-taken", route_prefix="/taken",
+                  blocking=False)
+        srv = ClusterServer([], port=port, app_name="tailrace-taken")
+        with pytest.raises(ValueError, match="already"):
+            srv.start()
+        srv.stop()
+        assert "tailrace-taken" in serve.status().applications, "stop() deleted another's app"
     finally:
         ray.kill(squatter)
+        serve.shutdown()
 
 
 class Squatter:

@@ -586,7 +586,9 @@ class ClusterServer:
         self.hub: Any = None
         self._gated = gate_factory is not None
         self._started_serve = False
-        self._deploying = False  # start() got as far as Serve: stop() has Serve to clean
+        # start() got as far as deploying the Serve applications: stop() deletes them (not
+        # before: a start that failed on a taken name must not delete the owner's)
+        self._deployed = False
 
     def start(self) -> ClusterServer:
         """Create the hub actor, start the pipelines' runs and deploy the ingress;
@@ -596,7 +598,6 @@ class ClusterServer:
         from ray import serve
 
         self._started_serve = not serve_running()
-        self._deploying = True
         serve.start(http_options={"host": self.host, "port": self.port},
                     proxy_location="HeadOnly", logging_config=QUIET)
         if not self._started_serve and not _listening(self.host, self.port):
@@ -619,6 +620,7 @@ class ClusterServer:
                 "target_ongoing_requests": self.target_ongoing, **self.autoscaling}}
         ingress = ingress_deployment().options(
             max_ongoing_requests=self.max_outstanding + PROBE_HEADROOM, **scale)
+        self._deployed = True
         serve.run(ingress.bind(self.app_name, self.plans, self._gated, self.options,
                                self.max_outstanding),
                   name=self.app_name, route_prefix="/", blocking=False)
@@ -670,7 +672,7 @@ class ClusterServer:
         if self.hub is not None:
             with contextlib.suppress(Exception):  # the hub may be gone already
                 ray.get(self.hub.drain.remote(timeout), timeout=timeout + 10)
-        if self._deploying:
+        if self._deployed:
             # Serve waits for its controller, which a lost cluster never answers: give up
             # then
             deleting = threading.Thread(target=_delete_apps, args=(
@@ -684,4 +686,4 @@ class ClusterServer:
             self.hub = None
         if self._started_serve:  # Serve was started for this server: nothing left behind
             _quietly(serve.shutdown)
-        self._deploying = self._started_serve = False
+        self._deployed = self._started_serve = False
