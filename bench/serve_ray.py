@@ -33,8 +33,12 @@ comparison side by side in the same run, several repeats, median [min - max]:
    the RSS of every actor process of the cluster (``ray.util.state.list_actors``:
    hub, ingress replicas, Serve's proxy and controller, stage hosts, engine actors)
    sampled every second, first vs last sample and once settled (gate idle + 2 s); the
-   gate's in_flight back to 0 after. (On Ray the backlog of an overload forms in
-   Serve's proxy and the ingress replicas, in front of the gate: see RESULTS.md.)
+   gate's in_flight back to 0 after. The ingress replica holds at most
+   ``--ingress-max-outstanding`` requests (default here 32: twice what the gate takes);
+   more get 429 at once, before the hub (without that bound, the backlog of an overload
+   formed in Serve's proxy and the ingress replica, in front of the gate: RESULTS.md).
+   Where a slow ``/healthz`` waits: Serve's own ``/-/healthz`` (answered by the proxy
+   alone) is probed next to it, and each actor's CPU over the overload is reported.
 4. A real llama.cpp pool (smollm2-135m-instruct, ``replicas: 2``, ``n_threads: 1``
    each) served through Ray vs served locally: output tokens/s of concurrent streamed
    chat completions (greedy, same prompts), alternating rounds; target ratio >= 0.9.
@@ -50,6 +54,7 @@ replicas and the Ray processes compete for the same cores in part 4.
     python bench/serve_ray.py            # ~10 minutes here (with other jobs on the machine)
     python bench/serve_ray.py --quick    # ~5 minutes
     python bench/serve_ray.py --json out.json
+    python bench/serve_ray.py --only overload    # part 3 alone, ~2 minutes
 """
 
 from __future__ import annotations
@@ -101,6 +106,8 @@ SLOW_TOKENS = 32
 #: part 3's engine: serve_load.py's chat engine (8 tokens at 50 tok/s, 8 at once)
 CHAT = serve_load.CHAT
 GATE_IN_FLIGHT, GATE_QUEUE = 8, 8
+#: part 3's ingress bound: requests the replica holds at once (twice what the gate takes)
+OVERLOAD_OUTSTANDING = 2 * (GATE_IN_FLIGHT + GATE_QUEUE)
 LLAMA = {"backend": "llama_cpp", "model": "smollm2-135m-instruct", "n_threads": 1,
          "n_ctx": 1024, "n_seq_max": 4, "replicas": 2}
 LLAMA_TOKENS = 32
@@ -510,6 +517,45 @@ def sample_rss(pids: dict[int, str], stop: threading.Event, out: dict[int, list[
         stop.wait(1.0)
 
 
+def cpu_seconds(pids: list[int]) -> dict[int, float]:
+    """User + system CPU seconds each process has used so far."""
+    import psutil
+
+    out = {}
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            t = psutil.Process(pid).cpu_times()
+            out[pid] = t.user + t.system
+    return out
+
+
+def probe_path(url: str, seconds: float) -> None:
+    """Probe mode (a child process): GET ``url`` every 50 ms for ``seconds``; prints the
+    latencies (inf: failed or not 200) as one JSON line. Part 3 probes Serve's own
+    ``/-/healthz`` (answered by the proxy alone) next to ``/healthz`` (proxy and ingress
+    replica): where a slow ``/healthz`` waits."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    lat = []
+    t_start = time.perf_counter()
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
+    while time.perf_counter() - t_start < seconds:
+        t0 = time.perf_counter()
+        try:
+            conn.request("GET", u.path)
+            resp = conn.getresponse()
+            resp.read()
+            ok = resp.status == 200
+        except OSError:
+            ok = False
+            conn = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
+        lat.append(time.perf_counter() - t0 if ok else float("inf"))
+        time.sleep(max(0.0, 0.05 - (time.perf_counter() - t0)))
+    print(json.dumps(lat))
+
+
 def overload(bench: Bench, base: str, step_s: float, seconds: float, seed: int) -> dict:
     import psutil
 
@@ -523,11 +569,17 @@ def overload(bench: Bench, base: str, step_s: float, seconds: float, seed: int) 
     stop = threading.Event()
     sampler = threading.Thread(target=sample_rss, args=(pids, stop, rss), daemon=True)
     sampler.start()
+    proxy_probe = subprocess.Popen([sys.executable, __file__, "--probe-path", base + "/-/healthz",
+                                    str(seconds + 2)], stdout=subprocess.PIPE)
+    cpu0, t_cpu = cpu_seconds(list(pids)), time.monotonic()
     try:
         ov = asyncio.run(serve_load.overload(base, hub_pid, 3 * capacity, seconds, seed))
     finally:
         stop.set()
         sampler.join()
+    cpu1, t_cpu = cpu_seconds(list(pids)), time.monotonic() - t_cpu
+    out, _ = proxy_probe.communicate(timeout=60)
+    proxy = json.loads(out)
     deadline = time.monotonic() + 60
     gate = bench.figures()["gate"]
     while gate.in_flight or gate.queued:
@@ -540,10 +592,17 @@ def overload(bench: Bench, base: str, step_s: float, seconds: float, seed: int) 
     for pid in pids:
         with contextlib.suppress(psutil.Error):
             after[pid] = psutil.Process(pid).memory_info().rss / 2**20
-    ov.update(capacity=capacity, sweep=sweep,
+    ov.update(capacity=capacity, sweep=sweep, load=os.getloadavg()[0],
+              proxy_healthz_p50_ms=pct(proxy, 0.5) * 1e3,
+              proxy_healthz_p99_ms=pct(proxy, 0.99) * 1e3,
+              proxy_healthz_max_ms=max(proxy) * 1e3 if proxy else float("nan"),
+              proxy_healthz_probes=len(proxy),
               actors=[{"pid": pid, "class": pids[pid], "first_mb": xs[0], "last_mb": xs[-1],
-                       "max_mb": max(xs), "samples": len(xs),
-                       "after_mb": after.get(pid, float("nan"))}
+                       "max_mb": max(xs), "samples": len(xs), "series_mb": xs,
+                       "mid_mb": xs[len(xs) // 2],
+                       "after_mb": after.get(pid, float("nan")),
+                       "cpu": (cpu1.get(pid, float("nan")) - cpu0.get(pid, float("nan")))
+                       / t_cpu}
                       for pid, xs in sorted(rss.items(), key=lambda kv: pids[kv[0]]) if xs],
               gate_after={"in_flight": gate.in_flight, "queued": gate.queued,
                           "admitted": gate.admitted, "completed": gate.completed})
@@ -556,6 +615,8 @@ def report_overload(ov: dict) -> None:
     print(f"\n3. 3x overload through the Ray server (slo gate: {GATE_IN_FLIGHT} in flight, queue "
           f"{GATE_QUEUE}; engine {CHAT.max_seqs} sequences, 8 tokens at {CHAT.decode_tps:g} "
           "tok/s):")
+    print(f"   ingress replica bound: {ov.get('max_outstanding')} requests outstanding "
+          "(--ingress-max-outstanding; more get 429 at once)")
     print(f"   capacity (closed loop, {GATE_IN_FLIGHT} and {2 * GATE_IN_FLIGHT} clients): "
           f"{ov['capacity']:.1f} req/s; offered {ov['offered']} requests at "
           f"{ov['offered_rate']:.1f}/s, open loop")
@@ -568,6 +629,9 @@ def report_overload(ov: dict) -> None:
           f"{ov['healthz_p99_ms']:.1f} ms max {ov['healthz_max_ms']:.1f} ms over "
           f"{ov['healthz_probes']} probes "
           f"{'ok' if ov['healthz_p99_ms'] < 100 else 'MISSED'} (target p99 < 100 ms)")
+    print(f"   Serve's own /-/healthz (the proxy alone, no replica): p50 "
+          f"{ov['proxy_healthz_p50_ms']:.1f} ms p99 {ov['proxy_healthz_p99_ms']:.1f} ms max "
+          f"{ov['proxy_healthz_max_ms']:.1f} ms over {ov['proxy_healthz_probes']} probes")
     g = ov["gate_after"]
     print(f"   gate afterwards: in_flight {g['in_flight']} queued {g['queued']} (admitted "
           f"{g['admitted']}, completed {g['completed']}) "
@@ -575,13 +639,19 @@ def report_overload(ov: dict) -> None:
     print(f"   RSS of every actor process ({len(ov['actors'])} actors): first and last sample "
           "of the overload (every second), its max, and once settled (gate idle + 2 s)")
     print(f"   {'actor':<30} {'pid':>7} {'first MiB':>10} {'last MiB':>9} {'max MiB':>8} "
-          f"{'settled':>8} {'first->last':>12} {'first->settled':>15}")
+          f"{'settled':>8} {'first->last':>12} {'first->settled':>15} {'mid->last':>10} "
+          f"{'CPU':>6}")
     for a in ov["actors"]:
         growth = (a["last_mb"] / a["first_mb"] - 1) * 100
         settled = (a["after_mb"] / a["first_mb"] - 1) * 100
+        second = (a["last_mb"] / a.get("mid_mb", float("nan")) - 1) * 100
         print(f"   {a['class'][:30]:<30} {a['pid']:>7} {a['first_mb']:>10.1f} "
               f"{a['last_mb']:>9.1f} {a['max_mb']:>8.1f} {a['after_mb']:>8.1f} "
-              f"{growth:>+11.1f}% {settled:>+14.1f}%")
+              f"{growth:>+11.1f}% {settled:>+14.1f}% {second:>+9.1f}% "
+              f"{a.get('cpu', float('nan')):>6.2f}")
+    print("   (mid->last: the overload's second half, after its onset; CPU: cores each "
+          "process used over the overload, user + system; load average "
+          f"{ov.get('load', float('nan')):.2f} at its end)")
 
 
 # -- 4. llama.cpp pool ----------------------------------------------------------------------
@@ -682,9 +752,16 @@ def run(args: argparse.Namespace, bench: Bench, figures: dict) -> None:
     import ray
 
     q = args.quick
+    step_s, overload_s = (3.0, 8.0) if q else (5.0, 20.0)
+    if args.only == "overload":
+        bench.start_cluster()
+        print(f"tailrace serve on Ray, part 3 only: {NODES}-node ray.cluster_utils.Cluster on "
+              f"{os.cpu_count()} cores, Ray {ray.__version__}; load average "
+              f"{os.getloadavg()[0]:.2f} at the start", flush=True)
+        overload_part(args, bench, figures, step_s, overload_s)
+        return
     n_lat, lat_rounds = (40, 3) if q else (150, 4)
     ingress_s, engine_s, sweep_rounds = (3.0, 5.0, 2) if q else (5.0, 8.0, 3)
-    step_s, overload_s = (3.0, 8.0) if q else (5.0, 20.0)
     llama_n = 2 if q else 3
 
     fast = spawn(FAST)
@@ -773,14 +850,7 @@ def run(args: argparse.Namespace, bench: Bench, figures: dict) -> None:
     for s in slow:
         s.stop()
 
-    # part 3: overload through a gated Ray server
-    chat = spawn(CHAT)
-    bench.children.append(chat)
-    base = bench.serve([build("chat", chat.url, replicas=2 * CHAT.max_seqs)],
-                       ingress_replicas=1, gate_factory=partial(make_gate))
-    figures["overload"] = ov = overload(bench, base, step_s, overload_s, args.seed)
-    report_overload(ov)
-    chat.stop()
+    overload_part(args, bench, figures, step_s, overload_s)
 
     # part 4: llama.cpp through Ray vs local
     why = llama_available()
@@ -803,16 +873,41 @@ def run(args: argparse.Namespace, bench: Bench, figures: dict) -> None:
           "up in every figure)")
 
 
+def overload_part(args: argparse.Namespace, bench: Bench, figures: dict, step_s: float,
+                  overload_s: float) -> None:
+    """Part 3: overload through a gated Ray server."""
+    chat = spawn(CHAT)
+    bench.children.append(chat)
+    base = bench.serve([build("chat", chat.url, replicas=2 * CHAT.max_seqs)],
+                       ingress_replicas=1, gate_factory=partial(make_gate),
+                       max_outstanding=args.ingress_max_outstanding)
+    figures["overload"] = ov = overload(bench, base, step_s, overload_s, args.seed)
+    ov["max_outstanding"] = args.ingress_max_outstanding
+    report_overload(ov)
+    chat.stop()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="shorter phases (~5 minutes)")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    ap.add_argument("--only", choices=["overload"],
+                    help="run one part only (overload: part 3, ~2 minutes)")
+    ap.add_argument("--ingress-max-outstanding", type=int, default=OVERLOAD_OUTSTANDING,
+                    metavar="N", help="part 3: requests the ingress replica holds at once "
+                    f"(default {OVERLOAD_OUTSTANDING}: twice the gate's {GATE_IN_FLIGHT} in "
+                    f"flight + {GATE_QUEUE} queued)")
     ap.add_argument("--local-server", metavar="JSON",
                     help=argparse.SUPPRESS)  # internal: the local server child
+    ap.add_argument("--probe-path", nargs=2, metavar=("URL", "SECONDS"),
+                    help=argparse.SUPPRESS)  # internal: part 3's /-/healthz prober
     args = ap.parse_args()
     if args.local_server:
         local_server(args.local_server)
+        return 0
+    if args.probe_path:
+        probe_path(args.probe_path[0], float(args.probe_path[1]))
         return 0
     # the cluster's processes start from this environment: make its paths absolute
     if os.environ.get("PYTHONPATH"):

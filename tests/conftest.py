@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import sys
 import time
 
@@ -25,6 +26,14 @@ def wait_until(cond, timeout=60.0, what="condition"):
     while not cond():
         assert time.monotonic() < deadline, f"{what}: not met in {timeout:g} s"
         time.sleep(0.05)
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on now (bound, read, closed): for a server a test
+    starts, or an address where nothing answers."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 
 import httpx
 import pytest
@@ -24,7 +23,7 @@ from hypothesis import strategies as st
 
 import tailrace as tr
 from tailrace.compiler import compile_pipeline
-from tests.conftest import wait_until
+from tests.conftest import free_port, wait_until
 
 from .cluster_ops import MODES, gate, keep, work
 from .harness import fault_settings
@@ -39,9 +38,7 @@ def server(ray_session):
     p = tr.Pipeline("faulty")
     (p.source(fields=["i", "mode"]).map(work, id="work", replicas=2)
      .filter(keep, id="keep").sink())
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     srv = ClusterServer([compile_pipeline(p)], port=port, ingress_replicas=2,
                         gate_factory=gate, app_name="tailrace-fault").start()
     try:

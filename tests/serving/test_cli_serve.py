@@ -81,3 +81,24 @@ def test_listening_socket_is_tcp_so_responses_are_not_delayed():
         assert sock.proto == socket.IPPROTO_TCP
     finally:
         sock.close()
+
+
+def test_sigterm_drains_like_ctrl_c_while_serving_and_its_handler_is_restored_after():
+    import pytest
+
+    from tailrace.cli.serve import _sigterm_interrupts
+
+    def before(signum, frame):
+        raise AssertionError("the previous handler ran inside")
+
+    old = signal.signal(signal.SIGTERM, before)
+    try:
+        with pytest.raises(KeyboardInterrupt), _sigterm_interrupts():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises at the next bytecode: never reached
+        assert signal.getsignal(signal.SIGTERM) is before  # restored, also on the way out
+        with _sigterm_interrupts():
+            pass
+        assert signal.getsignal(signal.SIGTERM) is before
+    finally:
+        signal.signal(signal.SIGTERM, old)

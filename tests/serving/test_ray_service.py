@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from tailrace.control import AdmissionGate, make_policy
 from tailrace.runtime.ray import active_runs
 from tailrace.serving import PipelineService, ServingHub
 from tailrace.serving.errors import RecordDropped, RequestFailed
+from tests.conftest import free_port
 from tests.serving import fakes
 from tests.serving.conftest import ROOT
 from tests.serving.server import running
@@ -229,9 +229,7 @@ def test_serve_runtime_ray_answers_then_drains_on_ctrl_c(pipe, ray_session):
 
 
 def test_serve_runtime_ray_one_line_errors(pipe, capsys, monkeypatch):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again: nothing listens there
+    port = free_port()  # closed again: nothing listens there
     assert main(["serve", str(pipe), "--runtime", "ray", "--address", f"127.0.0.1:{port}"]) == 2
     assert capsys.readouterr().err.strip() == (
         f"tailrace: error: cannot reach the Ray cluster at 127.0.0.1:{port}: Connection "
@@ -239,6 +237,13 @@ def test_serve_runtime_ray_one_line_errors(pipe, capsys, monkeypatch):
     assert main(["serve", str(pipe), "--address", "127.0.0.1:6379"]) == 2
     assert capsys.readouterr().err.strip() == (
         "tailrace: error: --address names a Ray cluster: add --runtime ray")
+    assert main(["serve", str(pipe), "--runtime", "ray", "--ingress-max-outstanding", "0"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "tailrace: error: --ingress-max-outstanding must be >= 1, got 0")
+    assert main(["serve", str(pipe), "--ingress-max-outstanding", "8"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "tailrace: error: --ingress-max-outstanding is an option of serving on Ray: add "
+        "--runtime ray")
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
     assert main(["serve", str(pipe), "--runtime", "ray"]) == 2
     err = capsys.readouterr().err
@@ -255,3 +260,56 @@ def test_runtime_options_are_checked_when_the_service_is_made():
         PipelineService(p, address="127.0.0.1:6379")
     with pytest.raises(tr.PlanError, match="nope"):
         PipelineService(p, runtime="ray", placement={"nope": {"num_cpus": 1}})
+
+
+@pytest.mark.slow
+def test_stop_after_a_start_that_failed_before_the_hub_still_shuts_serve_down(ray_session):
+    """The hub actor's name is taken, so ``start`` fails after it started Serve:
+    ``stop`` must still take Serve down (it returned early without a hub), and must not
+    delete the Serve application of the server that holds the name."""
+    import ray
+
+    pytest.importorskip("ray.serve")
+    from ray import serve
+
+    from tailrace.serving.cluster import (
+        NAMESPACE,
+        ClusterServer,
+        healthz_deployment,
+        hub_name,
+        serve_running,
+    )
+
+    if serve_running():  # left by an earlier test: this one starts its own
+        serve.shutdown()
+    squatter = ray.remote(Squatter).options(name=hub_name("tailrace-taken"),
+                                            namespace=NAMESPACE).remote()
+    try:
+        srv = ClusterServer([], port=free_port(), app_name="tailrace-taken")
+        with pytest.raises(ValueError, match="already"):
+            srv.start()
+        assert srv.hub is None and serve_running()  # Serve was started for it
+        srv.stop()
+        assert not serve_running(), "stop() left the Serve it started running"
+        srv.stop()  # a second stop does nothing
+        # the name is taken because a server of that name runs: its Serve application
+        # stays when this failed start is stopped
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(healthz_deployment().bind(), name="tailrace-taken", route_prefix="/taken",
+                  blocking=False)
+        srv = ClusterServer([], port=port, app_name="tailrace-taken")
+        with pytest.raises(ValueError, match="already"):
+            srv.start()
+        srv.stop()
+        assert "tailrace-taken" in serve.status().applications, "stop() deleted another's app"
+    finally:
+        ray.kill(squatter)
+        serve.shutdown()
+
+
+class Squatter:
+    """An actor that holds a hub's name."""
+
+    def ping(self):
+        return True

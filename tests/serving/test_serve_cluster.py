@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import socket
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ import pytest
 import tailrace as tr
 from tailrace.compiler import compile_pipeline
 from tailrace.control import AdmissionGate, make_policy
-from tests.conftest import multi_node_cluster, wait_until
+from tests.conftest import free_port, multi_node_cluster, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -79,9 +78,7 @@ def server(cluster, upstream):
      .apply("generate", id="answer", engine="llm", input="question", output="answer",
             max_tokens=400, replicas=GENERATORS, placement={"strategy": "spread"}, retries=2)
      .sink())
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     # two ingress replicas, up to three under load (Serve's autoscaler, fast settings)
     srv = ClusterServer([compile_pipeline(p)], port=port, autoscale=(2, 3), target_ongoing=2,
                         autoscaling={"upscale_delay_s": 0.5, "downscale_delay_s": 3,

@@ -9,19 +9,22 @@ answer, or 503 after 30 s) and stops.
 ``--runtime ray [--address HOST:PORT] [--ingress-replicas N | --ingress-autoscale MIN:MAX]``
 serves on a Ray cluster (``serving/cluster.py``): the pipelines' stages run in stage-host
 actors driven by one hub actor, which also holds the admission gate; the HTTP ingress is
-a Ray Serve application of N replicas behind Serve's proxy on ``--host:--port``. This
+a Ray Serve application of N replicas behind Serve's proxy on ``--host:--port``, each
+holding at most ``--ingress-max-outstanding`` requests (more get 429 at once). This
 process only deploys it, waits for Ctrl-C and takes it down (draining first).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import signal
 import socket
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from ..errors import TailraceError
@@ -75,6 +78,10 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--ingress-autoscale", metavar="MIN:MAX",
                    help="with --runtime ray: let Ray Serve scale the ingress replicas between "
                         "MIN and MAX on ongoing requests (instead of --ingress-replicas)")
+    s.add_argument("--ingress-max-outstanding", type=int, metavar="N",
+                   help="with --runtime ray: requests (/v1/*) each ingress replica holds at "
+                        "once; one more gets 429 with Retry-After at once, before the "
+                        "admission gate (default 256)")
     s.add_argument("--app-name", default="tailrace", metavar="NAME",
                    help="with --runtime ray: the Ray Serve application (and hub actor) name "
                         "(default tailrace; one per cluster and name)")
@@ -183,6 +190,7 @@ def serve(args: argparse.Namespace) -> int:
     cluster_only = [flag for flag, given in (
         ("--ingress-replicas", args.ingress_replicas is not None),
         ("--ingress-autoscale", args.ingress_autoscale is not None),
+        ("--ingress-max-outstanding", args.ingress_max_outstanding is not None),
         ("--app-name", args.app_name != "tailrace")) if given]
     if cluster_only and args.runtime != "ray":
         raise TailraceError(f"{cluster_only[0]} is an option of serving on Ray: add --runtime ray")
@@ -234,19 +242,14 @@ def serve(args: argparse.Namespace) -> int:
 
     print(f"tailrace: serving {', '.join(hub.services)} on http://{shown}:{port}/v1 "
           "(OpenAI-compatible; GET /readyz, /metrics, /dashboard)", flush=True)
-    old_term = signal.getsignal(signal.SIGTERM)
-    in_main = threading.current_thread() is threading.main_thread()
-    if in_main:  # SIGTERM drains like Ctrl-C (uvicorn re-raises it after shutting down)
-        signal.signal(signal.SIGTERM, _terminate)
     interrupted = False
     threading.Thread(target=watch, name="tailrace-serve-ready", daemon=True).start()
     try:
-        server.run(sockets=[sock])
+        with _sigterm_interrupts():  # uvicorn re-raises it after shutting down
+            server.run(sockets=[sock])
     except KeyboardInterrupt:
         interrupted = True
     finally:
-        if in_main:
-            signal.signal(signal.SIGTERM, old_term)
         hub.stop()
         sock.close()
     return _ended(failed, interrupted)
@@ -275,13 +278,16 @@ def serve_on_cluster(args: argparse.Namespace, plans: list[Any], *, api_key: str
     from functools import partial
 
     from ..runtime.ray import connect
-    from ..serving.cluster import ClusterServer
+    from ..serving.cluster import MAX_OUTSTANDING, ClusterServer
 
     if args.ingress_replicas is not None and args.ingress_autoscale is not None:
         raise TailraceError("give --ingress-replicas N or --ingress-autoscale MIN:MAX, not both")
     if args.ingress_replicas is not None and args.ingress_replicas < 1:
         raise TailraceError(f"--ingress-replicas must be >= 1, got {args.ingress_replicas}")
     autoscale = _autoscale(args.ingress_autoscale)
+    if args.ingress_max_outstanding is not None and args.ingress_max_outstanding < 1:
+        raise TailraceError(f"--ingress-max-outstanding must be >= 1, got "
+                            f"{args.ingress_max_outstanding}")
     if args.admission:  # bad SLOs or options fail here, in one line, before Ray starts
         build_gate(args.admission, plans, args.max_in_flight)
     ray = connect(args.address)  # one-line RayUnavailable: no Ray, unreachable address
@@ -298,35 +304,31 @@ def serve_on_cluster(args: argparse.Namespace, plans: list[Any], *, api_key: str
         server = ClusterServer(
             plans, host=args.host, port=port, ingress_replicas=args.ingress_replicas or 1,
             autoscale=autoscale, gate_factory=factory, app_name=args.app_name,
+            max_outstanding=args.ingress_max_outstanding or MAX_OUTSTANDING,
             api_key=api_key, max_body_bytes=args.max_body_bytes,
             metrics_public=args.metrics_public, tenants=tenants)
     except ValueError as e:
         raise TailraceError(str(e)) from None
-    old_term = signal.getsignal(signal.SIGTERM)
-    in_main = threading.current_thread() is threading.main_thread()
-    if in_main:
-        signal.signal(signal.SIGTERM, _terminate)
     interrupted, failed = False, []
     try:
-        server.start()
-        shown = f"[{args.host}]" if ":" in args.host else args.host
-        scale = (f"{autoscale[0]}..{autoscale[1]} autoscaled" if autoscale
-                 else str(args.ingress_replicas or 1))
-        print(f"tailrace: serving {', '.join(p.name for p in plans)} on "
-              f"http://{shown}:{port}/v1 (OpenAI-compatible; Ray Serve ingress, {scale} "
-              f"replicas, cluster {ray.get_runtime_context().gcs_address}; GET /readyz, "
-              "/metrics, /dashboard)", flush=True)
-        if server.wait_ready():
-            print("tailrace: ready (stage and engine actors up)", file=sys.stderr, flush=True)
-            while True:
-                time.sleep(3600)
-        failed = [f"pipeline '{name}' failed to start: {why}"
-                  for name, (_, why) in server.state().items() if why]
+        with _sigterm_interrupts():
+            server.start()
+            shown = f"[{args.host}]" if ":" in args.host else args.host
+            scale = (f"{autoscale[0]}..{autoscale[1]} autoscaled" if autoscale
+                     else str(args.ingress_replicas or 1))
+            print(f"tailrace: serving {', '.join(p.name for p in plans)} on "
+                  f"http://{shown}:{port}/v1 (OpenAI-compatible; Ray Serve ingress, {scale} "
+                  f"replicas, cluster {ray.get_runtime_context().gcs_address}; GET /readyz, "
+                  "/metrics, /dashboard)", flush=True)
+            if server.wait_ready():
+                print("tailrace: ready (stage and engine actors up)", file=sys.stderr, flush=True)
+                while True:
+                    time.sleep(3600)
+            failed = [f"pipeline '{name}' failed to start: {why}"
+                      for name, (_, why) in server.state().items() if why]
     except KeyboardInterrupt:
         interrupted = True
     finally:
-        if in_main:
-            signal.signal(signal.SIGTERM, old_term)
         server.stop()
     return _ended(failed, interrupted)
 
@@ -343,3 +345,18 @@ def _ended(failed: list[str], interrupted: bool) -> int:
 
 def _terminate(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """While inside, SIGTERM raises ``KeyboardInterrupt`` (it drains like Ctrl-C); the
+    previous handler is back on leaving. Off the main thread, where no handler can be
+    set, it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)

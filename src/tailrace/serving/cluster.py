@@ -20,6 +20,15 @@ client that disconnects cancels its replica's call: Ray cancels the hub's corout
 whose ``submit`` sets the record's ``_cancel``, and the engine stops the sequence.
 Errors cross as values (``ServiceError`` pickles with its status, code and record).
 
+Each ingress replica bounds the requests it holds (``max_outstanding`` ``/v1/*``
+requests, streams until their last byte): one more is refused at once with 429 and
+``Retry-After`` before it reaches the hub (``_Outstanding``), so an overload's backlog
+never piles up in the replica or in Serve's proxy in front of it, and ``/healthz`` (never
+counted) stays quick. It is a bound per replica in front of the ONE gate: it only ever
+refuses, so the gate's ``max_in_flight`` holds as before. ``/healthz`` itself is a tiny
+Serve application of its own (``APP-healthz``, route ``/healthz``, one replica): Serve's
+proxy routes it past the ingress replicas, so it never waits behind request work.
+
 If an ingress replica dies, only its own requests are lost: their clients get Serve's
 error, the hub's calls for them run on for nobody (their tickets come back when they
 end). If the hub actor dies, every replica answers 503 and ``/readyz`` says why.
@@ -53,6 +62,14 @@ POLL_S = 0.5
 #: seconds a replica reuses one snapshot of the hub's figures (a /metrics scrape reads
 #: every pipeline's statistics: one actor call for all of them)
 FIGURES_TTL_S = 0.25
+#: ``/v1/*`` requests an ingress replica holds at once by default; more get 429 at once
+MAX_OUTSTANDING = 256
+#: requests Serve may hand a replica beyond its bound: probes (/healthz, /readyz,
+#: /metrics) and the refusals on their way out (Serve's ``max_ongoing_requests`` is
+#: the bound plus this)
+PROBE_HEADROOM = 64
+#: seconds a refused client is told to wait (``Retry-After``)
+REFUSED_RETRY_S = 1.0
 
 
 def hub_name(app: str) -> str:
@@ -277,6 +294,13 @@ def _quietly(fn: Callable[..., Any], *args: Any) -> None:
         fn(*args)
 
 
+def _delete_apps(names: list[str]) -> None:
+    from ray import serve
+
+    for name in names:
+        _quietly(serve.delete, name)
+
+
 def _cancel(ref: Any) -> None:
     import ray
 
@@ -353,15 +377,18 @@ class _RemoteHub(ServingHub):
 
 
 def build_ingress_app(app_name: str, plans: list[Any], gated: bool,
-                      options: dict[str, Any]) -> Any:
+                      options: dict[str, Any], max_outstanding: int = MAX_OUTSTANDING) -> Any:
     """The FastAPI app of one ingress replica (runs in the replica).
 
-    app_name: the Serve application (names the hub actor).
-    plans:    the served plans (their names and shapes: bindings, limits).
-    gated:    whether the hub has an admission gate.
-    options:  ``ServingHub`` options (api_key, max_body_bytes, metrics_public, tenants).
+    app_name:        the Serve application (names the hub actor).
+    plans:           the served plans (their names and shapes: bindings, limits).
+    gated:           whether the hub has an admission gate.
+    options:         ``ServingHub`` options (api_key, max_body_bytes, metrics_public,
+                     tenants).
+    max_outstanding: ``/v1/*`` requests this replica holds at once; more get 429.
     """
     import ray
+    from starlette.middleware import Middleware
 
     from .app import create_app
 
@@ -369,8 +396,57 @@ def build_ingress_app(app_name: str, plans: list[Any], gated: bool,
     link = _HubLink(actor, [p.name for p in plans])
     hub = _RemoteHub(link, [RemoteService(link, p.name, p) for p in plans], gated, **options)
     app = create_app(hub)
-    app.add_middleware(_IngressHeader, replica=_replica_id())
+    replica = _replica_id()
+    # innermost of the middleware: /metrics counts its refusals, which carry the replica
+    app.user_middleware.append(Middleware(_Outstanding, bound=max_outstanding,
+                                          replica=replica))
+    app.add_middleware(_IngressHeader, replica=replica)
     return app
+
+
+class _Outstanding:
+    """ASGI middleware: at most ``bound`` ``/v1/*`` requests in this replica at once (a
+    request counts until its response's last byte, or its client's disconnect, or its
+    error); one more is answered 429 with ``Retry-After`` at once, without reading its
+    body or calling the hub. Other paths (``/healthz``, ``/readyz``, ``/metrics``) are
+    never counted nor refused.
+
+    app:     the ASGI application to wrap.
+    bound:   most requests held at once.
+    replica: names this replica in the refusal's message.
+    """
+
+    def __init__(self, app: Any, bound: int, replica: str) -> None:
+        from .openai_wire import dumps, error_body, retry_headers
+
+        self.app = app
+        self.bound = bound
+        self.outstanding = 0
+        self.refused = 0
+        body = dumps(error_body(
+            f"ingress replica {replica} holds {bound} requests (its bound, "
+            "--ingress-max-outstanding); retry later", 429, "ingress_busy"))
+        self._start = {"type": "http.response.start", "status": 429, "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            *((k.lower().encode(), v.encode())
+              for k, v in retry_headers(REFUSED_RETRY_S).items())]}
+        self._body = {"type": "http.response.body", "body": body}
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        if self.outstanding >= self.bound:
+            self.refused += 1
+            await send(dict(self._start))  # a copy: an outer middleware adds its header
+            await send(self._body)
+            return
+        self.outstanding += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.outstanding -= 1
 
 
 def _replica_id() -> str:
@@ -402,18 +478,48 @@ class _IngressHeader:
         await self.app(scope, receive, tagged)
 
 
+HEALTHZ_BODY = b'{"status":"ok"}'
+
+
+def healthz_app(app: str) -> str:
+    """The Serve application that answers ``/healthz`` for Serve application ``app``."""
+    return f"{app}-healthz"
+
+
+def healthz_deployment() -> Any:
+    """The Serve deployment answering ``GET /healthz`` (as ``create_app`` does) in a
+    replica of its own, so a probe never queues behind the ingress replicas' work."""
+    from ray import serve
+    from starlette.responses import Response
+
+    from .openai_wire import dumps, error_body
+
+    @serve.deployment(name="tailrace-healthz", ray_actor_options={"num_cpus": 0},
+                      max_ongoing_requests=PROBE_HEADROOM, health_check_period_s=2,
+                      logging_config=QUIET)
+    class Healthz:
+        async def __call__(self, request: Any) -> Any:
+            if request.url.path.rstrip("/") != "/healthz":
+                msg = f"{request.method} {request.url.path}: Not Found"
+                return Response(dumps(error_body(msg, 404, "not_found")), status_code=404,
+                                media_type="application/json")
+            return Response(HEALTHZ_BODY, media_type="application/json")
+
+    return Healthz
+
+
 def ingress_deployment() -> Any:
     """The Serve deployment class of the ingress (built on demand: imports Serve)."""
     from ray import serve
 
     @serve.deployment(name="tailrace-ingress", ray_actor_options={"num_cpus": 0},
-                      max_ongoing_requests=1024, health_check_period_s=2,
-                      logging_config=QUIET)
+                      max_ongoing_requests=MAX_OUTSTANDING + PROBE_HEADROOM,
+                      health_check_period_s=2, logging_config=QUIET)
     @serve.ingress()
     class Ingress:
         def __init__(self, app_name: str, plans: list[Any], gated: bool,
-                     options: dict[str, Any]) -> None:
-            self._args = (app_name, plans, gated, options)
+                     options: dict[str, Any], max_outstanding: int = MAX_OUTSTANDING) -> None:
+            self._args = (app_name, plans, gated, options, max_outstanding)
 
         async def __serve_build_asgi_app__(self) -> Any:
             app = build_ingress_app(*self._args)
@@ -427,7 +533,8 @@ def ingress_deployment() -> Any:
 
 class ClusterServer:
     """A served job on Ray: the hub actor plus a Ray Serve application of ingress
-    replicas behind Serve's HTTP proxy (on the head node, ``host:port``).
+    replicas behind Serve's HTTP proxy (on the head node, ``host:port``), and the tiny
+    Serve application answering ``/healthz`` (``healthz_app``).
 
     plans:            compiled plans, one per pipeline (unique names).
     host, port:       where Serve's proxy listens (Serve starts if it is not running;
@@ -438,6 +545,9 @@ class ClusterServer:
                       more of its keys (``upscale_delay_s``, ``downscale_delay_s``, ...).
     gate_factory:     builds the admission gate in the hub actor (None: admit all).
     app_name:         the Serve application (and hub actor) name.
+    max_outstanding:  ``/v1/*`` requests each ingress replica holds at once; more get 429
+                      with ``Retry-After`` at once, before they reach the hub (a bound
+                      per replica in front of the one gate).
     options:          ``ServingHub`` options for the replicas (api_key, max_body_bytes,
                       metrics_public, tenants).
     """
@@ -448,10 +558,13 @@ class ClusterServer:
                  gate_factory: Callable[[], Any] | None = None,
                  max_pending: int = 1024, timeout_s: float = 300.0,
                  placement: dict[str, dict] | None = None, app_name: str = "tailrace",
-                 **options: Any) -> None:
+                 max_outstanding: int = MAX_OUTSTANDING, **options: Any) -> None:
         if type(ingress_replicas) is not int or ingress_replicas < 1:
             raise ValueError(f"ingress replicas must be a positive integer, got "
                              f"{ingress_replicas!r}")
+        if type(max_outstanding) is not int or max_outstanding < 1:
+            raise ValueError(f"ingress max outstanding (requests per ingress replica) must "
+                             f"be a positive integer, got {max_outstanding!r}")
         if autoscale is not None and not (1 <= autoscale[0] <= autoscale[1]):
             raise ValueError(f"ingress autoscaling bounds must be 1 <= MIN <= MAX, got "
                              f"{autoscale[0]}:{autoscale[1]}")
@@ -467,11 +580,15 @@ class ClusterServer:
         self.target_ongoing = target_ongoing
         self.autoscaling = dict(autoscaling or {})
         self.app_name = app_name
+        self.max_outstanding = max_outstanding
         self.options = options
         self._hub_args = (plans, gate_factory, max_pending, timeout_s, placement)
         self.hub: Any = None
         self._gated = gate_factory is not None
         self._started_serve = False
+        # start() got as far as deploying the Serve applications: stop() deletes them (not
+        # before: a start that failed on a taken name must not delete the owner's)
+        self._deployed = False
 
     def start(self) -> ClusterServer:
         """Create the hub actor, start the pipelines' runs and deploy the ingress;
@@ -501,9 +618,14 @@ class ClusterServer:
             scale = {"num_replicas": "auto", "autoscaling_config": {
                 "min_replicas": lo, "max_replicas": hi,
                 "target_ongoing_requests": self.target_ongoing, **self.autoscaling}}
-        ingress = ingress_deployment().options(**scale)
-        serve.run(ingress.bind(self.app_name, self.plans, self._gated, self.options),
+        ingress = ingress_deployment().options(
+            max_ongoing_requests=self.max_outstanding + PROBE_HEADROOM, **scale)
+        self._deployed = True
+        serve.run(ingress.bind(self.app_name, self.plans, self._gated, self.options,
+                               self.max_outstanding),
                   name=self.app_name, route_prefix="/", blocking=False)
+        serve.run(healthz_deployment().bind(), name=healthz_app(self.app_name),
+                  route_prefix="/healthz", blocking=False)
         return self
 
     def state(self) -> dict[str, tuple[bool, str | None]]:
@@ -541,21 +663,27 @@ class ClusterServer:
 
     def stop(self, timeout: float = 30.0) -> None:
         """Drain the pipelines (every admitted request gets its answer, at most
-        ``timeout`` s), delete the Serve application and the hub actor."""
+        ``timeout`` s), delete the Serve applications and the hub actor, and shut Serve
+        down if ``start`` started it. Also after a ``start`` that failed half-way (the
+        hub actor never came up); a second call does nothing."""
         import ray
         from ray import serve
 
-        if self.hub is None:
-            return
-        with contextlib.suppress(Exception):  # the hub may be gone already
-            ray.get(self.hub.drain.remote(timeout), timeout=timeout + 10)
-        # Serve waits for its controller, which a lost cluster never answers: give up then
-        deleting = threading.Thread(target=_quietly, args=(serve.delete, self.app_name),
-                                    name="tailrace-serve-delete", daemon=True)
-        deleting.start()
-        deleting.join(timeout)
-        with contextlib.suppress(Exception):
-            ray.kill(self.hub)
-        self.hub = None
+        if self.hub is not None:
+            with contextlib.suppress(Exception):  # the hub may be gone already
+                ray.get(self.hub.drain.remote(timeout), timeout=timeout + 10)
+        if self._deployed:
+            # Serve waits for its controller, which a lost cluster never answers: give up
+            # then
+            deleting = threading.Thread(target=_delete_apps, args=(
+                [self.app_name, healthz_app(self.app_name)],), name="tailrace-serve-delete",
+                daemon=True)
+            deleting.start()
+            deleting.join(timeout)
+        if self.hub is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(self.hub)
+            self.hub = None
         if self._started_serve:  # Serve was started for this server: nothing left behind
             _quietly(serve.shutdown)
+        self._deployed = self._started_serve = False

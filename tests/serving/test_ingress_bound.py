@@ -1,0 +1,215 @@
+"""Serving on Ray: each ingress replica bounds the ``/v1/*`` requests it holds
+(``max_outstanding``); one more gets 429 with ``Retry-After`` at once, before the hub.
+A slot comes back when its request ends, however it ends (answered, failed, its client
+gone), and the gate's capacity comes back too."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+import tailrace as tr
+from tailrace.control import AdmissionGate, make_policy
+from tests.conftest import free_port, wait_until
+
+# -- the middleware alone (no Ray) ---------------------------------------------------------
+
+
+def bounded(bound=2):
+    """``_Outstanding`` over an app whose /v1/* requests wait for ``release`` (then
+    answer 200), raise on /v1/fail, and answer /healthz at once."""
+    from tailrace.serving.cluster import _Outstanding
+
+    release = asyncio.Event()
+
+    async def app(scope, receive, send):
+        if scope["path"] == "/v1/fail":
+            raise RuntimeError("the app failed")
+        if scope["path"].startswith("/v1/"):
+            await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    return _Outstanding(app, bound=bound, replica="r1"), release
+
+
+async def call(mw, path, method="POST"):
+    """One request through ``mw``: (status, headers, body)."""
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    await mw({"type": "http", "path": path, "method": method, "headers": []}, receive, send)
+    start = sent[0]
+    return start["status"], dict(start["headers"]), b"".join(m.get("body", b"") for m in sent[1:])
+
+
+def test_past_its_bound_a_replica_refuses_at_once_with_429_and_retry_after():
+    async def go():
+        mw, release = bounded(2)
+        held = [asyncio.ensure_future(call(mw, "/v1/chat/completions")) for _ in range(2)]
+        await asyncio.sleep(0.01)  # both are inside, waiting
+        assert mw.outstanding == 2
+        # refused at once, not held until the others end
+        status, headers, body = await asyncio.wait_for(call(mw, "/v1/pipelines/p/runs"), 5)
+        assert status == 429
+        assert headers[b"retry-after"] == b"1" and headers[b"retry-after-ms"] == b"1000"
+        error = json.loads(body)["error"]
+        assert error["code"] == "ingress_busy" and "r1 holds 2 requests" in error["message"]
+        assert headers[b"content-length"] == str(len(body)).encode()
+        assert (await call(mw, "/healthz", "GET"))[0] == 200  # probes are never counted
+        assert mw.refused == 1 and mw.outstanding == 2
+        release.set()
+        assert [s for s, _, _ in await asyncio.gather(*held)] == [200, 200]
+        assert mw.outstanding == 0
+        assert (await call(mw, "/v1/chat/completions"))[0] == 200  # a slot again
+
+    asyncio.run(go())
+
+
+def test_a_failed_or_abandoned_request_gives_its_slot_back():
+    async def go():
+        mw, _ = bounded(1)
+        with pytest.raises(RuntimeError):
+            await call(mw, "/v1/fail")
+        assert mw.outstanding == 0
+        gone = asyncio.ensure_future(call(mw, "/v1/chat/completions"))
+        await asyncio.sleep(0.01)
+        assert mw.outstanding == 1
+        gone.cancel()  # what a client's disconnect does to its request's task
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        assert mw.outstanding == 0 and mw.refused == 0
+
+    asyncio.run(go())
+
+
+# -- through Serve ----------------------------------------------------------------------------
+
+
+async def hold(r):
+    """Runs ``r['s']`` seconds unless its caller leaves."""
+    for _ in range(int(r["s"] * 100)):
+        if r.get("_cancel") is not None and r["_cancel"].is_set():
+            break
+        await asyncio.sleep(0.01)
+    return {**r, "done": True}
+
+
+def fcfs():
+    return AdmissionGate(make_policy("fcfs", max_in_flight=4, max_queue=4))
+
+
+@pytest.fixture(scope="module")
+def server(ray_session):
+    pytest.importorskip("ray.serve")
+    from tailrace.compiler import compile_pipeline
+    from tailrace.serving.cluster import ClusterServer
+
+    p = tr.Pipeline("held")
+    p.source(fields=["s"]).map(hold, id="hold", replicas=2).sink()
+    port = free_port()
+    srv = ClusterServer([compile_pipeline(p)], port=port, max_outstanding=1,
+                        gate_factory=fcfs, app_name="tailrace-bound").start()
+    try:
+        assert srv.wait_ready(180), srv.state()
+        srv.url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: httpx.get(srv.url + "/readyz").status_code == 200, what="/readyz")
+        yield srv
+    finally:
+        srv.stop()
+
+
+def gate(srv):
+    import ray
+
+    return ray.get(srv.hub.figures.remote())["gate"]
+
+
+@pytest.mark.slow
+def test_a_replica_holding_its_bound_refuses_the_next_before_the_hub(server):
+    url = server.url + "/v1/pipelines/held/runs"
+
+    async def go():
+        async with httpx.AsyncClient(timeout=60) as c:
+            first = asyncio.ensure_future(c.post(url, json={"s": 3}))
+            await asyncio.to_thread(wait_until, lambda: gate(server).in_flight == 1,
+                                    what="the first request in flight")
+            before = gate(server).admitted
+            t0 = time.monotonic()
+            refused = await c.post(url, json={"s": 0})
+            waited = time.monotonic() - t0
+            health = await c.get(server.url + "/healthz")  # the replica is full: not asked
+            answered = await first
+            return refused, waited, health, answered, before
+
+    refused, waited, health, answered, before = asyncio.run(go())
+    assert health.status_code == 200 and health.content == b'{"status":"ok"}'
+    assert "x-tailrace-ingress" not in health.headers  # its own Serve application answered
+    assert refused.status_code == 429, refused.text
+    assert refused.json()["error"]["code"] == "ingress_busy"
+    assert refused.headers["retry-after"] == "1"
+    assert "x-tailrace-ingress" in refused.headers
+    assert waited < 3  # refused at once, not after the first request's 3 s
+    assert answered.status_code == 200 and answered.json()["done"] is True
+    g = gate(server)
+    assert g.admitted == before  # the refused request never reached the gate
+    assert g.in_flight == 0 and g.queued == 0
+    r = httpx.post(url, json={"s": 0}, timeout=60)  # its slot came back
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.slow
+def test_a_client_that_leaves_gives_its_replica_slot_and_its_ticket_back(server):
+    url = server.url + "/v1/pipelines/held/runs"
+    with pytest.raises(httpx.ReadTimeout):  # leaves while its record runs (120 s)
+        httpx.post(url, json={"s": 120}, timeout=1.0)
+    wait_until(lambda: gate(server).in_flight == 0, what="the ticket back")
+    # the replica's one slot is free again: the next request is answered, not refused
+    wait_until(lambda: httpx.post(url, json={"s": 0}, timeout=60).status_code == 200,
+               timeout=30, what="a request answered after the disconnect")
+    assert gate(server).in_flight == 0
+
+
+@pytest.mark.slow
+def test_healthz_is_its_own_serve_application_and_stop_deletes_both(server):
+    from ray import serve
+
+    from tailrace.serving.cluster import serve_running
+
+    r = httpx.get(server.url + "/healthz/other")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    apps = serve.status().applications
+    assert {"tailrace-bound", "tailrace-bound-healthz"} <= set(apps)
+    assert "tailrace-healthz" in apps["tailrace-bound-healthz"].deployments
+    server.stop()  # the fixture's stop after this one does nothing
+    if serve_running():  # else it went with Serve, which this server started
+        apps = serve.status().applications
+        assert "tailrace-bound" not in apps and "tailrace-bound-healthz" not in apps
+
+
+def test_bad_bounds_are_one_line_errors():
+    from tailrace.serving.cluster import ClusterServer
+
+    for bad in (0, -1, 2.5, "8", True):
+        with pytest.raises(ValueError, match="^ingress max outstanding .* must be a positive "
+                           "integer, got "):
+            ClusterServer([], max_outstanding=bad)
+
+
+def test_the_cli_help_gives_the_default_bound(capsys):
+    from tailrace.cli.main import main
+    from tailrace.serving.cluster import MAX_OUTSTANDING
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert f"before the admission gate (default {MAX_OUTSTANDING})" in help_text
