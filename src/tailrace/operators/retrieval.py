@@ -83,13 +83,68 @@ def index_dir(name: str) -> str:
     return str(home() / "indexes" / name)
 
 
+MODES = ("dense", "sparse", "hybrid")
+FUSION_KEYS = ("k", "dense", "sparse", "candidates")
+
+
+def fusion_of(spec: Any) -> Any:
+    """A ``Fusion`` from a stage's ``fusion:`` mapping (missing keys: defaults); ValueError
+    naming the key that is wrong."""
+    from ..stores.vector_index import Fusion
+
+    if not isinstance(spec, dict):
+        raise ValueError(f"'fusion' must be a mapping like {{k: 60, dense: 1.0, sparse: 1.0, "
+                         f"candidates: 50}}, got {spec!r}")
+    bad = [str(k) for k in spec if k not in FUSION_KEYS]
+    if bad:
+        raise ValueError(f"unknown fusion key(s) {', '.join(bad)}; known: "
+                         f"{', '.join(FUSION_KEYS)}")
+    for key in ("k", "candidates"):
+        v = spec.get(key, 1)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"fusion '{key}' must be a positive integer, got {v!r}")
+    for key in ("dense", "sparse"):
+        v = spec.get(key, 1.0)
+        if not isinstance(v, int | float) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"fusion '{key}' (a weight) must be a number >= 0, got {v!r}")
+    f = Fusion(**spec)
+    if f.dense == 0 and f.sparse == 0:
+        raise ValueError("fusion weights 'dense' and 'sparse' are both 0; give one > 0")
+    return f
+
+
 def _prepare_retrieve(params: dict, ctx: LinkContext) -> dict:
-    """Find the embedding model of the stage that wrote the query vector."""
+    """Check the mode's fields, fusion and filter; find the embedding model of the stage
+    that wrote the query vector."""
+    from ..stores.filters import compile_filter
+
+    mode = params["mode"]
+    if mode not in MODES:
+        raise ValueError(f"unknown retrieve mode '{mode}'; known: {', '.join(MODES)}")
+    if mode != "sparse" and not params.get("query"):
+        raise ValueError(f"mode {mode} needs 'query' (a vector field written by an embed "
+                         "stage)")
+    if mode != "dense" and not params.get("text"):
+        raise ValueError(f"mode {mode} needs 'text' (the field holding the query text, "
+                         "for BM25)")
+    if mode == "sparse" and params.get("query"):
+        raise ValueError("mode sparse searches words only; drop 'query' or use mode: hybrid")
+    if mode == "dense" and params.get("text"):
+        raise ValueError("mode dense searches vectors only; drop 'text' or use mode: hybrid")
+    if params.get("fusion") is not None:
+        if mode != "hybrid":
+            raise ValueError(f"'fusion' applies to mode hybrid, not {mode}")
+        fusion_of(params["fusion"])
+    if params.get("filter") is not None:
+        compile_filter(params["filter"])
+    if params["index"].startswith("live:") and (mode != "dense" or params.get("filter")):
+        raise ValueError("a live index searches dense vectors without filters; use a saved "
+                         "index (tailrace ingest) for sparse, hybrid or filtered retrieval")
     model = None
     if params.get("embedder"):
         params = link_engine(params, ctx, "embed", key="embedder")
         model = params["_embedder"].get("model")
-    else:
+    elif params.get("query"):
         for _, op, wparams in ctx.writers.get(params["query"], []):
             if op == "embed" and wparams.get("engine") in ctx.engines:
                 model = ctx.engines[wparams["engine"]].get("model")
@@ -100,8 +155,10 @@ def _prepare_retrieve(params: dict, ctx: LinkContext) -> dict:
 def _build_retrieve(params: dict, contract: Any) -> OpRuntime:
     import numpy as np
 
-    from ..stores.vector_index import VectorIndex
+    from ..stores.filters import compile_filter
+    from ..stores.vector_index import Fusion, VectorIndex
 
+    mode = params["mode"]
     if params["index"].startswith("live:"):  # a live index that semantic_state stages update
         from ..stores.live_index import open_live_index
 
@@ -109,13 +166,29 @@ def _build_retrieve(params: dict, contract: Any) -> OpRuntime:
         index.expect_model(params.get("_model"))
     else:
         index = VectorIndex.open(index_dir(params["index"]), expect_model=params.get("_model"))
-    q, k, out = params["query"], params["k"], params["output"]
+        if mode != "dense":
+            index.sparse()  # load (or build) the BM25 index now, not on the first record
+    allow = index.select(compile_filter(params["filter"])) if params.get("filter") else None
+    fusion = fusion_of(params["fusion"]) if params.get("fusion") is not None else Fusion()
+    q: str = params.get("query") or ""
+    t: str = params.get("text") or ""
+    k, out = params["k"], params["output"]
 
     def batch_fn(batch: list, errors: list) -> list:
-        keep, vecs = _batch_rows(batch, errors, q, np.ndarray)
-        if not keep:
-            return []
-        hits = index.search(np.stack(vecs).astype(np.float32, copy=False), k)
+        if mode == "sparse":
+            keep, texts = _batch_rows(batch, errors, t, str)
+            hits = index.search_text(texts, k, allow=allow) if keep else []
+        elif mode == "dense":
+            keep, vecs = _batch_rows(batch, errors, q, np.ndarray)
+            mat = np.stack(vecs).astype(np.float32, copy=False) if keep else None
+            hits = [] if mat is None else (index.search(mat, k) if allow is None else
+                                           index.search(mat, k, allow=allow))
+        else:
+            keep, rows = each_record(batch, errors, lambda r: (_typed(r, q, np.ndarray),
+                                                               _typed(r, t, str)), FieldError)
+            hits = index.hybrid_search(
+                np.stack([v for v, _ in rows]).astype(np.float32, copy=False),
+                [x for _, x in rows], k, fusion=fusion, allow=allow) if keep else []
         return [{**r, out: h} for r, h in zip(keep, hits, strict=True)]
 
     return OpRuntime("map", batch_fn=batch_fn, max_batch=params["max_batch"])
@@ -124,13 +197,21 @@ def _build_retrieve(params: dict, contract: Any) -> OpRuntime:
 register(OpDef(
     "retrieve", "map", _build_retrieve,
     (Param("index", (str,), required=True, want="an index name (see tailrace ingest) or path"),
-     Param("query", (str,), required=True, want="a vector field written by an embed stage"),
+     Param("query", (str,), want="a vector field written by an embed stage"),
      count_param("k", 5),
      Param("output", (str,), default="passages", want="a field name"),
      Param("embedder", (str,), want=ENGINE_HINT),
-     count_param("max_batch", 256)),
-    batchable=True, blocking=True, fields=lambda p: _io(p, (p["query"],)),
-    prepare=_prepare_retrieve, doc="top-k passages from a vector index"))
+     count_param("max_batch", 256),
+     Param("mode", (str,), default="dense", want="one of dense, sparse, hybrid",
+           check=lambda v: v in MODES),
+     Param("text", (str,), want="the field holding the query text (sparse, hybrid)"),
+     Param("fusion", (dict,), want="a mapping like {k: 60, dense: 1.0, sparse: 1.0}"),
+     Param("filter", (dict,), want="a mapping of document field to condition, like "
+           "{path: {in: [a.md]}, page: {gte: 2}}")),
+    batchable=True, blocking=True,
+    fields=lambda p: _io(p, (p.get("query") or "", p.get("text") or "")),
+    prepare=_prepare_retrieve,
+    doc="top-k passages from an index: dense, BM25 (sparse) or both fused (hybrid)"))
 
 
 # -- rerank ---------------------------------------------------------------------------
