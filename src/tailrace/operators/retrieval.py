@@ -215,12 +215,13 @@ register(OpDef(
 
 
 # -- rerank ---------------------------------------------------------------------------
-def mmr(query: Any, docs: Any, k: int, diversity: float) -> list[int]:
+def mmr(query: Any, docs: Any, k: int, diversity: float, rel: Any = None) -> list[int]:
     """Maximal marginal relevance: indices of ``k`` docs balancing relevance to the
-    query against similarity to the docs already chosen (vectors unit-norm)."""
+    query against similarity to the docs already chosen (vectors unit-norm); ``rel``:
+    the relevance of each doc if not its cosine with ``query`` (e.g. a scorer's)."""
     import numpy as np
 
-    rel = docs @ query
+    rel = docs @ query if rel is None else np.asarray(rel, np.float32)
     chosen: list[int] = []
     left = list(range(len(docs)))
     while left and len(chosen) < k:
@@ -232,47 +233,100 @@ def mmr(query: Any, docs: Any, k: int, diversity: float) -> list[int]:
     return chosen
 
 
+def _unit(scores: Any) -> Any:
+    """Scores scaled to 0..1 (all equal: all 1), so MMR can weigh them against cosines."""
+    import numpy as np
+
+    s = np.asarray(scores, np.float32)
+    span = float(s.max() - s.min()) if len(s) else 0.0
+    return (s - s.min()) / span if span > 0 else np.ones_like(s)
+
+
+def _scores(scorer: Any, query: str, texts: list[str]) -> list[float]:
+    """``scorer(query, texts)`` checked: one number per text."""
+    out = list(scorer(query, texts))
+    if len(out) != len(texts) or not all(isinstance(x, int | float) for x in out):
+        raise TailraceError(f"the rerank scorer must return one number per passage; got "
+                            f"{len(out)} values for {len(texts)} passages")
+    return [float(x) for x in out]
+
+
 def _build_rerank(params: dict, contract: Any) -> OpRuntime:
     import numpy as np
 
-    engine = open_engine(params["_engine"])
+    engine = open_engine(params["_engine"]) if params.get("_engine") else None
+    scorer = params.get("scorer")
     inp, q, out = params["input"], params["query"], params["output"] or params["input"]
-    k, div = params["k"], params["diversity"]
+    k = params["k"]
+    div = params["diversity"] if params["diversity"] is not None else 0.3
+
+    def _query(r: Any) -> Any:
+        v = get_field(r, q)
+        if scorer is not None and not isinstance(v, str):
+            raise FieldError(f"field '{q}' must be text (the scorer reads the question), "
+                             f"got {type(v).__name__}")
+        return v
 
     def batch_fn(batch: list, errors: list) -> list:
-        keep, rows = each_record(batch, errors, lambda r: (_typed(r, inp, list), get_field(r, q)),
-                                 FieldError)  # rows: (passages, query)
-        texts = [p.get("text", "") for ps, _ in rows for p in ps]
-        vecs = engine.embed(texts) if texts else np.zeros((0, 1), np.float32)
-        qtexts = [x for _, x in rows if isinstance(x, str)]
-        qvecs = iter(engine.embed(qtexts)) if qtexts else iter(())
+        keep, rows = each_record(batch, errors, lambda r: (_typed(r, inp, list),
+                                                           _query(r)), FieldError)
+        vecs: Any = None
+        qvecs: Any = iter(())
+        if engine is not None:  # one embed call for every passage of the batch
+            texts = [p.get("text", "") for ps, _ in rows for p in ps]
+            vecs = engine.embed(texts) if texts else np.zeros((0, 1), np.float32)
+            qtexts = [x for _, x in rows if isinstance(x, str)]
+            qvecs = iter(engine.embed(qtexts)) if qtexts else iter(())
         result, i = [], 0
         for r, (ps, query) in zip(keep, rows, strict=True):
+            n = min(k, len(ps))
+            rel: list[float] = (_scores(scorer, query, [str(p.get("text", "")) for p in ps])
+                                if scorer is not None and ps else [])
+            if vecs is None:  # a scorer alone: sort by its scores
+                order = sorted(range(len(ps)), key=lambda j: -rel[j])[:n]
+                result.append({**r, out: [{**ps[j], "rerank_score": rel[j]} for j in order]})
+                continue
             qv = next(qvecs) if isinstance(query, str) else np.asarray(query, np.float32)
             dv = vecs[i:i + len(ps)]
             i += len(ps)
-            order = mmr(qv, dv, min(k, len(ps)), div) if len(ps) else []
-            ranked = [{**ps[j], "rerank_score": float(dv[j] @ qv)} for j in order]
+            order = mmr(qv, dv, n, div, _unit(rel) if rel else None) if len(ps) else []
+            ranked = [{**ps[j], "rerank_score": rel[j] if rel else float(dv[j] @ qv)}
+                      for j in order]
             result.append({**r, out: ranked})
         return result
 
     return OpRuntime("map", batch_fn=batch_fn, max_batch=params["max_batch"])
 
 
+def _prepare_rerank(params: dict, ctx: LinkContext) -> dict:
+    if not params.get("engine") and params.get("scorer") is None:
+        raise ValueError("rerank needs 'engine' (an embedding engine: MMR by cosine), "
+                         "'scorer' (a function (question, texts) -> scores, e.g. a "
+                         "cross-encoder) or both (scorer relevance, MMR diversity)")
+    if not params.get("engine") and params.get("diversity") is not None:
+        raise ValueError("'diversity' needs 'engine' (an embedding engine measures how "
+                         "alike passages are); drop it or add the engine")
+    if params.get("engine"):
+        link_engine(params, ctx, "embed")
+    return params
+
+
 register(OpDef(
     "rerank", "map", _build_rerank,
-    (Param("engine", (str,), required=True, want=ENGINE_HINT),
+    (Param("engine", (str,), want=ENGINE_HINT),
      Param("input", (str,), required=True, want="a passages field (from retrieve)"),
      Param("query", (str,), required=True, want="the question text or query vector field"),
      count_param("k", 5),
-     Param("diversity", (int, float), default=0.3, want="a number from 0 to 1",
+     Param("diversity", (int, float), want="a number from 0 to 1 (default 0.3)",
            check=lambda v: 0 <= v <= 1),
      Param("output", (str,), want="a field name"),
-     count_param("max_batch", 64)),
+     count_param("max_batch", 64),
+     Param("scorer", (str,), callable=True,
+           want="a function (question, texts) -> one relevance score per text")),
     batchable=True, blocking=True,
     fields=lambda p: ((p["input"], p["query"]), (p.get("output") or p["input"],)),
-    prepare=lambda p, ctx: link_engine(p, ctx, "embed"),
-    doc="re-order passages by similarity with MMR diversity"))
+    prepare=_prepare_rerank,
+    doc="re-order passages: a scorer's relevance and/or embedding MMR diversity"))
 
 
 # -- refine ---------------------------------------------------------------------------
@@ -331,9 +385,17 @@ class Packer:
         return " ".join(words[:lo]) + " ..." if lo else ""
 
 
+def _prepare_refine(params: dict, ctx: LinkContext) -> dict:
+    if params.get("source_fields") and not params.get("sources"):
+        raise ValueError("'source_fields' says what each source holds; add 'sources' (the "
+                         "field to write them to)")
+    return link_token_counter(params, ctx)
+
+
 def _build_refine(params: dict, contract: Any) -> OpRuntime:
     packer = Packer(params["max_tokens"], params["dedup"], token_counter(params))
     inp, out, src = params["input"], params["output"], params.get("sources")
+    cite = params.get("source_fields")
 
     def batch_fn(batch: list, errors: list) -> list:
         keep, lists = _batch_rows(batch, errors, inp, list)
@@ -341,7 +403,9 @@ def _build_refine(params: dict, contract: Any) -> OpRuntime:
         for r, passages in zip(keep, lists, strict=True):
             context, kept = packer.pack(passages)
             rec = {**r, out: context}
-            if src:
+            if src and cite:  # where each kept passage came from: {title, path, page, ...}
+                rec[src] = [{f: p[f] for f in cite if f in p} for p in kept]
+            elif src:
                 rec[src] = [p.get("title", "") for p in kept]
             result.append(rec)
         return result
@@ -357,11 +421,14 @@ register(OpDef(
      Param("dedup", (int, float), default=0.8, want="a Jaccard threshold from 0 to 1",
            check=lambda v: 0 <= v <= 1),
      Param("sources", (str,), want="a field name for the kept passages' titles"),
+     Param("source_fields", (list,), want="a list of passage fields to cite, like "
+           "[title, path, page, heading]",
+           check=lambda v: bool(v) and all(isinstance(f, str) for f in v)),
      Param("engine", (str,), want="a generation engine (its tokenizer counts tokens)")),
     blocking=True,
     fields=lambda p: ((p["input"],), (p["output"],) + ((p["sources"],) if p.get("sources")
                                                         else ())),
-    prepare=link_token_counter, doc="pack passages into a token budget"))
+    prepare=_prepare_refine, doc="pack passages into a token budget"))
 
 
 # -- select ---------------------------------------------------------------------------
