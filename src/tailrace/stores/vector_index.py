@@ -23,7 +23,7 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,7 @@ class Selection:
     rows: Any  # int64 array of the kept rows
     selector: Any  # faiss IDSelectorBitmap over ``mask`` (holds ``bitmap`` alive)
     bitmap: Any
+    vectors: dict = field(default_factory=dict)  # "rows": their vectors, once needed
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -218,8 +219,9 @@ class VectorIndex:
             scores, ids = self._index.search(matrix, want, params=params)
             short = (ids < 0).any(axis=1)
             if short.any():  # the HNSW graph walk ran out of allowed nodes: exact over them
-                sub = self._index.reconstruct_batch(allow.rows)
-                sims = matrix[short] @ sub.T
+                if "rows" not in allow.vectors:  # kept for the next short walk
+                    allow.vectors["rows"] = self._index.reconstruct_batch(allow.rows)
+                sims = matrix[short] @ allow.vectors["rows"].T
                 top = self._top(sims, want)
                 ids[short] = allow.rows[top]
                 scores[short] = self._take(sims, top)
