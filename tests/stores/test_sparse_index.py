@@ -110,3 +110,9 @@ def test_hybrid_search_fuses_dense_and_sparse_rankings():
 
     [hits] = idx.hybrid_search(vecs[3], ["marsupial"], 1, fusion=Fusion(dense=0.1))
     assert [h["title"] for h in hits] == ["Kangaroo"]
+
+
+def test_a_chunks_heading_is_searched_with_its_text():
+    chunks = [{"title": "Serving", "heading": "Prometheus metrics", "text": "GET the page."},
+              {"title": "Serving", "heading": "Streaming", "text": "Tokens as produced."}]
+    assert [i for i, _ in SparseIndex.build(chunks).search(["prometheus"], 2)[0]] == [0]

@@ -1,12 +1,13 @@
-"""A BM25 keyword index over documents' ``title`` and ``text``, and rank fusion.
+"""A BM25 keyword index over documents' ``title``, ``heading`` and ``text``; rank fusion.
 
 ``SparseIndex`` wraps ``bm25s`` (imported on first use): ``build`` tokenizes (lowercased
 words, English stop words removed) and indexes the documents in their order, so a
 document's position is its row in the dense index beside it. It keeps two BM25 fields,
-like a search engine's field boost: ``title. text`` and the title alone; a document's
-score is ``bm25(title. text) + title_weight * bm25(title)``, so a question naming an
-entity finds that entity's page even when its text is long (on the FanOutQA-in-wiki
-set, title_weight 2 lifts BM25 recall@10 from 0.830 to 0.961; bench/RESULTS.md).
+like a search engine's field boost: ``title. heading. text`` and the title alone; a
+document's score is ``bm25(title. heading. text) + title_weight * bm25(title)``, so a
+question naming an entity finds that entity's page even when its text is long (on the
+FanOutQA-in-wiki set, title_weight 2 lifts BM25 recall@10 from 0.830 to 0.961;
+bench/RESULTS.md).
 ``save``/``load`` keep it in a folder with a ``sparse.json`` naming the tokenizer and
 the document count, so a stale or foreign folder is detected. ``search`` scores every
 document and keeps the top k of those an optional mask allows (a filter applied inside
@@ -24,7 +25,7 @@ from typing import Any
 
 from ..errors import StoreError
 
-TOKENIZER = "bm25s-lower-en-stopwords-title-v2"  # what ``build`` does; in sparse.json
+TOKENIZER = "bm25s-lower-en-stopwords-title-heading-v3"  # what ``build`` does; in sparse.json
 TITLE_WEIGHT = 2.0
 
 
@@ -38,8 +39,10 @@ def _bm25s() -> Any:
 
 
 def doc_text(doc: dict) -> str:
-    """What BM25 indexes of a document: its title and text."""
-    return f"{doc.get('title', '')}. {doc.get('text', '')}"
+    """What BM25 indexes of a document: its title, its heading (a chunk's section, when
+    ingest recorded one) and its text."""
+    parts = (doc.get("title"), doc.get("heading"), doc.get("text"))
+    return ". ".join(str(p) for p in parts if p)
 
 
 def _bm25(texts: list[str]) -> Any:
@@ -61,14 +64,14 @@ class SparseIndex:
     """BM25 scores of documents (rows ``0..n-1``) for keyword queries."""
 
     def __init__(self, body: Any, title: Any, count: int) -> None:
-        """Wrap the ``bm25s.BM25`` of ``title. text`` and of titles over ``count``
+        """Wrap the ``bm25s.BM25`` of ``doc_text`` and of titles over ``count``
         documents (None: no document holds a word there); use ``build`` or ``load``."""
         self._fields = {"body": body, "title": title}
         self._count = count
 
     @classmethod
     def build(cls, docs: Sequence[dict]) -> SparseIndex:
-        """Index each doc's ``title`` and ``text`` (row i: ``docs[i]``)."""
+        """Index each doc's ``doc_text`` and ``title`` (row i: ``docs[i]``)."""
         return cls(_bm25([doc_text(d) for d in docs]),
                    _bm25([str(d.get("title", "")) for d in docs]), len(docs))
 
@@ -109,7 +112,7 @@ class SparseIndex:
 
     def scores(self, query: str, title_weight: float = TITLE_WEIGHT) -> Any:
         """BM25 score of every document for ``query`` (float32 array, 0: no shared word):
-        of ``title. text`` plus ``title_weight`` times that of the title."""
+        of ``doc_text`` plus ``title_weight`` times that of the title."""
         import numpy as np
 
         toks = _tokens([query])[0]
