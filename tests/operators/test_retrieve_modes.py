@@ -112,3 +112,19 @@ def test_bad_retrieve_params_fail_at_compile_time_with_one_line(params, message)
             f"  - {{id: r, op: retrieve, {extra}}}\n")
     with pytest.raises(tr.PlanError, match=re.escape(f"p.yaml:5: stage 'r': {message}") + "$"):
         tr.compile_pipeline(loads_pipeline(text, "p.yaml"))
+
+
+@pytest.mark.parametrize("runtime", ["local", "ray"])
+def test_hybrid_with_a_filter_on_both_runtimes(index, runtime, request):
+    if runtime == "ray":
+        request.getfixturevalue("ray_session")
+    p = tr.Pipeline("r")
+    (p.source(fields=["q", "v"])
+     .apply("retrieve", id="ret", index=index, mode="hybrid", query="v", text="q", k=5,
+            filter={"path": {"in": ["geo/au.md", "geo/earth.md"]}},
+            fusion={"dense": 1.0, "sparse": 3.0})
+     .sink())
+    result = tr.run(p, input=[{"v": axis(3), "q": "harbour"}], runtime=runtime)
+    assert not result.errors
+    assert [h["title"] for h in result.outputs[0]["passages"]][:2] == ["Sydney", "Volcano"]
+    assert "Kangaroo" not in [h["title"] for h in result.outputs[0]["passages"]]
