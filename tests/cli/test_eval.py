@@ -68,3 +68,29 @@ def test_eval_without_an_index_is_a_clear_error(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("tailrace: error: no index at ") and err.endswith(
         "; build it with `tailrace ingest`")
+
+
+@pytest.mark.engine
+def test_eval_reports_dense_sparse_and_hybrid(tailrace_home, tmp_path, capsys):
+    report = tmp_path / "r.json"
+    assert main(["eval", "--limit", "20", "--retrieval-only", "--mode", "all",
+                 "--fusion", "k=30,sparse=0.5", "--json", str(report)]) == 0
+    out = capsys.readouterr().out
+    for mode in ("dense ", "sparse", "hybrid"):
+        assert f"  {mode} retrieval recall@10:" in out
+    assert "reciprocal rank fusion k=30, weights dense 1 sparse 0.5, top 50 of each" in out
+    r = json.loads(report.read_text())
+    assert [m["mode"] for m in r["modes"]] == ["dense", "sparse", "hybrid"]
+    assert r["fusion"] == {"k": 30, "dense": 1.0, "sparse": 0.5, "candidates": 50}
+    assert r["recall_at_k"] == r["modes"][0]["recall_at_k"]  # the first mode, as before
+    assert all(0 <= m["recall_at_k"] <= 1 and 0 <= m["mrr_at_k"] <= 1 for m in r["modes"])
+
+
+@pytest.mark.parametrize("fusion,message", [
+    ("k=60,sparse", "--fusion: 'sparse' is not KEY=NUMBER; give e.g. k=60,dense=1,sparse=0.5"),
+    ("k=60,weight=2", "unknown fusion key(s) weight; known: k, dense, sparse, candidates"),
+])
+def test_eval_refuses_a_bad_fusion_in_one_line(tailrace_home, capsys, fusion, message):
+    assert main(["eval", "--retrieval-only", "--mode", "hybrid", "--fusion", fusion]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

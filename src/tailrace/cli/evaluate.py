@@ -2,7 +2,9 @@
 
 The questions are the leaf sub-questions of the FanOutQA dev set whose evidence page
 is in the indexed corpus (558 with the bundled corpus). Reported:
-- retrieval recall@k and MRR@k of the evidence page, with the index's own embedder;
+- retrieval recall@k and MRR@k of the evidence page, with the index's own embedder, for
+  each asked retrieve mode (dense, sparse BM25, hybrid: both fused by reciprocal rank;
+  default: the pipeline's);
 - answer accuracy of the RAG pipeline (every normalised gold answer found in the
   normalised generated answer as whole tokens: "1" is in "the answer is 1." but not in
   "9.71"; see ``stores.corpus.answer_correct``), and the same for a no-retrieval
@@ -31,7 +33,7 @@ BASELINE_SYSTEM = "Answer the question with a short phrase."
 class EvalReport:
     questions: int
     k: int
-    recall_at_k: float
+    recall_at_k: float  # of the first mode in ``modes``
     mrr_at_k: float
     rag_accuracy: float | None
     baseline_accuracy: float | None
@@ -39,15 +41,28 @@ class EvalReport:
     embedder: str
     seconds: float
     details: tuple[dict, ...] = ()
+    modes: tuple[dict, ...] = ()  # {"mode", "recall_at_k", "mrr_at_k"} per evaluated mode
+    fusion: dict | None = None  # the hybrid fusion used
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def retrieval_metrics(index: Any, engine: Any, qs: list[EvalQuestion],
-                      k: int) -> tuple[float, float]:
-    """(recall@k, MRR@k) of each question's evidence page title."""
-    hits = index.search(engine.embed([q.question for q in qs]), k)
+def retrieval_metrics(index: Any, engine: Any, qs: list[EvalQuestion], k: int, *,
+                      mode: str = "dense", fusion: Any = None,
+                      allow: Any = None) -> tuple[float, float]:
+    """(recall@k, MRR@k) of each question's evidence page title, searching ``index`` in
+    ``mode`` (dense, sparse or hybrid with ``fusion``; ``allow``: a filter's selection)."""
+    from ..stores.vector_index import Fusion
+
+    texts = [q.question for q in qs]
+    if mode == "sparse":
+        hits = index.search_text(texts, k, allow=allow)
+    elif mode == "dense":
+        hits = index.search(engine.embed(texts), k, allow=allow)
+    else:
+        hits = index.hybrid_search(engine.embed(texts), texts, k, fusion=fusion or Fusion(),
+                                   allow=allow)
     recall = mrr = 0.0
     for q, h in zip(qs, hits, strict=True):
         titles = [d["title"] for d in h]
@@ -104,7 +119,12 @@ def baseline_pipeline(gen: Any, llm: dict[str, Any]) -> Pipeline:
 
 
 def evaluate(pipeline_path: str, *, k: int = 10, limit: int | None = None,
-             answers: bool = True, llm_model: str | None = None) -> EvalReport:
+             answers: bool = True, llm_model: str | None = None,
+             modes: tuple[str, ...] | None = None, fusion: dict | None = None) -> EvalReport:
+    """Evaluate the pipeline's retrieval in ``modes`` (default: its retrieve stage's mode;
+    ``fusion``: hybrid weights, default the stage's) and, with ``answers``, its answers."""
+    from ..operators.retrieval import MODES, fusion_of
+    from ..stores.filters import compile_filter
     from ..stores.vector_index import VectorIndex
 
     t0 = time.perf_counter()
@@ -119,7 +139,22 @@ def evaluate(pipeline_path: str, *, k: int = 10, limit: int | None = None,
         raise PlanError("no evaluation question has its evidence page in this index",
                         where=pipeline_path)
     embedder = open_engine({"backend": "onnx", "model": index.model})
-    recall, mrr = retrieval_metrics(index, embedder, qs, k)
+    modes = modes or (retrieve.params.get("mode") or "dense",)
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise PlanError(f"unknown retrieve mode(s) {', '.join(bad)}; known: "
+                        f"{', '.join(MODES)} (or all)", where=pipeline_path)
+    try:
+        fused = fusion_of(fusion if fusion is not None else retrieve.params.get("fusion") or {})
+    except ValueError as e:
+        raise PlanError(str(e), where=pipeline_path) from None
+    where = retrieve.params.get("filter")
+    allow = index.select(compile_filter(where)) if where else None
+    per_mode: list[dict[str, Any]] = []
+    for m in modes:
+        r, rr = retrieval_metrics(index, embedder, qs, k, mode=m, fusion=fused, allow=allow)
+        per_mode.append({"mode": m, "recall_at_k": r, "mrr_at_k": rr})
+    recall, mrr = per_mode[0]["recall_at_k"], per_mode[0]["mrr_at_k"]
     rag = base = None
     llm = None
     details: list[dict] = []
@@ -136,13 +171,21 @@ def evaluate(pipeline_path: str, *, k: int = 10, limit: int | None = None,
         rag, base = _accuracy(rag_answers, qs), _accuracy(base_answers, qs)
         details = _details(qs, rag_answers, base_answers)
     return EvalReport(len(qs), k, recall, mrr, rag, base, llm, index.model,
-                      time.perf_counter() - t0, tuple(details))
+                      time.perf_counter() - t0, tuple(details), tuple(per_mode),
+                      asdict(fused) if "hybrid" in modes else None)
 
 
 def format_report(r: EvalReport) -> str:
     lines = [f"{r.questions} FanOutQA dev sub-questions with their evidence page in the "
-             f"index (embedder {r.embedder})",
-             f"  retrieval recall@{r.k}: {r.recall_at_k:.3f}   MRR@{r.k}: {r.mrr_at_k:.3f}"]
+             f"index (embedder {r.embedder})"]
+    for m in r.modes or ({"mode": "dense", "recall_at_k": r.recall_at_k,
+                          "mrr_at_k": r.mrr_at_k},):
+        lines.append(f"  {m['mode']:<6} retrieval recall@{r.k}: {m['recall_at_k']:.3f}   "
+                     f"MRR@{r.k}: {m['mrr_at_k']:.3f}")
+    if r.fusion:
+        f = r.fusion
+        lines.append(f"  (hybrid: reciprocal rank fusion k={f['k']}, weights dense "
+                     f"{f['dense']:g} sparse {f['sparse']:g}, top {f['candidates']} of each)")
     if r.rag_accuracy is not None:
         lines.append(f"  answer accuracy ({r.llm}): RAG {r.rag_accuracy:.3f}   "
                      f"no-retrieval baseline {r.baseline_accuracy:.3f}")

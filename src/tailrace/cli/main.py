@@ -17,7 +17,7 @@ from .. import __version__
 from ..api.pipeline import Pipeline
 from ..api.records import ErrorRecord
 from ..compiler import FORMATS, compile_pipeline
-from ..errors import RunInterrupted, TailraceError
+from ..errors import PlanError, RunInterrupted, TailraceError
 from ..observability import format_stats
 from ..runtime import run as run_plan
 
@@ -75,6 +75,10 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--k", type=int, default=10, help="retrieval depth for recall/MRR")
     e.add_argument("--limit", type=int, help="evaluate only the first N questions")
     e.add_argument("--retrieval-only", action="store_true", help="skip answer generation")
+    e.add_argument("--mode", choices=["dense", "sparse", "hybrid", "all"],
+                   help="retrieve mode(s) to measure (default: the pipeline's; all: each)")
+    e.add_argument("--fusion", metavar="K=V,...",
+                   help="hybrid fusion, e.g. k=60,dense=1,sparse=0.5,candidates=50")
     e.add_argument("--llm", help="override the generation model (e.g. gemma3-270m)")
     e.add_argument("--json", metavar="FILE", help="also write the report as JSON")
     e.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -138,13 +142,33 @@ def _eval(args: argparse.Namespace) -> int:
     if path is None:
         with resources.as_file(resources.files("tailrace.demo") / "wiki-qa.yaml") as p:
             path = str(p)
+    modes = (("dense", "sparse", "hybrid") if args.mode == "all" else
+             (args.mode,) if args.mode else None)
     report = evaluate(path, k=args.k, limit=args.limit, answers=not args.retrieval_only,
-                      llm_model=args.llm)
+                      llm_model=args.llm, modes=modes, fusion=_fusion_arg(args.fusion))
     print(format_report(report))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(report.to_dict(), f, indent=2)
     return 0
+
+
+def _fusion_arg(text: str | None) -> dict | None:
+    """``--fusion k=60,dense=1,sparse=0.5`` as a mapping (numbers parsed); PlanError if
+    malformed (the keys and values are checked by the evaluation)."""
+    if text is None:
+        return None
+    out: dict[str, float | int] = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        try:
+            if not sep:
+                raise ValueError
+            out[key.strip()] = int(value) if value.strip().isdigit() else float(value)
+        except ValueError:
+            raise PlanError(f"--fusion: '{part}' is not KEY=NUMBER; give e.g. "
+                            "k=60,dense=1,sparse=0.5") from None
+    return out
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -83,13 +83,68 @@ def index_dir(name: str) -> str:
     return str(home() / "indexes" / name)
 
 
+MODES = ("dense", "sparse", "hybrid")
+FUSION_KEYS = ("k", "dense", "sparse", "candidates")
+
+
+def fusion_of(spec: Any) -> Any:
+    """A ``Fusion`` from a stage's ``fusion:`` mapping (missing keys: defaults); ValueError
+    naming the key that is wrong."""
+    from ..stores.vector_index import Fusion
+
+    if not isinstance(spec, dict):
+        raise ValueError(f"'fusion' must be a mapping like {{k: 60, dense: 1.0, sparse: 1.0, "
+                         f"candidates: 50}}, got {spec!r}")
+    bad = [str(k) for k in spec if k not in FUSION_KEYS]
+    if bad:
+        raise ValueError(f"unknown fusion key(s) {', '.join(bad)}; known: "
+                         f"{', '.join(FUSION_KEYS)}")
+    for key in ("k", "candidates"):
+        v = spec.get(key, 1)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"fusion '{key}' must be a positive integer, got {v!r}")
+    for key in ("dense", "sparse"):
+        v = spec.get(key, 1.0)
+        if not isinstance(v, int | float) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"fusion '{key}' (a weight) must be a number >= 0, got {v!r}")
+    f = Fusion(**spec)
+    if f.dense == 0 and f.sparse == 0:
+        raise ValueError("fusion weights 'dense' and 'sparse' are both 0; give one > 0")
+    return f
+
+
 def _prepare_retrieve(params: dict, ctx: LinkContext) -> dict:
-    """Find the embedding model of the stage that wrote the query vector."""
+    """Check the mode's fields, fusion and filter; find the embedding model of the stage
+    that wrote the query vector."""
+    from ..stores.filters import compile_filter
+
+    mode = params["mode"]
+    if mode not in MODES:
+        raise ValueError(f"unknown retrieve mode '{mode}'; known: {', '.join(MODES)}")
+    if mode != "sparse" and not params.get("query"):
+        raise ValueError(f"mode {mode} needs 'query' (a vector field written by an embed "
+                         "stage)")
+    if mode != "dense" and not params.get("text"):
+        raise ValueError(f"mode {mode} needs 'text' (the field holding the query text, "
+                         "for BM25)")
+    if mode == "sparse" and params.get("query"):
+        raise ValueError("mode sparse searches words only; drop 'query' or use mode: hybrid")
+    if mode == "dense" and params.get("text"):
+        raise ValueError("mode dense searches vectors only; drop 'text' or use mode: hybrid")
+    if params.get("fusion") is not None:
+        if mode != "hybrid":
+            raise ValueError(f"'fusion' applies to mode hybrid, not {mode}")
+        fusion_of(params["fusion"])
+    if params.get("filter") is not None:
+        compile_filter(params["filter"])
+    if params["index"].startswith("live:") and (mode != "dense" or params.get("filter")):
+        raise ValueError("a live index searches dense vectors without filters; use a saved "
+                         "index (tailrace ingest) for sparse, hybrid or filtered retrieval")
     model = None
     if params.get("embedder"):
         params = link_engine(params, ctx, "embed", key="embedder")
         model = params["_embedder"].get("model")
-    else:
+    elif params.get("query"):
         for _, op, wparams in ctx.writers.get(params["query"], []):
             if op == "embed" and wparams.get("engine") in ctx.engines:
                 model = ctx.engines[wparams["engine"]].get("model")
@@ -100,8 +155,10 @@ def _prepare_retrieve(params: dict, ctx: LinkContext) -> dict:
 def _build_retrieve(params: dict, contract: Any) -> OpRuntime:
     import numpy as np
 
-    from ..stores.vector_index import VectorIndex
+    from ..stores.filters import compile_filter
+    from ..stores.vector_index import Fusion, VectorIndex
 
+    mode = params["mode"]
     if params["index"].startswith("live:"):  # a live index that semantic_state stages update
         from ..stores.live_index import open_live_index
 
@@ -109,13 +166,29 @@ def _build_retrieve(params: dict, contract: Any) -> OpRuntime:
         index.expect_model(params.get("_model"))
     else:
         index = VectorIndex.open(index_dir(params["index"]), expect_model=params.get("_model"))
-    q, k, out = params["query"], params["k"], params["output"]
+        if mode != "dense":
+            index.sparse()  # load (or build) the BM25 index now, not on the first record
+    allow = index.select(compile_filter(params["filter"])) if params.get("filter") else None
+    fusion = fusion_of(params["fusion"]) if params.get("fusion") is not None else Fusion()
+    q: str = params.get("query") or ""
+    t: str = params.get("text") or ""
+    k, out = params["k"], params["output"]
 
     def batch_fn(batch: list, errors: list) -> list:
-        keep, vecs = _batch_rows(batch, errors, q, np.ndarray)
-        if not keep:
-            return []
-        hits = index.search(np.stack(vecs).astype(np.float32, copy=False), k)
+        if mode == "sparse":
+            keep, texts = _batch_rows(batch, errors, t, str)
+            hits = index.search_text(texts, k, allow=allow) if keep else []
+        elif mode == "dense":
+            keep, vecs = _batch_rows(batch, errors, q, np.ndarray)
+            mat = np.stack(vecs).astype(np.float32, copy=False) if keep else None
+            hits = [] if mat is None else (index.search(mat, k) if allow is None else
+                                           index.search(mat, k, allow=allow))
+        else:
+            keep, rows = each_record(batch, errors, lambda r: (_typed(r, q, np.ndarray),
+                                                               _typed(r, t, str)), FieldError)
+            hits = index.hybrid_search(
+                np.stack([v for v, _ in rows]).astype(np.float32, copy=False),
+                [x for _, x in rows], k, fusion=fusion, allow=allow) if keep else []
         return [{**r, out: h} for r, h in zip(keep, hits, strict=True)]
 
     return OpRuntime("map", batch_fn=batch_fn, max_batch=params["max_batch"])
@@ -124,22 +197,31 @@ def _build_retrieve(params: dict, contract: Any) -> OpRuntime:
 register(OpDef(
     "retrieve", "map", _build_retrieve,
     (Param("index", (str,), required=True, want="an index name (see tailrace ingest) or path"),
-     Param("query", (str,), required=True, want="a vector field written by an embed stage"),
+     Param("query", (str,), want="a vector field written by an embed stage"),
      count_param("k", 5),
      Param("output", (str,), default="passages", want="a field name"),
      Param("embedder", (str,), want=ENGINE_HINT),
-     count_param("max_batch", 256)),
-    batchable=True, blocking=True, fields=lambda p: _io(p, (p["query"],)),
-    prepare=_prepare_retrieve, doc="top-k passages from a vector index"))
+     count_param("max_batch", 256),
+     Param("mode", (str,), default="dense", want="one of dense, sparse, hybrid",
+           check=lambda v: v in MODES),
+     Param("text", (str,), want="the field holding the query text (sparse, hybrid)"),
+     Param("fusion", (dict,), want="a mapping like {k: 60, dense: 1.0, sparse: 1.0}"),
+     Param("filter", (dict,), want="a mapping of document field to condition, like "
+           "{path: {in: [a.md]}, page: {gte: 2}}")),
+    batchable=True, blocking=True,
+    fields=lambda p: _io(p, (p.get("query") or "", p.get("text") or "")),
+    prepare=_prepare_retrieve,
+    doc="top-k passages from an index: dense, BM25 (sparse) or both fused (hybrid)"))
 
 
 # -- rerank ---------------------------------------------------------------------------
-def mmr(query: Any, docs: Any, k: int, diversity: float) -> list[int]:
+def mmr(query: Any, docs: Any, k: int, diversity: float, rel: Any = None) -> list[int]:
     """Maximal marginal relevance: indices of ``k`` docs balancing relevance to the
-    query against similarity to the docs already chosen (vectors unit-norm)."""
+    query against similarity to the docs already chosen (vectors unit-norm); ``rel``:
+    the relevance of each doc if not its cosine with ``query`` (e.g. a scorer's)."""
     import numpy as np
 
-    rel = docs @ query
+    rel = docs @ query if rel is None else np.asarray(rel, np.float32)
     chosen: list[int] = []
     left = list(range(len(docs)))
     while left and len(chosen) < k:
@@ -151,47 +233,100 @@ def mmr(query: Any, docs: Any, k: int, diversity: float) -> list[int]:
     return chosen
 
 
+def _unit(scores: Any) -> Any:
+    """Scores scaled to 0..1 (all equal: all 1), so MMR can weigh them against cosines."""
+    import numpy as np
+
+    s = np.asarray(scores, np.float32)
+    span = float(s.max() - s.min()) if len(s) else 0.0
+    return (s - s.min()) / span if span > 0 else np.ones_like(s)
+
+
+def _scores(scorer: Any, query: str, texts: list[str]) -> list[float]:
+    """``scorer(query, texts)`` checked: one number per text."""
+    out = list(scorer(query, texts))
+    if len(out) != len(texts) or not all(isinstance(x, int | float) for x in out):
+        raise TailraceError(f"the rerank scorer must return one number per passage; got "
+                            f"{len(out)} values for {len(texts)} passages")
+    return [float(x) for x in out]
+
+
 def _build_rerank(params: dict, contract: Any) -> OpRuntime:
     import numpy as np
 
-    engine = open_engine(params["_engine"])
+    engine = open_engine(params["_engine"]) if params.get("_engine") else None
+    scorer = params.get("scorer")
     inp, q, out = params["input"], params["query"], params["output"] or params["input"]
-    k, div = params["k"], params["diversity"]
+    k = params["k"]
+    div = params["diversity"] if params["diversity"] is not None else 0.3
+
+    def _query(r: Any) -> Any:
+        v = get_field(r, q)
+        if scorer is not None and not isinstance(v, str):
+            raise FieldError(f"field '{q}' must be text (the scorer reads the question), "
+                             f"got {type(v).__name__}")
+        return v
 
     def batch_fn(batch: list, errors: list) -> list:
-        keep, rows = each_record(batch, errors, lambda r: (_typed(r, inp, list), get_field(r, q)),
-                                 FieldError)  # rows: (passages, query)
-        texts = [p.get("text", "") for ps, _ in rows for p in ps]
-        vecs = engine.embed(texts) if texts else np.zeros((0, 1), np.float32)
-        qtexts = [x for _, x in rows if isinstance(x, str)]
-        qvecs = iter(engine.embed(qtexts)) if qtexts else iter(())
+        keep, rows = each_record(batch, errors, lambda r: (_typed(r, inp, list),
+                                                           _query(r)), FieldError)
+        vecs: Any = None
+        qvecs: Any = iter(())
+        if engine is not None:  # one embed call for every passage of the batch
+            texts = [p.get("text", "") for ps, _ in rows for p in ps]
+            vecs = engine.embed(texts) if texts else np.zeros((0, 1), np.float32)
+            qtexts = [x for _, x in rows if isinstance(x, str)]
+            qvecs = iter(engine.embed(qtexts)) if qtexts else iter(())
         result, i = [], 0
         for r, (ps, query) in zip(keep, rows, strict=True):
+            n = min(k, len(ps))
+            rel: list[float] = (_scores(scorer, query, [str(p.get("text", "")) for p in ps])
+                                if scorer is not None and ps else [])
+            if vecs is None:  # a scorer alone: sort by its scores
+                order = sorted(range(len(ps)), key=lambda j: -rel[j])[:n]
+                result.append({**r, out: [{**ps[j], "rerank_score": rel[j]} for j in order]})
+                continue
             qv = next(qvecs) if isinstance(query, str) else np.asarray(query, np.float32)
             dv = vecs[i:i + len(ps)]
             i += len(ps)
-            order = mmr(qv, dv, min(k, len(ps)), div) if len(ps) else []
-            ranked = [{**ps[j], "rerank_score": float(dv[j] @ qv)} for j in order]
+            order = mmr(qv, dv, n, div, _unit(rel) if rel else None) if len(ps) else []
+            ranked = [{**ps[j], "rerank_score": rel[j] if rel else float(dv[j] @ qv)}
+                      for j in order]
             result.append({**r, out: ranked})
         return result
 
     return OpRuntime("map", batch_fn=batch_fn, max_batch=params["max_batch"])
 
 
+def _prepare_rerank(params: dict, ctx: LinkContext) -> dict:
+    if not params.get("engine") and params.get("scorer") is None:
+        raise ValueError("rerank needs 'engine' (an embedding engine: MMR by cosine), "
+                         "'scorer' (a function (question, texts) -> scores, e.g. a "
+                         "cross-encoder) or both (scorer relevance, MMR diversity)")
+    if not params.get("engine") and params.get("diversity") is not None:
+        raise ValueError("'diversity' needs 'engine' (an embedding engine measures how "
+                         "alike passages are); drop it or add the engine")
+    if params.get("engine"):
+        link_engine(params, ctx, "embed")
+    return params
+
+
 register(OpDef(
     "rerank", "map", _build_rerank,
-    (Param("engine", (str,), required=True, want=ENGINE_HINT),
+    (Param("engine", (str,), want=ENGINE_HINT),
      Param("input", (str,), required=True, want="a passages field (from retrieve)"),
      Param("query", (str,), required=True, want="the question text or query vector field"),
      count_param("k", 5),
-     Param("diversity", (int, float), default=0.3, want="a number from 0 to 1",
+     Param("diversity", (int, float), want="a number from 0 to 1 (default 0.3)",
            check=lambda v: 0 <= v <= 1),
      Param("output", (str,), want="a field name"),
-     count_param("max_batch", 64)),
+     count_param("max_batch", 64),
+     Param("scorer", (str,), callable=True,
+           want="a function (question, texts) -> one relevance score per text")),
     batchable=True, blocking=True,
     fields=lambda p: ((p["input"], p["query"]), (p.get("output") or p["input"],)),
-    prepare=lambda p, ctx: link_engine(p, ctx, "embed"),
-    doc="re-order passages by similarity with MMR diversity"))
+    prepare=_prepare_rerank,
+    doc="re-order passages: a scorer's relevance and/or embedding MMR diversity"))
 
 
 # -- refine ---------------------------------------------------------------------------
@@ -250,9 +385,17 @@ class Packer:
         return " ".join(words[:lo]) + " ..." if lo else ""
 
 
+def _prepare_refine(params: dict, ctx: LinkContext) -> dict:
+    if params.get("source_fields") and not params.get("sources"):
+        raise ValueError("'source_fields' says what each source holds; add 'sources' (the "
+                         "field to write them to)")
+    return link_token_counter(params, ctx)
+
+
 def _build_refine(params: dict, contract: Any) -> OpRuntime:
     packer = Packer(params["max_tokens"], params["dedup"], token_counter(params))
     inp, out, src = params["input"], params["output"], params.get("sources")
+    cite = params.get("source_fields")
 
     def batch_fn(batch: list, errors: list) -> list:
         keep, lists = _batch_rows(batch, errors, inp, list)
@@ -260,7 +403,9 @@ def _build_refine(params: dict, contract: Any) -> OpRuntime:
         for r, passages in zip(keep, lists, strict=True):
             context, kept = packer.pack(passages)
             rec = {**r, out: context}
-            if src:
+            if src and cite:  # where each kept passage came from: {title, path, page, ...}
+                rec[src] = [{f: p[f] for f in cite if f in p} for p in kept]
+            elif src:
                 rec[src] = [p.get("title", "") for p in kept]
             result.append(rec)
         return result
@@ -276,11 +421,14 @@ register(OpDef(
      Param("dedup", (int, float), default=0.8, want="a Jaccard threshold from 0 to 1",
            check=lambda v: 0 <= v <= 1),
      Param("sources", (str,), want="a field name for the kept passages' titles"),
+     Param("source_fields", (list,), want="a list of passage fields to cite, like "
+           "[title, path, page, heading]",
+           check=lambda v: bool(v) and all(isinstance(f, str) for f in v)),
      Param("engine", (str,), want="a generation engine (its tokenizer counts tokens)")),
     blocking=True,
     fields=lambda p: ((p["input"],), (p["output"],) + ((p["sources"],) if p.get("sources")
                                                         else ())),
-    prepare=link_token_counter, doc="pack passages into a token budget"))
+    prepare=_prepare_refine, doc="pack passages into a token budget"))
 
 
 # -- select ---------------------------------------------------------------------------

@@ -1,27 +1,69 @@
 """A faiss vector index saved to disk together with its documents and metadata.
 
 Vectors are expected L2-normalised, so inner product is cosine similarity. A saved index
-is a directory of three files: ``index.faiss`` (the faiss index), ``docs.jsonl`` (one
-document per vector, in insertion order) and ``meta.json`` (format version, embedding
-model, dim, kind, count, fingerprint, efSearch). ``save`` writes a new version folder
-beside the target (``NAME.vNNNNNN/``), fsyncs it and then switches the link ``NAME`` to it
-(see ``atomic``), so a crash at any instant leaves the old or the new index, never half
-of one or none. faiss and numpy are imported on first use.
+is a directory of ``index.faiss`` (the faiss index), ``docs.jsonl`` (one document per
+vector, in insertion order), ``meta.json`` (format version, embedding model, dim, kind,
+count, fingerprint, efSearch) and ``sparse/``, a BM25 index over each document's title,
+heading and text (``sparse_index``; an index saved before it had one builds it on first
+keyword search and caches it there). ``save`` writes a new version folder beside the
+target (``NAME.vNNNNNN/``), fsyncs it and then switches the link ``NAME`` to it (see
+``atomic``), so a crash at any instant leaves the old or the new index, never half of
+one or none. faiss and numpy are imported on first use.
+
+Three searches: ``search`` (dense: cosine of the query vectors), ``search_text`` (sparse:
+BM25 of the query words) and ``hybrid_search`` (both, fused by weighted reciprocal rank,
+``Fusion``). Each takes ``allow``, a ``Selection`` made by ``select(filter)``, and searches
+only the documents it holds, so k hits come back whenever k of them match.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import StoreError
 from .atomic import current, replace_dir
+from .filters import Filter
 from .live_store import faiss as _faiss
+from .sparse_index import SparseIndex, rrf
+
+log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 KINDS = ("flat", "hnsw")
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """How ``hybrid_search`` fuses the dense and the sparse ranking: each document scores
+    ``dense / (k + dense rank) + sparse / (k + sparse rank)`` over the top ``candidates`` of
+    each (a document missing from a ranking gets nothing from it)."""
+
+    k: int = 60
+    dense: float = 1.0
+    sparse: float = 1.0
+    candidates: int = 50
+
+
+@dataclass(frozen=True, eq=False)
+class Selection:
+    """The documents a filter keeps, ready for the searches (``VectorIndex.select``)."""
+
+    filter: Filter
+    mask: Any  # bool array over rows
+    rows: Any  # int64 array of the kept rows
+    selector: Any  # faiss IDSelectorBitmap over ``mask`` (holds ``bitmap`` alive)
+    bitmap: Any
+    vectors: dict = field(default_factory=dict)  # "rows": their vectors, once needed
+
+    def __len__(self) -> int:
+        return len(self.rows)
 
 
 def _corrupt(where: Path, what: str) -> StoreError:
@@ -42,6 +84,8 @@ class VectorIndex:
         self._kind = kind
         self._ef_search = ef_search
         self._fingerprint = fingerprint
+        self._sparse: SparseIndex | None = None
+        self._dir: Path | None = None  # the version folder ``open`` read (sparse cache)
 
     @classmethod
     def create(cls, dim: int, *, model: str, kind: str = "flat", hnsw_m: int = 32,
@@ -133,19 +177,134 @@ class VectorIndex:
                 raise StoreError(f"doc {i} is not JSON-serialisable: {e}") from None
         self._index.add(matrix)
         self._docs.extend(dict(d) for d in docs)
+        self._dir = None  # no longer what the saved folder holds
 
-    def search(self, queries: Any, k: int) -> list[list[dict]]:
-        """Per query (float32 ``(n, dim)`` or ``(dim,)``, rows L2-normalised), up to ``k``
-        hits ``{"score": cosine, **doc}``, best first (fewer while the index holds fewer)."""
-        matrix = self._matrix(queries, "queries")
-        if not isinstance(k, int) or k < 1:
+    def _check_k(self, k: Any) -> None:
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise StoreError(f"k must be a positive integer, got {k!r}")
-        if len(self) == 0:
+
+    def select(self, where: Filter) -> Selection:
+        """The documents ``where`` keeps (a ``filters.compile_filter`` result), for the
+        searches' ``allow``; computed once, reused by every search."""
+        import numpy as np
+
+        mask = where.mask(self._docs)
+        bitmap = np.packbits(mask, bitorder="little")
+        selector = _faiss().IDSelectorBitmap(bitmap)
+        return Selection(where, mask, np.flatnonzero(mask), selector, bitmap)
+
+    def search(self, queries: Any, k: int, *, allow: Selection | None = None) -> list[list[dict]]:
+        """Per query (float32 ``(n, dim)`` or ``(dim,)``, rows L2-normalised), up to ``k``
+        hits ``{"score": cosine, **doc}``, best first (fewer while the index, or ``allow``,
+        holds fewer)."""
+        return [[{"score": s, **self._docs[i]} for i, s in row]
+                for row in self.search_rows(queries, k, allow=allow)]
+
+    def search_rows(self, queries: Any, k: int, *,
+                    allow: Selection | None = None) -> list[list[tuple[int, float]]]:
+        """``search`` as ``(row, cosine)`` pairs."""
+        matrix = self._matrix(queries, "queries")
+        self._check_k(k)
+        n = len(self) if allow is None else len(allow)
+        if n == 0:
             return [[] for _ in range(len(matrix))]
-        scores, ids = self._index.search(matrix, min(k, len(self)))
-        return [[{"score": float(s), **self._docs[i]}
-                 for s, i in zip(srow, irow, strict=True) if i >= 0]  # -1: no hit
+        want = min(k, n)
+        if allow is None:
+            scores, ids = self._index.search(matrix, want)
+        else:
+            faiss = _faiss()
+            params = (faiss.SearchParametersHNSW(sel=allow.selector,
+                                                 efSearch=max(self._ef_search, want))
+                      if self._kind == "hnsw" else faiss.SearchParameters(sel=allow.selector))
+            scores, ids = self._index.search(matrix, want, params=params)
+            short = (ids < 0).any(axis=1)
+            if short.any():  # the HNSW graph walk ran out of allowed nodes: exact over them
+                if "rows" not in allow.vectors:  # kept for the next short walk
+                    allow.vectors["rows"] = self._index.reconstruct_batch(allow.rows)
+                sims = matrix[short] @ allow.vectors["rows"].T
+                top = self._top(sims, want)
+                ids[short] = allow.rows[top]
+                scores[short] = self._take(sims, top)
+        return [[(int(i), float(s)) for s, i in zip(srow, irow, strict=True) if i >= 0]
                 for srow, irow in zip(scores.tolist(), ids.tolist(), strict=True)]
+
+    @staticmethod
+    def _top(sims: Any, k: int) -> Any:
+        import numpy as np
+
+        part = np.argpartition(-sims, k - 1, axis=1)[:, :k]
+        order = np.argsort(-np.take_along_axis(sims, part, axis=1), axis=1, kind="stable")
+        return np.take_along_axis(part, order, axis=1)
+
+    @staticmethod
+    def _take(sims: Any, top: Any) -> Any:
+        import numpy as np
+
+        return np.take_along_axis(sims, top, axis=1)
+
+    def sparse(self) -> SparseIndex:
+        """The BM25 index over the documents: loaded from the saved ``sparse/`` folder, or
+        built (and cached there when the folder is writable)."""
+        if self._sparse is not None and len(self._sparse) == len(self._docs):
+            return self._sparse
+        found = None
+        if self._dir is not None:
+            found = SparseIndex.load(self._dir / "sparse", len(self._docs))
+        if found is None:
+            found = SparseIndex.build(self._docs)
+            if self._dir is not None:
+                self._cache_sparse(found, self._dir)
+        self._sparse = found
+        return found
+
+    @staticmethod
+    def _cache_sparse(sparse: SparseIndex, where: Path) -> None:
+        """Write ``sparse`` to ``where/sparse`` (a temp folder renamed into place; a stale
+        one, e.g. of an older tokenizer, moved away first)."""
+        tmp = old = None
+        try:
+            tmp = Path(tempfile.mkdtemp(prefix=".sparse-", dir=where))
+            os.chmod(tmp, 0o755)
+            sparse.save(tmp)
+            if (where / "sparse").exists():
+                old = Path(tempfile.mkdtemp(prefix=".sparse-old-", dir=where))
+                os.replace(where / "sparse", old / "sparse")
+            os.replace(tmp, where / "sparse")
+        except OSError as e:  # e.g. a read-only index: search works, rebuilt next open
+            log.warning("could not cache the BM25 index in %s (%s); it is rebuilt on each "
+                        "open", where, e)
+        finally:
+            for leftover in (tmp, old):
+                if leftover is not None and leftover.exists():
+                    shutil.rmtree(leftover, ignore_errors=True)
+
+    def search_text(self, texts: list[str], k: int, *,
+                    allow: Selection | None = None) -> list[list[dict]]:
+        """Per query text, up to ``k`` hits ``{"score": BM25, **doc}``, best first, among
+        the documents sharing a word with it (and held by ``allow``)."""
+        self._check_k(k)
+        rows = self.sparse().search(texts, k, None if allow is None else allow.mask)
+        return [[{"score": s, **self._docs[i]} for i, s in row] for row in rows]
+
+    def hybrid_search(self, queries: Any, texts: list[str], k: int, *,
+                      fusion: Fusion = Fusion(),
+                      allow: Selection | None = None) -> list[list[dict]]:
+        """Per query (its vector in ``queries`` and its words in ``texts``), up to ``k``
+        hits ``{"score": fused, **doc}``: the dense and sparse top ``fusion.candidates``
+        fused by weighted reciprocal rank, best first."""
+        self._check_k(k)
+        if len(texts) != len(self._matrix(queries, "queries")):
+            raise StoreError(f"hybrid_search got {len(self._matrix(queries, 'queries'))} "
+                             f"query vectors but {len(texts)} query texts")
+        depth = max(k, fusion.candidates)
+        dense = self.search_rows(queries, depth, allow=allow)
+        sparse = self.sparse().search(texts, depth, None if allow is None else allow.mask)
+        out = []
+        for d, s in zip(dense, sparse, strict=True):
+            fused = rrf([[i for i, _ in d], [i for i, _ in s]], [fusion.dense, fusion.sparse],
+                        fusion.k, top=k)
+            out.append([{"score": sc, **self._docs[i]} for i, sc in fused])
+        return out
 
     def save(self, directory: str | os.PathLike[str], *, fingerprint: str = "") -> Path:
         """Write the index to ``directory``, replacing any index there only once complete;
@@ -162,7 +321,10 @@ class VectorIndex:
                     f.write(json.dumps(doc, ensure_ascii=False) + "\n")
             with open(tmp / "meta.json", "w", encoding="utf-8") as f:
                 json.dump(meta, f, indent=2)
+            self._sparse = SparseIndex.build(self._docs)
+            self._sparse.save(tmp / "sparse")
         self._fingerprint = fingerprint
+        self._dir = current(target)
         return target
 
     @classmethod
@@ -205,8 +367,10 @@ class VectorIndex:
         ef_search = int(meta.get("ef_search", 64))
         if kind == "hnsw":
             index.hnsw.efSearch = ef_search
-        return cls(index, docs, model=model, kind=kind, ef_search=ef_search,
-                   fingerprint=str(meta.get("fingerprint", "")))
+        opened = cls(index, docs, model=model, kind=kind, ef_search=ef_search,
+                     fingerprint=str(meta.get("fingerprint", "")))
+        opened._dir = found
+        return opened
 
 
 def _read_docs(path: Path, where: Path) -> list[dict]:
