@@ -365,3 +365,108 @@ def test_the_cache_is_bounded_by_its_streams_and_stays_correct(reuse, no_reuse):
 def test_bad_cache_options_are_refused(kw, message):
     with pytest.raises(EngineError, match=message):
         LlamaCppEngine("smollm2-135m-instruct", n_threads=1, n_ctx=64, n_seq_max=1, **kw)
+
+
+# -- priorities inside the engine (a deterministic schedule: the decode loop is held in a
+# token callback while requests queue, then let go) ---------------------------------------
+class Hold:
+    """A token callback that blocks the decode loop at its ``at``-th piece until released."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.n = at, 0
+        self.reached, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, i: int, piece: str) -> None:
+        self.n += 1
+        if self.n == self.at:
+            self.reached.set()
+            assert self.release.wait(60)
+
+
+def started(order: list, name: str):
+    def cb(i: int, piece: str) -> None:
+        if name not in order:
+            order.append(name)
+    return cb
+
+
+def run_bg(eng, req, cb, out: dict, name: str) -> threading.Thread:
+    t = threading.Thread(target=lambda: out.__setitem__(name, eng.generate([req], cb)[0]))
+    t.start()
+    return t
+
+
+def queued(eng, n: int) -> None:
+    deadline = time.monotonic() + 30
+    while len(eng._inbox) < n:
+        assert time.monotonic() < deadline, "requests never reached the engine"
+        time.sleep(0.005)
+
+
+@pytest.fixture(scope="module")
+def one_slot():
+    """One decoding slot and one spare stream (where a paused sequence keeps its KV)."""
+    eng = LlamaCppEngine("smollm2-135m-instruct", n_threads=2, n_ctx=256, n_seq_max=1,
+                         cache_sequences=1)
+    yield eng
+    eng.close()
+
+
+def test_waiting_requests_start_by_class_then_arrival(one_slot):
+    hold = Hold(2)
+    out: dict = {}
+    order: list = []
+    first = run_bg(one_slot, chat(QUESTIONS[0], max_tokens=6), hold, out, "first")
+    assert hold.reached.wait(60)
+    one_slot_preempt = one_slot.preemptions
+    threads = []
+    for name, prio in [("low-a", 0), ("low-b", 0), ("high", 2), ("low-c", 0)]:
+        threads.append(run_bg(one_slot, chat(QUESTIONS[1], max_tokens=2, priority=prio),
+                              started(order, name), out, name))
+        queued(one_slot, len(threads))
+    # the first request decodes at class 0: a class-2 request preempts it (one spare
+    # stream), the rest wait by class, then in arrival order
+    hold.release.set()
+    for t in [first, *threads]:
+        t.join(60)
+    assert order == ["high", "low-a", "low-b", "low-c"]
+    assert one_slot.preemptions == one_slot_preempt + 1
+    assert out["first"] == one_slot.generate([chat(QUESTIONS[0], max_tokens=6)])[0]
+
+
+def test_a_preempted_sequence_resumes_with_the_same_answer(one_slot):
+    low = chat(QUESTIONS[3], max_tokens=24)
+    alone = one_slot.generate([low])[0]
+    hold = Hold(3)
+    out: dict = {}
+    t_low = run_bg(one_slot, low, hold, out, "low")
+    assert hold.reached.wait(60)
+    before = one_slot.preemptions
+    t_high = run_bg(one_slot, chat(QUESTIONS[4], max_tokens=6, priority=1), None, out,
+                    "high")
+    queued(one_slot, 1)
+    hold.release.set()
+    t_high.join(60)
+    assert "low" not in out  # paused while the urgent one ran to its end
+    t_low.join(60)
+    assert one_slot.preemptions == before + 1
+    assert out["low"] == alone  # resumed from its kept KV: the same greedy answer
+    assert out["high"] == one_slot.generate([chat(QUESTIONS[4], max_tokens=6)])[0]
+
+
+def test_without_a_spare_stream_an_urgent_request_waits_its_turn():
+    eng = LlamaCppEngine("smollm2-135m-instruct", n_threads=2, n_ctx=256, n_seq_max=1)
+    try:
+        hold = Hold(2)
+        out: dict = {}
+        t_low = run_bg(eng, chat(QUESTIONS[0], max_tokens=8), hold, out, "low")
+        assert hold.reached.wait(60)
+        t_high = run_bg(eng, chat(QUESTIONS[1], max_tokens=2, priority=2), None, out, "high")
+        queued(eng, 1)
+        hold.release.set()
+        t_low.join(60)
+        assert "high" not in out or eng.preemptions == 0
+        t_high.join(60)
+        assert eng.preemptions == 0 and out["high"].completion_tokens == 2
+    finally:
+        eng.close()

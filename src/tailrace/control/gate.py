@@ -23,6 +23,7 @@ from typing import Any
 
 from ..engines.tokens import CHARS_PER_TOKEN, approx_tokens
 from .admission import AdmissionPolicy, AdmissionRejected, Rejection, Request, Ticket
+from .slo import rank_of
 
 
 def approx_prompt_tokens(record: Any) -> int:
@@ -103,6 +104,15 @@ class AdmissionGate:
                     # delivered, but the cancellation reached this task first
                     self._give_back(fut.result())
             raise
+
+    def urgency(self, ticket: Ticket) -> tuple[int, float]:
+        """``(class, deadline)`` of an admitted request for the engines it calls: its
+        own priority class or its pipeline's (as an int, higher is more urgent) and its
+        deadline in wall-clock seconds (``time.time()``: engines may run elsewhere)."""
+        req = ticket.request
+        rank = (rank_of(req.priority) if req.priority is not None
+                else self.policy.slo_for(req.pipeline).rank)
+        return rank, time.time() + (ticket.deadline - self._clock())
 
     def done(self, ticket: Ticket, service_seconds: float | None = None) -> None:
         """The work ``admit`` let in left the pipeline: free its capacity, admit who fits.

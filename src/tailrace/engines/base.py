@@ -33,6 +33,10 @@ class GenerationRequest:
     # by ``structured.check_response_format`` ({"type": "json_object"} or {"type":
     # "json_schema", "json_schema": {"name", "schema", ...}}); None: free text. Engines
     # whose ``response_formats`` lacks its type refuse the request
+    priority: int = 0  # the request's admission class (higher is more urgent): engines
+    # that schedule (llama.cpp) start, prefill and preempt by it
+    deadline: float | None = None  # wall-clock seconds (time.time()) it is due by;
+    # earlier first within a class
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,8 @@ grammar decides where the JSON ends). Constrained and free sequences share each 
 from __future__ import annotations
 
 import ctypes
+import heapq
+import itertools
 import logging
 import math
 import os
@@ -125,6 +127,13 @@ class _Seq:
     n_gen: int = 0
     row: int = -1  # batch index whose logits belong to this sequence (-1: none)
     cached: int = 0  # prompt tokens whose KV came from the prefix cache
+    priority: int = 0  # the request's class: higher is more urgent
+    deadline: float = math.inf  # wall-clock seconds (EDF within a class)
+    order: int = 0  # arrival order (FIFO within a class and deadline)
+
+    def rank(self) -> tuple[int, float, int]:
+        """Sort key: most urgent first."""
+        return -self.priority, self.deadline, self.order
 
     def __post_init__(self) -> None:
         self.n_prompt = len(self.prompt)
@@ -221,6 +230,7 @@ class LlamaCppEngine:
         self.cache_lookups = 0  # requests started (prompt tokens: cache_prompt_tokens)
         self.cache_prompt_tokens = 0
         self.cache_hit_tokens = 0  # prompt tokens not computed: their KV was reused
+        self.preemptions = 0  # sequences paused for a more urgent request
 
         mparams = lib.llama_model_default_params()
         mparams.n_gpu_layers = 0
@@ -507,12 +517,22 @@ class LlamaCppEngine:
                 return -1
             return sample(masked, s.temperature, s.rng, s.top_p)
 
-        waiting: deque[tuple[_Call, int, GenerationRequest, list[int], Any]] = deque()
+        # requests not started: a heap by (class, deadline, arrival), most urgent first
+        waiting: list[tuple[tuple[int, float, int], tuple]] = []
+        paused: list[_Seq] = []  # preempted sequences: their KV stays in their stream
+        arrivals = itertools.count()
         inbox, lock = self._inbox, self._lock
+
+        def arrive(items: Any) -> None:
+            for item in items:
+                r = item[2]
+                deadline = r.deadline if r.deadline is not None else math.inf
+                heapq.heappush(waiting, ((-r.priority, deadline, next(arrivals)), item))
         kv, used = self._kv, self._used
         busy: set[int] = set()  # streams of active sequences
         active: list[_Seq] = []  # kept sorted by slot: llama.cpp splits per-seq streams
         chunk = self.prefill_chunk
+        n_streams = self.n_streams
         n_active_max, reuse = self.n_seq_max, self.prefix_cache  # into ubatches of
         seq_rm = lib.llama_memory_seq_rm  # consecutive seq ids
 
@@ -585,40 +605,79 @@ class LlamaCppEngine:
         try:
             while True:
                 with lock:
-                    waiting.extend(inbox)
+                    arrive(inbox)
                     inbox.clear()
-                    if not waiting and not active:
+                    if not waiting and not active and not paused:
                         self._looping = False
                         self._idle.set()
                         return
-                if waiting and len(active) < n_active_max:
-                    while waiting and len(active) < n_active_max:
-                        call, i, r, prompt, grammar = waiting.popleft()
-                        if call.error is not None:  # its call already failed
-                            if grammar is not None:
-                                free_grammar(grammar)
-                            continue
-                        rseed = r.seed if r.seed is not None else int(self._rng.integers(1 << 63))
-                        rng = np.random.default_rng(rseed) if r.temperature > 0 else None
-                        stream = TextStream(() if grammar is not None
-                                            else tuple(r.stop) + stops_default)
-                        tokens = np.asarray(prompt, dtype=np.int32)
-                        slot, hit = take_slot(tokens)
-                        self.cache_lookups += 1
-                        self.cache_prompt_tokens += len(tokens)
-                        self.cache_hit_tokens += hit
-                        active.append(_Seq(call, i, slot, tokens,
-                                           r.max_tokens, r.temperature, rng, stream,
-                                           r.top_p, r.presence_penalty, r.frequency_penalty,
-                                           {} if r.presence_penalty or r.frequency_penalty
-                                           else None, grammar, n_lp=0 if r.logprobs else -1,
-                                           fed=hit, pos=hit, cached=hit))
-                    active.sort(key=lambda s: s.slot)
-                    if not active:
+                # preemption: a more urgent request waits, every decoding slot is taken
+                # and a stream is spare: the least urgent sequence pauses, keeping its KV
+                while waiting and len(active) >= n_active_max and len(busy) < n_streams:
+                    victim = max(active, key=_Seq.rank)
+                    if -waiting[0][0][0] <= victim.priority:
+                        break
+                    active.remove(victim)
+                    paused.append(victim)
+                    self.preemptions += 1
+                changed = False
+                while len(active) < n_active_max and (waiting or paused):
+                    back = min(paused, key=_Seq.rank) if paused else None
+                    if back is not None and (not waiting or len(busy) >= n_streams
+                                             or back.rank() <= waiting[0][0]):
+                        paused.remove(back)  # resumes where it stopped
+                        active.append(back)
+                        changed = True
                         continue
+                    if len(busy) >= n_streams:
+                        break
+                    _, (call, i, r, prompt, grammar) = heapq.heappop(waiting)
+                    if call.error is not None:  # its call already failed
+                        if grammar is not None:
+                            free_grammar(grammar)
+                        continue
+                    rseed = r.seed if r.seed is not None else int(self._rng.integers(1 << 63))
+                    rng = np.random.default_rng(rseed) if r.temperature > 0 else None
+                    stream = TextStream(() if grammar is not None
+                                        else tuple(r.stop) + stops_default)
+                    tokens = np.asarray(prompt, dtype=np.int32)
+                    slot, hit = take_slot(tokens)
+                    self.cache_lookups += 1
+                    self.cache_prompt_tokens += len(tokens)
+                    self.cache_hit_tokens += hit
+                    active.append(_Seq(call, i, slot, tokens,
+                                       r.max_tokens, r.temperature, rng, stream,
+                                       r.top_p, r.presence_penalty, r.frequency_penalty,
+                                       {} if r.presence_penalty or r.frequency_penalty
+                                       else None, grammar, n_lp=0 if r.logprobs else -1,
+                                       fed=hit, pos=hit, cached=hit,
+                                       priority=r.priority,
+                                       deadline=(r.deadline if r.deadline is not None
+                                                 else math.inf),
+                                       order=next(arrivals)))
+                    changed = True
+                if changed:
+                    active.sort(key=lambda s: s.slot)
+                if not active:
+                    continue
+
+                # prefill: most urgent first; while a sequence of the top class decodes,
+                # less urgent prompts get one chunk a step in all (they yield the step)
+                top = max((s.priority for s in active if s.fed == s.n_prompt), default=None)
+                budget = n_batch - sum(1 for s in active if s.fed == s.n_prompt)
+                low = chunk if top is not None else budget
+                allot: dict[int, int] = {}
+                for s in sorted((s for s in active if s.fed < s.n_prompt), key=_Seq.rank):
+                    c = min(chunk, s.n_prompt - s.fed)
+                    below = top is not None and s.priority < top
+                    if c > budget or (below and c > low):
+                        continue
+                    allot[id(s)] = c
+                    budget -= c
+                    if below:
+                        low -= c
 
                 # one batch: the next token of every generating sequence, prompt chunks
-                budget = n_batch - sum(1 for s in active if s.fed == s.n_prompt)
                 n = 0
                 for s in active:
                     if s.fed == s.n_prompt:
@@ -629,9 +688,8 @@ class LlamaCppEngine:
                         s.row = n
                         s.pos += 1
                         n += 1
-                    elif budget >= min(chunk, s.n_prompt - s.fed):
-                        c = min(chunk, s.n_prompt - s.fed)
-                        budget -= c
+                    elif id(s) in allot:
+                        c = allot[id(s)]
                         end = n + c
                         tok[n:end] = s.prompt[s.fed:s.fed + c]
                         pos[n:end] = np.arange(s.fed, s.fed + c, dtype=np.int32)
@@ -703,17 +761,18 @@ class LlamaCppEngine:
             lib.llama_memory_clear(mem, True)
             kv[:] = [None] * len(kv)
             with lock:
-                waiting.extend(inbox)
+                arrive(inbox)
                 inbox.clear()
                 self._looping = False
                 self._idle.set()
+            active += paused
             for s in active:
                 if s.grammar is not None:
                     free_grammar(s.grammar)
                     s.grammar = None
             for call in {id(x.call): x.call for x in active}.values():
                 call.fail(e)
-            for call, *_, grammar in waiting:
+            for _, (call, *_, grammar) in waiting:
                 if grammar is not None:
                     free_grammar(grammar)
                 call.fail(e)

@@ -217,6 +217,16 @@ def stream_of(record: Any, out: str) -> Any:
     return s
 
 
+def with_urgency(kw: dict[str, Any], record: Any) -> dict[str, Any]:
+    """``kw`` plus the admitted request's class and deadline (the transient ``_urgent``
+    field, ``(class, wall-clock deadline)``, that admission gives a record), for engines
+    that schedule by them (docs/engines.md, "Priorities inside the engine")."""
+    u = record.get("_urgent") if type(record) is dict else None
+    if u is None:
+        return kw
+    return {**kw, "priority": u[0], "deadline": u[1]}
+
+
 def request_options(base: dict[str, Any], opts: dict | None,
                     frozen: frozenset[str]) -> dict[str, Any]:
     """The sampling settings of one request: the stage's ``base`` (``max_tokens``,
@@ -287,7 +297,7 @@ def _build_generate(params: dict, contract: Any) -> OpRuntime:
 
     def request(record: Any) -> GenerationRequest:
         text = prompt_text(template, inp, record)
-        kw = request_options(base, answering(record, out), frozen)
+        kw = with_urgency(request_options(base, answering(record, out), frozen), record)
         fmt = kw.get("response_format")
         if fmt is not None and fmt.get("type") not in enforced:
             raise EngineError(f"response_format '{fmt.get('type')}' cannot be enforced by "

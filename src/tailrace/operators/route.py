@@ -48,6 +48,7 @@ from .llm import (
     request_options,
     stream_of,
     template_fields,
+    with_urgency,
 )
 from .registry import LinkContext, OpDef, OpRuntime, Param, register
 
@@ -147,7 +148,8 @@ class _Target:
         text, eng = self.text(r), self.engine
         base = {"max_tokens": self.max_tokens, "temperature": self.temperature,
                 "stop": self.stop}
-        kw: dict[str, Any] = {**request_options(base, answering(r, self.out), self.frozen),
+        kw: dict[str, Any] = {**with_urgency(request_options(base, answering(r, self.out),
+                                                             self.frozen), r),
                               **({"logprobs": True} if _LOGPROBS else {})}
         limit = eng.context_length - self.max_tokens
         conv = r.get(self.conv_field) if self.conv_field and isinstance(r, dict) else None

@@ -148,9 +148,12 @@ class LocalRun:
     async def _admitted(self, data: Any, down: list[Channel], meter: StageMeter) -> None:
         """Admission at the source (``ingress.read_admitted``); an admitted record enters
         the plan carrying its ticket."""
+        urgency = getattr(self.admission, "urgency", None)
+
         async def send(x: Any, ticket: Any, born: float) -> None:
             self.tickets[id(ticket)] = [ticket, len(down)]
-            rec = [{**x, "_admission": ticket}]
+            rec = [{**x, "_admission": ticket, "_urgent": urgency(ticket)} if urgency
+                   else {**x, "_admission": ticket}]
             for ch in down:
                 if not ch.put_nowait(rec, born):
                     await ch.put(rec, born)
@@ -296,10 +299,10 @@ def _not_a_dict(x: Any) -> BaseException | None:
 
 
 def _strip_ticket(r: Any) -> Any:
-    """``r`` without its admission ticket (a copy: the same record may still be in
-    flight on another branch)."""
+    """``r`` without its admission ticket and class (a copy: the same record may still
+    be in flight on another branch)."""
     if isinstance(r, dict) and "_admission" in r:
-        return {k: v for k, v in r.items() if k != "_admission"}
+        return {k: v for k, v in r.items() if k not in ("_admission", "_urgent")}
     return r
 
 

@@ -566,6 +566,9 @@ class RayRun:
         run ends."""
         counter = count()
         gate = self.admission
+        # a served request carries its class and deadline to the engines (batch runs'
+        # records reach the caller's sinks: they get no transient field)
+        urgency = getattr(gate, "urgency", None) if self.drop_key is not None else None
         k = (max(1, min([ADMISSION_WAITS] + [link.window.size for link in links]))
              if self.drop_key is None else 1 << 20)
 
@@ -573,6 +576,8 @@ class RayRun:
             key = (i, next(counter))
             acks: list = []
             born = time.time() - (perf_counter() - arrived)  # latency counts the wait
+            if urgency is not None:
+                x = {**x, "_urgent": urgency(ticket)}
             records = [x] if self.drop_key is None else detach([x], self.drop_key, self.held)
             try:
                 await self._send(links, key, records, born, acks)
