@@ -17,7 +17,8 @@ def test_ingest_on_ray_builds_the_local_index(tmp_path, monkeypatch, ray_session
         (d / f"f{i}.md").write_text(f"# File {i}\n\n" + " ".join(
             f"Sentence {j} of file {i} is about turbines." for j in range(40)))
     (d / "bad.txt").write_bytes(b"\xff\xfe")
-    ray = ingest_files([str(d)], index="on-ray", runtime="ray", quiet=True, chunk_tokens=64, overlap=8)
+    ray = ingest_files([str(d)], index="on-ray", runtime="ray", quiet=True, chunk_tokens=64,
+                       overlap=8)
     local = ingest_files([str(d)], index="local", quiet=True, chunk_tokens=64, overlap=8)
     assert ray.embedded == local.embedded == 3
     assert [p for p, _ in ray.errors] == [f"{d}/bad.txt"]
