@@ -165,6 +165,18 @@ def test_missing_path_and_file_options_without_paths(home, capsys, tmp_path):
     assert "--include applies to files: give PATH..." in capsys.readouterr().err
 
 
+def test_other_file_types_are_counted_and_a_named_one_is_an_error(home, folder, capsys):
+    (folder / "image.png").write_bytes(b"\x89PNG")
+    (folder / "slides.pptx").write_bytes(b"PK")
+    assert main(["ingest", str(folder), "--index", "types", "-q"]) == 0
+    assert "; 2 files of other types left out" in capsys.readouterr().err
+    assert main(["ingest", str(folder / "slides.pptx"), str(folder / "note.txt"),
+                 "--index", "named", "-q"]) == 1
+    err = capsys.readouterr().err
+    assert f"tailrace: error: {folder}/slides.pptx: unsupported file type '.pptx'" in err
+    assert "2 files (1 embedded, 0 unchanged, 0 removed, 1 errors)" in err
+
+
 def test_plan_shows_the_ingest_pipeline(folder, capsys):
     assert main(["ingest", str(folder), "--plan"]) == 0
     out = capsys.readouterr().out

@@ -63,6 +63,7 @@ class FilesResult:
     errors: list[tuple[str, str]] = field(default_factory=list)
     built: bool = True
     seconds: float = 0.0
+    unsupported: int = 0  # files in the folders left out for their suffix
 
 
 def _matches(rel: str, patterns: list[str]) -> bool:
@@ -71,11 +72,14 @@ def _matches(rel: str, patterns: list[str]) -> bool:
 
 
 def discover(paths: list[str], include: list[str] | None = None,
-             exclude: list[str] | None = None) -> list[Path]:
-    """The files under ``paths`` (folders recursively, hidden entries skipped) with a
-    supported suffix, filtered by the include/exclude globs (on the path or the name),
-    sorted; StoreError when a path is missing or nothing matches."""
+             exclude: list[str] | None = None) -> tuple[list[Path], int]:
+    """The files to ingest under ``paths`` (folders recursively, hidden entries skipped;
+    a file named on its own is always taken, so an unsupported one becomes an error
+    record), filtered by the include/exclude globs (on the path or the name), sorted; and
+    how many files of the folders were left out for an unsupported suffix. StoreError
+    when a path is missing or nothing matches."""
     found: list[Path] = []
+    unsupported = 0
     for raw in paths:
         p = Path(raw)
         if not p.exists():
@@ -91,8 +95,10 @@ def discover(paths: list[str], include: list[str] | None = None,
                 continue
             if exclude and _matches(rel, exclude):
                 continue
-            if f.suffix.lower() in SUFFIXES or (p.is_file() and include):
+            if p.is_file() or f.suffix.lower() in SUFFIXES:
                 found.append(f)
+            else:
+                unsupported += 1
     files = sorted(set(found))
     if not files:
         what = ", ".join(paths)
@@ -100,7 +106,7 @@ def discover(paths: list[str], include: list[str] | None = None,
             (f" outside --exclude {' '.join(exclude)}" if exclude else "")
         raise StoreError(f"no files to ingest under {what}{globs} (supported: "
                          f"{', '.join(SUFFIXES)})")
-    return files
+    return files, unsupported
 
 
 def check_columns(files: list[Path], cols: Columns) -> None:
@@ -212,7 +218,22 @@ def ingest_files(paths: list[str], *, index: str, embedder: str = "minilm-l6-int
                  runtime: str = "local", force: bool = False, quiet: bool = False,
                  plan_only: bool = False, stream: Any = None) -> FilesResult | str:
     """Index the files under ``paths`` as ``index``; only new or changed files are embedded.
-    ``plan_only``: return the rendered plan and run nothing."""
+
+    paths:        files and folders (recursive).
+    index:        an index name (``$TAILRACE_HOME/indexes/NAME``) or a directory.
+    embedder:     the catalog ONNX embedding model (its tokenizer measures the chunks).
+    kind:         ``flat`` or ``hnsw`` faiss index.
+    include, exclude: globs on the path or the file name.
+    columns:      text and metadata fields of JSONL/JSON/CSV rows.
+    chunk_tokens, overlap: the chunker's budget and overlap, in embedder tokens.
+    runtime:      ``local`` or ``ray`` for the ingest pipeline.
+    force:        re-embed every file (the cache is ignored and rewritten).
+    quiet:        no progress bar and no stage table; ``stream``: where the error and
+                  summary lines go (default: stderr, or nowhere when quiet).
+    plan_only:    return the rendered plan and run nothing.
+    A file that cannot be read is in ``result.errors`` as ``(path, reason)``; StoreError
+    for bad arguments (a missing path, no files, a column a CSV file lacks).
+    """
     from ..compiler import compile_pipeline
     from ..engines.models import model_info
     from ..stores.vector_index import VectorIndex
@@ -223,7 +244,7 @@ def ingest_files(paths: list[str], *, index: str, embedder: str = "minilm-l6-int
     if plan_only:
         return str(compile_pipeline(pipeline).render("text"))
     info = model_info(embedder, "onnx")
-    files = discover(paths, include, exclude)
+    files, unsupported = discover(paths, include, exclude)
     check_columns(files, columns)
     out = Path(index_dir(index))
     cache = Path(f"{out}.files")
@@ -275,14 +296,16 @@ def ingest_files(paths: list[str], *, index: str, embedder: str = "minilm-l6-int
     idx.save(out, fingerprint=fingerprint if not errors else f"{fingerprint}-partial")
     documents = len({d["doc_id"] for d in idx.docs})
     res = FilesResult(str(out), len(files), len(todo) - len(errors), len(files) - len(todo),
-                      removed, documents, len(idx), errors, True, time.perf_counter() - t0)
+                      removed, documents, len(idx), errors, True, time.perf_counter() - t0,
+                      unsupported)
     for path, reason in errors:
         print(f"tailrace: error: {reason if reason.startswith(path) else f'{path}: {reason}'}",
               file=log)
     print(f"index '{index}': {res.files:,} files ({res.embedded:,} embedded, "
           f"{res.unchanged:,} unchanged, {removed:,} removed, {len(errors):,} errors), "
-          f"{documents:,} documents, "
-          f"{len(idx):,} chunks in {res.seconds:.1f}s -> {out}", file=log)
+          f"{documents:,} documents, {len(idx):,} chunks"
+          + (f"; {unsupported:,} files of other types left out" if unsupported else "")
+          + f" in {res.seconds:.1f}s -> {out}", file=log)
     return res
 
 
