@@ -97,3 +97,11 @@ def test_a_sentence_longer_than_the_budget_is_cut_at_token_boundaries(tok):
 def test_bad_settings_are_refused(kw, match):
     with pytest.raises(StoreError, match=match):
         Chunker(**kw)
+
+
+def test_windows_line_endings_keep_headings_and_paragraphs(tok):
+    text = DOC.replace("\n", "\r\n")
+    chunks = Chunker(max_tokens=30, overlap=0, tokenizer=tok).chunk(text, "Guide")
+    assert [c.heading for c in chunks] == ["Guide", "Guide", "Guide > Install",
+                                           "Guide > Install > Extras", "Other"]
+    assert chunks[0].text.endswith("has a queue.")

@@ -25,8 +25,8 @@ from ..errors import StoreError
 DEFAULT_CHUNK_TOKENS = 200
 DEFAULT_OVERLAP = 32
 
-_HEADING = re.compile(r"^(#{1,6})[ \t]+(.+?)[ \t#]*$", re.MULTILINE)
-_PARAGRAPH = re.compile(r"\n[ \t]*\n\s*")
+_HEADING = re.compile(r"^(#{1,6})[ \t]+(.+?)[ \t#\r]*$", re.MULTILINE)
+_PARAGRAPH = re.compile(r"\n[ \t\r]*\n\s*")
 _SENTENCE = re.compile(r"(?<=[.!?])[\"')\]]*\s+(?=\S)")
 
 
