@@ -159,3 +159,25 @@ def test_docs_qa_yaml_answers_from_tailrace_docs_with_citations(tmp_path):
     assert ray["sources"][0]["path"] == "docs/ray.md"
     assert all(set(s) == {"path", "heading"} for s in filt["sources"] + ray["sources"])
     assert filt["answer"].strip() and ray["answer"].strip()
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_docs_search_yaml_over_the_ingested_docs_folder(tmp_path):
+    """README "RAG over your own documents": ingest docs/, then ask examples/docs-search.yaml;
+    a second ingest embeds nothing."""
+    env = {**os.environ, "TAILRACE_HOME": str(tmp_path / "home")}
+    cli = [sys.executable, "-m", "tailrace.cli.main"]
+    first = subprocess.run([*cli, "ingest", "docs", "--index", "tailrace-docs"], cwd=ROOT,
+                           env=env, capture_output=True, text=True, check=True)
+    n_files = len([f for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md")])
+    assert f"{n_files} files ({n_files} embedded, 0 unchanged" in first.stderr
+    assert "embed" in first.stderr and "index_write" in first.stderr  # the stage table
+    again = subprocess.run([*cli, "ingest", "docs", "--index", "tailrace-docs"], cwd=ROOT,
+                           env=env, capture_output=True, text=True, check=True)
+    assert "index 'tailrace-docs' is up to date" in again.stderr
+    proc = subprocess.run([*cli, "run", "examples/docs-search.yaml", "-q"], cwd=ROOT, env=env,
+                          input='{"question": "How do I run a pipeline on Ray?"}\n',
+                          capture_output=True, text=True, check=True)
+    [row] = [json.loads(x) for x in proc.stdout.splitlines()]
+    assert row["sources"][0].startswith("docs/ray.md > ")

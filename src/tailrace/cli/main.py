@@ -60,14 +60,35 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--limit", type=int, help="index only the first N documents (quick try)")
     d.add_argument("--debug", action="store_true", help="show tracebacks")
 
-    g = sub.add_parser("ingest", help="build the vector index over the bundled corpus")
-    g.add_argument("--index", default="wiki", help="index name or directory (default: wiki)")
+    g = sub.add_parser("ingest", help="build a vector index over your files (or the bundled "
+                                      "corpus)")
+    g.add_argument("paths", nargs="*", metavar="PATH",
+                   help="files and folders (recursive) of .txt .md .html .pdf .jsonl .json "
+                        ".csv (default: the bundled Wikipedia corpus)")
+    g.add_argument("--index", help="index name or directory (default: wiki; required with PATH)")
     g.add_argument("--embedder", default="minilm-l6-int8",
                    help="embedding model: minilm-l6-int8 | minilm-l3")
     g.add_argument("--kind", default="flat", choices=["flat", "hnsw"], help="faiss index type")
     g.add_argument("--corpus", help="corpus file (default: the bundled Wikipedia summaries)")
     g.add_argument("--limit", type=int, help="index only the first N documents")
+    g.add_argument("--include", action="append", metavar="GLOB",
+                   help="only files matching GLOB (path or name; repeatable)")
+    g.add_argument("--exclude", action="append", metavar="GLOB",
+                   help="skip files matching GLOB (path or name; repeatable)")
+    g.add_argument("--text-columns", metavar="A,B",
+                   help="CSV/JSONL fields holding the text (default: text)")
+    g.add_argument("--metadata-columns", metavar="C,D",
+                   help="CSV/JSONL fields kept as metadata (default: all other fields)")
+    g.add_argument("--chunk-tokens", type=int, default=200,
+                   help="tokens per chunk, measured with the embedder's tokenizer (default 200)")
+    g.add_argument("--overlap", type=int, default=32,
+                   help="tokens repeated from the previous chunk (default 32)")
+    g.add_argument("--runtime", default="local", choices=["local", "ray"],
+                   help="run the ingest pipeline locally or on Ray")
+    g.add_argument("--plan", action="store_true",
+                   help="print the ingest pipeline's plan and run nothing")
     g.add_argument("--force", action="store_true", help="rebuild even if the cache is current")
+    g.add_argument("--quiet", "-q", action="store_true", help="only the summary line")
     g.add_argument("--debug", action="store_true", help="show tracebacks")
 
     e = sub.add_parser("eval", help="retrieval recall/MRR and answer accuracy on FanOutQA")
@@ -125,12 +146,50 @@ def load_plan(args: argparse.Namespace) -> Any:
     return compile_pipeline(Pipeline.from_yaml(args.pipeline), fuse=not args.no_fuse)
 
 
+def _columns(raw: str | None, opt: str) -> tuple[str, ...] | None:
+    if raw is None:
+        return None
+    names = tuple(c.strip() for c in raw.split(","))
+    if not all(names):
+        raise TailraceError(f"{opt}: give comma-separated column names like a,b, got {raw!r}")
+    return names
+
+
 def _ingest(args: argparse.Namespace) -> int:
     from .ingest import ingest
 
-    ingest(index=args.index, embedder=args.embedder, kind=args.kind, corpus=args.corpus,
-           limit=args.limit, force=args.force)
-    return 0
+    if not args.paths:
+        file_opts = [o for o, v in (("--include", args.include), ("--exclude", args.exclude),
+                                    ("--text-columns", args.text_columns),
+                                    ("--metadata-columns", args.metadata_columns),
+                                    ("--plan", args.plan or None)) if v]
+        if file_opts or args.runtime != "local":
+            raise TailraceError(f"{file_opts[0] if file_opts else '--runtime'} applies to "
+                                "files: give PATH... (files or folders to ingest)")
+        ingest(index=args.index or "wiki", embedder=args.embedder, kind=args.kind,
+               corpus=args.corpus, limit=args.limit, force=args.force, quiet=args.quiet)
+        return 0
+    from ..stores.loaders import Columns
+    from .ingest_files import ingest_files
+
+    if args.corpus or args.limit:
+        raise TailraceError(f"{'--corpus' if args.corpus else '--limit'} applies to the "
+                            "bundled corpus; with PATH... every file found is ingested")
+    if not args.index and not args.plan:
+        raise TailraceError("--index: name the index for your files (e.g. --index my-docs); "
+                            "the default 'wiki' holds the bundled corpus")
+    columns = Columns(_columns(args.text_columns, "--text-columns") or (),
+                      _columns(args.metadata_columns, "--metadata-columns"))
+    res = ingest_files(args.paths, index=args.index or "plan", embedder=args.embedder,
+                       kind=args.kind, include=args.include, exclude=args.exclude,
+                       columns=columns, chunk_tokens=args.chunk_tokens, overlap=args.overlap,
+                       runtime=args.runtime, force=args.force, quiet=args.quiet,
+                       plan_only=args.plan,
+                       stream=sys.stderr)
+    if isinstance(res, str):
+        print(res)
+        return 0
+    return 1 if res.errors else 0
 
 
 def _eval(args: argparse.Namespace) -> int:

@@ -33,3 +33,14 @@ def running_count(state: int | None, record: dict) -> tuple[int, int]:
     """Keyed state: how many records of this topic so far (including this one)."""
     n = (state or 0) + 1
     return n, n
+
+
+def citations(passages: list[dict]) -> list[str]:
+    """Where each retrieved chunk comes from: ``path > heading (p. N) score``."""
+    out = []
+    for p in passages:
+        where = " > ".join(x for x in (p.get("path", p.get("title", "")), p.get("heading"))
+                           if x)
+        page = f" (p. {p['page']})" if "page" in p else ""
+        out.append(f"{where}{page} [{p.get('score', 0):.2f}]")
+    return out

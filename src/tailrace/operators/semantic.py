@@ -15,6 +15,12 @@ time to embed and upsert one batch of at most ``max_batch`` lines. In follow mod
 stage holds its first records until the feeder has read the file to its end once, so
 those records see every document the file held when the run started.
 
+Long documents: with ``chunk_tokens: N`` each document is split by the chunker of
+``tailrace ingest`` (``stores/chunking.py``: headings, paragraphs, sentences; N tokens of
+the embedder's tokenizer) and stored as chunks ``ID#0``, ``ID#1``, ... carrying
+``doc_id``, ``heading``, ``start`` and ``end``; a new version of the document replaces all
+of its chunks, and ``deleted: true`` removes them all.
+
 State: the index logs every change before applying it and snapshots periodically
 (``snapshot_every_s``) and when the process exits; on restart it is restored from the
 snapshot plus the log, and a feeder resumes at the file offset saved with its last
@@ -61,6 +67,23 @@ class Ingester:
         self.model = params.get("_model")
         self.id, self.text, self.vector = params["doc_id"], params["text"], params.get("vector")
         self.time, self.delete = params.get("time"), params["delete"]
+        self.chunker = None
+        if params.get("chunk_tokens"):
+            from ..stores.chunking import Chunker
+
+            self.chunker = Chunker(self.model or "", max_tokens=params["chunk_tokens"],
+                                   overlap=params["chunk_overlap"])
+            self.title = params["title"]
+
+    def _stale(self, doc_id: Any, keep: int) -> list:
+        """Ids of a chunked document's stored chunks from number ``keep`` on (and of the
+        document stored whole)."""
+        out = [doc_id] if doc_id in self.index else []
+        j = keep
+        while f"{doc_id}#{j}" in self.index:
+            out.append(f"{doc_id}#{j}")
+            j += 1
+        return out
 
     def _change(self, r: Any) -> tuple[str, Any, Any, float | None]:
         """(action, id, text or vector, time) of one record; FieldError if malformed."""
@@ -94,7 +117,8 @@ class Ingester:
                 good += self._upsert(run, errors)
                 run = []
                 try:
-                    self.index.delete([change[1]])
+                    self.index.delete(self._stale(change[1], 0) if self.chunker
+                                      else [change[1]])
                     good.append(r)
                 except TailraceError as e:
                     errors.append((r, e))
@@ -114,10 +138,17 @@ class Ingester:
         docs = [{k: v for k, v in r.items() if not k.startswith("_") and k != self.vector}
                 for r, _ in run]
         times = [c[3] for _, c in run]
+        ids = [c[1] for _, c in run]
+        stale: list = []
         try:
+            if self.chunker is not None:
+                ids, payload, docs, times, stale = self._chunked(ids, payload, docs, times)
+
             vecs = (np.stack([np.asarray(v, dtype=np.float32) for v in payload])
                     if self.vector else self.engine.embed(payload))  # type: ignore[union-attr]
-            self.index.upsert([c[1] for _, c in run], vecs, docs, model=self.model,
+            if stale:
+                self.index.delete(stale)
+            self.index.upsert(ids, vecs, docs, model=self.model,
                               cursor=cursor, times=None if self.time is None else times)
         except (TailraceError, ValueError) as e:
             if cursor is not None:  # a feeder: stop rather than skip documents
@@ -125,6 +156,26 @@ class Ingester:
             errors.extend((r, e) for r, _ in run)
             return []
         return [r for r, _ in run]
+
+
+    def _chunked(self, ids: list, texts: list, docs: list, times: list) -> tuple:
+        """Each document as its chunks (ids ``ID#n``, docs with ``doc_id``, ``heading``,
+        ``start``, ``end``), plus the ids of chunks its earlier version had beyond them."""
+        out: tuple[list, list, list, list, list] = ([], [], [], [], [])
+        assert self.chunker is not None
+        for doc_id, text, doc, t in zip(ids, texts, docs, times, strict=True):
+            title = doc.get(self.title) if self.title else None
+            title = title if isinstance(title, str) else ""
+            chunks = self.chunker.chunk(text, title)
+            for i, c in enumerate(chunks):
+                out[0].append(f"{doc_id}#{i}")
+                out[1].append(c.context(title))
+                out[2].append({**doc, "id": f"{doc_id}#{i}", "doc_id": doc_id,
+                               self.text: c.text, "heading": c.heading, "start": c.start,
+                               "end": c.end})
+                out[3].append(t)
+            out[4].extend(self._stale(doc_id, len(chunks)))
+        return out
 
 
 def _build_semantic(params: dict, contract: Any) -> OpRuntime:
@@ -169,6 +220,12 @@ def _prepare_semantic(params: dict, ctx: LinkContext) -> dict:
     if params.get("follow") and params.get("vector"):
         raise ValueError("'follow' reads raw lines, so it needs 'engine' to embed them, "
                          "not 'vector'")
+    if params.get("chunk_tokens") and not params.get("engine"):
+        raise ValueError("'chunk_tokens' chunks the text field before embedding it, so it "
+                         "needs 'engine', not 'vector'")
+    if params.get("chunk_tokens") and params["chunk_overlap"] * 2 >= params["chunk_tokens"]:
+        raise ValueError(f"'chunk_overlap' ({params['chunk_overlap']}) must be below half of "
+                         f"'chunk_tokens' ({params['chunk_tokens']})")
     if params.get("engine"):
         params = link_engine(params, ctx, "embed")
         params["_model"] = params["_engine"].get("model")
@@ -199,6 +256,11 @@ register(OpDef(
      Param("poll_ms", (int, float), default=50, want="a positive number of milliseconds",
            check=positive),
      Param("output", (str,), want="a field for the change's summary"),
+     Param("chunk_tokens", (int,), want="an integer >= 16 (tokens per chunk)",
+           check=lambda v: v >= 16),
+     Param("chunk_overlap", (int,), default=32, want="an integer >= 0 (tokens)",
+           check=lambda v: v >= 0),
+     Param("title", (str,), default="title", want="the document title field (chunk context)"),
      count_param("max_batch", 64)),
     state="shared", batchable=True, blocking=True, fusable=False, fields=_fields,
     prepare=_prepare_semantic, doc="keep a live vector index up to date from a document stream"))
