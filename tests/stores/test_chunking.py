@@ -110,3 +110,13 @@ def test_windows_line_endings_keep_headings_and_paragraphs(tok):
         assert [c.text for c in chunks] == [a, b], nl
         assert chunks[0].heading == "Hydro"
     assert sum(chunker.count([a, b])) + 2 + 2 > 34 >= chunker.count([a])[0] + 4 + 8
+
+
+def test_hash_lines_inside_code_fences_are_not_headings(tok):
+    doc = ("# Serving\n\nStart the server.\n\n```bash\ntailrace serve app.yaml &\n"
+           "# {\"answer\": \"...\"}\ncurl localhost\n```\n\nThen ask.\n\n~~~\n# also not\n~~~\n"
+           "\n## Next\n\nMore text.\n")
+    chunks = Chunker(max_tokens=200, overlap=0, tokenizer=tok).chunk(doc, "Serving")
+    assert [c.heading for c in chunks] == ["Serving", "Serving > Next"]
+    assert '# {"answer"' in chunks[0].text and "# also not" in chunks[0].text
+    assert all(doc[c.start:c.end] == c.text for c in chunks)

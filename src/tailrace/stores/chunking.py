@@ -26,6 +26,9 @@ DEFAULT_CHUNK_TOKENS = 200
 DEFAULT_OVERLAP = 32
 
 _HEADING = re.compile(r"^(#{1,6})[ \t]+(.+?)[ \t#\r]*$", re.MULTILINE)
+#: a fenced code block (``` or ~~~ up to the matching fence, or the end): its ``#``
+#: lines are shell comments, not headings
+_FENCE = re.compile(r"^[ \t]*(```|~~~).*?(?:^[ \t]*\1[ \t]*\r?$|\Z)", re.MULTILINE | re.DOTALL)
 _PARAGRAPH = re.compile(r"\n[ \t\r]*\n\s*")
 _SENTENCE = re.compile(r"(?<=[.!?])[\"')\]]*\s+(?=\S)")
 
@@ -151,7 +154,11 @@ class Chunker:
         sections = []
         path: list[tuple[int, str]] = []
         pos = 0
+        fences = [(f.start(), f.end()) for f in _FENCE.finditer(text)] if "`" in text \
+            or "~" in text else []
         for m in _HEADING.finditer(text):
+            if any(a <= m.start() < b for a, b in fences):
+                continue
             sections.append((pos, m.start(), " > ".join(t for _, t in path)))
             level = len(m.group(1))
             path = [(lv, t) for lv, t in path if lv < level] + [(level, m.group(2).strip())]
