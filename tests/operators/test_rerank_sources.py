@@ -102,3 +102,15 @@ def test_source_fields_without_sources_is_refused():
             "stage 's': 'source_fields' says what each source holds; add 'sources' (the "
             "field to write them to)") + "$"):
         tr.compile_pipeline(loads_pipeline(text, "p.yaml"))
+
+
+def test_refine_cites_a_place_once_when_several_of_its_chunks_are_kept():
+    chunks = [{"title": "A", "text": f"part {i} of the apples section", "path": "f/a.md",
+               "heading": "Fruit > Apples"} for i in range(3)] + [PASSAGES[1]]
+    result = run({"input": "passages", "output": "context", "sources": "sources",
+                  "source_fields": ["path", "heading"]},
+                 [{"q": "x", "passages": chunks}], op="refine")
+    [rec] = result.outputs
+    assert rec["sources"] == [{"path": "f/a.md", "heading": "Fruit > Apples"},
+                              {"path": "f/b.md"}]
+    assert rec["context"].count("of the apples section") == 3  # the text keeps all three

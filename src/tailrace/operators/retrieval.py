@@ -403,8 +403,13 @@ def _build_refine(params: dict, contract: Any) -> OpRuntime:
         for r, passages in zip(keep, lists, strict=True):
             context, kept = packer.pack(passages)
             rec = {**r, out: context}
-            if src and cite:  # where each kept passage came from: {title, path, page, ...}
-                rec[src] = [{f: p[f] for f in cite if f in p} for p in kept]
+            if src and cite:  # where the kept passages came from: {path, page, ...}, each
+                cited: list[dict] = []  # place once (chunks of one section: one source)
+                for p in kept:
+                    c = {f: p[f] for f in cite if f in p}
+                    if c not in cited:
+                        cited.append(c)
+                rec[src] = cited
             elif src:
                 rec[src] = [p.get("title", "") for p in kept]
             result.append(rec)
