@@ -313,3 +313,26 @@ class Squatter:
 
     def ping(self):
         return True
+
+
+def show_urgency(r):
+    """What the engine would get: the class and deadline admission gave the record."""
+    return {**r, "u": list(r["_urgent"]) if r.get("_urgent") else None}
+
+
+def test_a_served_request_carries_its_class_and_deadline_to_the_stages():
+    from tailrace.control import PipelineSLO
+
+    g = AdmissionGate(make_policy("slo", max_in_flight=4, slos={
+        "ray-urgent": PipelineSLO(p99_ms=3000, priority="interactive")}))
+    p = tr.Pipeline("ray-urgent")
+    p.source(fields=["x"]).map(show_urgency, id="show").sink()
+    svc = PipelineService(p, admission=g, runtime="ray", timeout_s=60).start()
+    try:
+        assert svc.wait_ready(120), svc.failure
+        before = time.time()
+        got = asyncio.run(svc.submit({"x": 1}))
+        assert got["u"][0] == 2 and before + 2 < got["u"][1] < time.time() + 3
+    finally:
+        svc.stop()
+        g.close()

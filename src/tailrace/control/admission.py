@@ -180,6 +180,10 @@ class AdmissionPolicy:
     """
 
     name: ClassVar[str] = ""
+    #: the policy orders by priority class and deadline; admitted requests then carry
+    #: them into the engines (``AdmissionGate.urgency``); a policy that ignores them
+    #: leaves the engines first come, first served too
+    orders_by_urgency: ClassVar[bool] = False
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic,
                  cost_model: CostModel | None = None,

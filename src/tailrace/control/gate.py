@@ -105,10 +105,13 @@ class AdmissionGate:
                     self._give_back(fut.result())
             raise
 
-    def urgency(self, ticket: Ticket) -> tuple[int, float]:
+    def urgency(self, ticket: Ticket) -> tuple[int, float] | None:
         """``(class, deadline)`` of an admitted request for the engines it calls: its
         own priority class or its pipeline's (as an int, higher is more urgent) and its
-        deadline in wall-clock seconds (``time.time()``: engines may run elsewhere)."""
+        deadline in wall-clock seconds (``time.time()``: engines may run elsewhere);
+        None under a policy that ignores both (``orders_by_urgency``)."""
+        if not self.policy.orders_by_urgency:
+            return None
         req = ticket.request
         rank = (rank_of(req.priority) if req.priority is not None
                 else self.policy.slo_for(req.pipeline).rank)

@@ -168,6 +168,7 @@ class SLOPolicy(_Limited):
     """
 
     name = "slo"
+    orders_by_urgency = True
 
     def __init__(self, *, max_lead: float = 2.0, reserve: int = 0,
                  reserve_window: float = 10.0, **options: Any) -> None:

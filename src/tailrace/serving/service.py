@@ -146,6 +146,11 @@ class _Door:
     def done(self, ticket: Any, service_seconds: float | None = None) -> None:
         self.gate.done(ticket, service_seconds)
 
+    def urgency(self, ticket: Any) -> tuple[int, float] | None:
+        """The admitted request's class and deadline for the engines (the gate's)."""
+        of = getattr(self.gate, "urgency", None)
+        return of(ticket) if of is not None else None
+
 
 class PipelineService:
     """Hosts one compiled pipeline continuously; callers ``submit``.

@@ -148,11 +148,12 @@ class LocalRun:
     async def _admitted(self, data: Any, down: list[Channel], meter: StageMeter) -> None:
         """Admission at the source (``ingress.read_admitted``); an admitted record enters
         the plan carrying its ticket."""
-        urgency = getattr(self.admission, "urgency", None)
+        urgency = getattr(self.admission, "urgency", None)  # class + deadline, engines'
 
         async def send(x: Any, ticket: Any, born: float) -> None:
             self.tickets[id(ticket)] = [ticket, len(down)]
-            rec = [{**x, "_admission": ticket, "_urgent": urgency(ticket)} if urgency
+            u = urgency(ticket) if urgency is not None else None
+            rec = [{**x, "_admission": ticket, "_urgent": u} if u is not None
                    else {**x, "_admission": ticket}]
             for ch in down:
                 if not ch.put_nowait(rec, born):

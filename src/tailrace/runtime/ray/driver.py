@@ -576,8 +576,9 @@ class RayRun:
             key = (i, next(counter))
             acks: list = []
             born = time.time() - (perf_counter() - arrived)  # latency counts the wait
-            if urgency is not None:
-                x = {**x, "_urgent": urgency(ticket)}
+            u = urgency(ticket) if urgency is not None else None
+            if u is not None:
+                x = {**x, "_urgent": u}
             records = [x] if self.drop_key is None else detach([x], self.drop_key, self.held)
             try:
                 await self._send(links, key, records, born, acks)
