@@ -6,6 +6,7 @@ import asyncio
 import threading
 import time
 from collections import Counter
+from contextlib import contextmanager
 from itertools import groupby
 
 import pytest
@@ -36,13 +37,27 @@ def quick(monkeypatch):
     monkeypatch.setattr(driver, "SCALE_DOWN_S", 0.5)
 
 
-def _peak(stage: str, seen: list, stop: threading.Event) -> None:
-    while not stop.is_set():
-        for r in active_runs():
-            n = r.get("active_replicas", {}).get(stage)
-            if n is not None:
-                seen.append(n)
-        time.sleep(0.02)
+@contextmanager
+def watching(stage: str):
+    """The stage's active replicas, sampled every 20 ms while the block runs."""
+    seen: list = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            for r in active_runs():
+                n = r.get("active_replicas", {}).get(stage)
+                if n is not None:
+                    seen.append(n)
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=sample, daemon=True)
+    watcher.start()
+    try:
+        yield seen
+    finally:
+        stop.set()
+        watcher.join()
 
 
 def test_a_busy_elastic_stage_scales_out_and_loses_nothing(ray_session, quick):
@@ -50,15 +65,8 @@ def test_a_busy_elastic_stage_scales_out_and_loses_nothing(ray_session, quick):
     p = tr.Pipeline("elastic")
     p.source(range(n)).map(slow, id="work", replicas={"min": 1, "max": 3}, queue=64) \
         .map(plus, id="post").sink(got := [])
-    seen: list = []
-    stop = threading.Event()
-    watcher = threading.Thread(target=_peak, args=("work", seen, stop), daemon=True)
-    watcher.start()
-    try:
+    with watching("work") as seen:
         result = tr.run(p, runtime="ray")
-    finally:
-        stop.set()
-        watcher.join()
     assert Counter(got) == Counter(x * 2 + 1 for x in range(n))
     assert result.stats.records_in == result.stats.records_out == n
     assert max(seen) >= 2, f"never scaled out: {sorted(set(seen))}"
@@ -70,15 +78,8 @@ def test_a_busy_elastic_stage_scales_out_and_loses_nothing(ray_session, quick):
 def test_a_fixed_stage_is_never_scaled(ray_session, quick):
     p = tr.Pipeline("fixed")
     p.source(range(200)).map(slow, id="work", replicas=1, queue=64).sink(got := [])
-    seen: list = []
-    stop = threading.Event()
-    watcher = threading.Thread(target=_peak, args=("work", seen, stop), daemon=True)
-    watcher.start()
-    try:
+    with watching("work") as seen:
         tr.run(p, runtime="ray")
-    finally:
-        stop.set()
-        watcher.join()
     assert sorted(got) == [x * 2 for x in range(200)]
     assert not seen  # not elastic: nothing to report
 
@@ -95,15 +96,8 @@ def test_scaled_out_replicas_retire_when_idle_and_return_under_load(ray_session,
     p = tr.Pipeline("waves")
     p.source(feed()).map(slow, id="work", replicas={"min": 1, "max": 2}, queue=64) \
         .sink(got := [])
-    seen: list = []
-    stop = threading.Event()
-    watcher = threading.Thread(target=_peak, args=("work", seen, stop), daemon=True)
-    watcher.start()
-    try:
+    with watching("work") as seen:
         tr.run(p, runtime="ray")
-    finally:
-        stop.set()
-        watcher.join()
     assert sorted(got) == [x * 2 for x in range(600)]
     runs = [k for k, _ in groupby(seen)]
     assert runs[:4] == [1, 2, 1, 2], f"expected out, in, out again: {runs}"
@@ -156,8 +150,6 @@ def test_a_served_elastic_stage_scales_under_admission_and_answers_everyone(ray_
                                                                               quick):
     """Requests through ``PipelineService(runtime="ray")`` and a gate: the stage scales
     out while they queue, every caller gets its own answer, every ticket comes back."""
-    import asyncio
-
     from tailrace.control import AdmissionGate, make_policy
     from tailrace.serving import PipelineService
 
@@ -166,17 +158,14 @@ def test_a_served_elastic_stage_scales_under_admission_and_answers_everyone(ray_
     p.source(fields=["x"]).map(slow_request, id="work", replicas={"min": 1, "max": 3},
                                queue=16).sink()
     svc = PipelineService(p, admission=gate, runtime="ray", timeout_s=120).start()
-    seen: list = []
-    stop = threading.Event()
-    watcher = threading.Thread(target=_peak, args=("work", seen, stop), daemon=True)
     try:
         assert svc.wait_ready(120), svc.failure
-        watcher.start()
 
         async def main():
             return await asyncio.gather(*(svc.submit({"x": i}) for i in range(150)))
 
-        got = asyncio.run(main())
+        with watching("work") as seen:
+            got = asyncio.run(main())
         assert got == [{"x": i, "y": 10 * i} for i in range(150)]
         assert max(seen) >= 2, f"never scaled out: {sorted(set(seen))}"
         deadline = time.monotonic() + 30
@@ -184,9 +173,6 @@ def test_a_served_elastic_stage_scales_under_admission_and_answers_everyone(ray_
             time.sleep(0.02)
         assert gate.statistics().in_flight == 0 and svc.pending == 0
     finally:
-        stop.set()
-        if watcher.is_alive():
-            watcher.join()
         svc.stop()
         gate.close()
 
