@@ -82,3 +82,22 @@ def test_drain_empties_the_queue_without_counting_a_batch():
     b.add("b", 1, now=0.0)
     assert b.drain() == ["a", "b"]
     assert len(b) == 0 and b.statistics().batches == 0 and b.next_deadline() is None
+
+
+def test_urgent_items_go_first_then_by_deadline_then_arrival():
+    b = Batcher(max_batch_size=2, max_wait_ms=5)
+    b.add("batch-1", tokens=10, now=0.0)
+    b.add("batch-2", tokens=10, now=0.001)
+    b.add("late", tokens=10, now=0.002, priority=2, deadline=9.0)
+    b.add("soon", tokens=10, now=0.003, priority=2, deadline=5.0)
+    assert b.next_deadline() == 0.005  # the oldest item's wait still bounds the batch
+    assert b.take(now=0.003) == ["soon", "late"]
+    assert b.take(now=0.003) == ["batch-1", "batch-2"]  # unranked: first come, first served
+    assert len(b) == 0 and b.next_deadline() is None
+
+
+def test_without_classes_the_order_is_unchanged():
+    b = Batcher(max_batch_size=3, max_wait_ms=0)
+    for i in range(3):
+        b.add(i, tokens=1, now=float(i), priority=0)
+    assert b.take(now=3.0) == [0, 1, 2]

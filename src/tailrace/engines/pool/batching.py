@@ -5,7 +5,9 @@
 when the oldest has waited ``max_wait_ms``. It reads no clock of its own: every call takes
 ``now`` (seconds), so tests drive it with a virtual clock and the pool with its injected
 one. A batch never exceeds the size or the token budget, except that a single item larger
-than the budget is sent alone rather than stuck forever.
+than the budget is sent alone rather than stuck forever. Items may carry their request's
+priority class and deadline: a batch then takes the most urgent first (class, then
+deadline, then arrival); without them it is first come, first served.
 
     >>> b = Batcher(max_batch_size=2, max_wait_ms=5)
     >>> b.add("a", tokens=10, now=0.0); b.ready(now=0.001)
@@ -16,6 +18,7 @@ than the budget is sent alone rather than stuck forever.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +64,8 @@ class Batcher:
         self.max_wait_s = max_wait_ms / 1000.0
         self.max_batch_tokens = max_batch_tokens
         self._items: deque[tuple[Any, int, float]] = deque()  # (item, tokens, arrival)
+        self._ranks: dict[int, tuple[int, float]] = {}  # id(item) -> (-class, deadline),
+        # for items given either (the others rank (0, inf): class 0, no deadline)
         self._tokens = 0
         self._batches = 0
         self._batched = 0
@@ -68,19 +73,29 @@ class Batcher:
     def __len__(self) -> int:
         return len(self._items)
 
-    def add(self, item: Any, tokens: int, now: float) -> None:
+    def add(self, item: Any, tokens: int, now: float, priority: int = 0,
+            deadline: float | None = None) -> None:
         """Queue ``item`` (``take`` returns it unchanged) behind the items already waiting;
         ``tokens``: its predicted tokens (prompt + max_tokens), counted against the budget;
-        ``now``: its arrival time in seconds."""
+        ``now``: its arrival time in seconds; ``priority``/``deadline``: its request's
+        class (higher first) and deadline (earlier first within a class)."""
         tokens = max(int(tokens), 0)
         self._items.append((item, tokens, now))
+        if priority or deadline is not None:
+            self._ranks[id(item)] = (-priority, math.inf if deadline is None else deadline)
         self._tokens += tokens
 
     def next_deadline(self) -> float | None:
         """When the oldest waiting item must be sent (seconds); None if nothing waits."""
         if not self._items:
             return None
-        return self._items[0][2] + self.max_wait_s
+        return self._oldest() + self.max_wait_s
+
+    def _oldest(self) -> float:
+        """The oldest waiting item's arrival (ranked items may be out of arrival order)."""
+        if self._ranks:
+            return min(e[2] for e in self._items)
+        return self._items[0][2]
 
     def ready(self, now: float) -> bool:
         """Whether a batch is due: full by size or tokens, or its oldest item waited enough."""
@@ -90,7 +105,7 @@ class Batcher:
             return True
         if self.max_batch_tokens is not None and self._tokens >= self.max_batch_tokens:
             return True
-        return now >= self._items[0][2] + self.max_wait_s
+        return now >= self._oldest() + self.max_wait_s
 
     def take(self, now: float) -> list[Any]:
         """The next batch: the oldest items, within the size and token budget ([] if none).
@@ -101,11 +116,16 @@ class Batcher:
         batch: list[Any] = []
         used = 0
         budget = self.max_batch_tokens
+        if self._ranks:  # the most urgent first (a stable sort: arrival order within)
+            ranks, plain = self._ranks, (0, math.inf)
+            self._items = deque(sorted(self._items,
+                                       key=lambda e: ranks.get(id(e[0]), plain)))
         while self._items and len(batch) < self.max_batch_size:
             item, tokens, _ = self._items[0]
             if batch and budget is not None and used + tokens > budget:
                 break
             self._items.popleft()
+            self._ranks.pop(id(item), None)
             batch.append(item)
             used += tokens
         self._tokens -= used
@@ -118,6 +138,7 @@ class Batcher:
         """Remove and return every waiting item, oldest first (not counted as a batch)."""
         items = [item for item, _, _ in self._items]
         self._items.clear()
+        self._ranks.clear()
         self._tokens = 0
         return items
 
