@@ -65,13 +65,15 @@ def detach(records: list, key: str, held: dict) -> list:
 
 def reattach(records: list, key: str, held: dict) -> dict:
     """Give records back from the actors (changed in place) their caller's own
-    ``_cancel``/``_stream`` in place of the marks (dropped if the caller is gone);
+    ``_cancel``/``_stream`` in place of the marks (dropped if the caller is gone), and
+    without the class admission gave them for the engines (``_urgent``: nobody wrote it);
     returns, by request key, how many pieces the hosts streamed for each record that
     streamed any (its output must not overtake them)."""
     streamed: dict = {}
     for r in records:
         if type(r) is not dict:
             continue
+        r.pop("_urgent", None)
         for j, field, mark in ((0, "_cancel", CANCEL_MARK), (1, "_stream", STREAM_MARK)):
             v = r.get(field)
             if type(v) is str and v.startswith(mark):
