@@ -13,6 +13,12 @@ second), both over the time until the last request finished.
     python bench/contention.py                      # latency-model server (default)
     python bench/contention.py --engine llama       # a real embedded llama.cpp pool
 
+Under ``slo`` the admitted requests also carry their class and deadline into the engine
+(an SLO-ordering policy's records do; ``simultaneous`` and ``fcfs`` carry nothing): with
+``--engine llama`` the llama.cpp decode loop then starts, prefills and preempts by class
+(docs/engines.md, "Priorities inside the engine"); ``simultaneous`` is the engine's
+first come, first served. ``--reserve 0`` shows the slo policy without reserve lanes.
+
 The latency-model server (bench/latency_server.py) is a real OpenAI-wire HTTP server
 whose timing follows a continuous-batching model, so contention is measured on this
 2-core machine without CPU noise.
@@ -211,9 +217,11 @@ def main() -> None:
         # A pool of 2 llama.cpp replica processes (1 thread each: this machine has 2 cores),
         # shared by both pipelines through the pipeline spec's `replicas:`. Real prompts:
         # questions for the interactive pipeline, Wikipedia summaries to condense for batch.
+        # cache_sequences: 2 spare KV streams per replica, where a batch sequence paused
+        # for an interactive one keeps its KV (the engine's preemption needs one)
         engine = {"backend": "llama_cpp", "model": "smollm2-135m-instruct", "n_threads": 1,
-                  "n_ctx": 1024, "n_seq_max": 4, "replicas": 2, "max_batch_size": 4,
-                  "max_wait_ms": 2}
+                  "n_ctx": 1024, "n_seq_max": 4, "cache_sequences": 2, "replicas": 2,
+                  "max_batch_size": 4, "max_wait_ms": 2}
         capacity, replicas = 8, 8
         docs = [d for d in read_wiki() if len(d["text"]) > 1200][:64]
         questions = tuple(f"In one sentence: what is {d['title']}?" for d in docs)
