@@ -33,6 +33,8 @@ class GenerationRequest:
     # by ``structured.check_response_format`` ({"type": "json_object"} or {"type":
     # "json_schema", "json_schema": {"name", "schema", ...}}); None: free text. Engines
     # whose ``response_formats`` lacks its type refuse the request
+    session: str | None = None  # the caller's session (conversation) id: an engine pool with
+    # ``dispatch: prefix_affinity`` sends a session's requests to the replica that served it
 
 
 @dataclass(frozen=True)
