@@ -360,3 +360,37 @@ def test_a_replica_that_never_starts_fails_start_with_the_health_timeout(tmp_pat
                                           r"within 5.0s \(its last error: model file not found"):
         pool.start()
     assert multiprocessing.active_children() == []
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("dispatch", ["prefix_affinity", "least_work"])
+def test_llama_prefix_affinity_keeps_conversations_on_their_cache_and_spreads_them(dispatch):
+    """4 conversations, 3 turns, each turn's 4 requests batched together on 2 replicas.
+    prefix_affinity: every later turn reads its own history from its replica's cache and
+    both replicas work; least_work sends each batch whole to one replica (the control)."""
+    pytest.importorskip("llama_cpp")
+    names = ["Ada", "Bo", "Cy", "Di"]
+    history = {n: [{"role": "system", "content": f"You are {n}'s assistant. " + "Answer in "
+                    "one short sentence, politely, and never repeat the question. " * 6}]
+               for n in names}
+    cached: dict[str, list[int]] = {n: [] for n in names}
+    with EnginePool("llm", {**LLAMA, "n_ctx": 1024}, replicas=2, dispatch=dispatch,
+                    max_batch_size=4, max_wait_ms=60_000) as pool:
+        for t in range(3):
+            ask = {"role": "user", "content": f"Question {t + 1}: name a "
+                                              f"{['colour', 'fruit', 'city'][t]}."}
+            reqs = [GenerationRequest(messages=(*history[n], ask), max_tokens=6) for n in names]
+            gens = pool.generate(reqs)  # one caller, one batch of 4 (max_batch_size)
+            for n, req, g in zip(names, reqs, gens, strict=True):
+                history[n] = [*req.messages, {"role": "assistant", "content": g.text}]
+                cached[n].append(g.extra.get("cached_tokens", 0))
+        stats = pool.statistics()
+    later = [c for n in names for c in cached[n][1:]]
+    served = [r.requests for r in stats.replicas]
+    assert sum(r.cached_tokens for r in stats.replicas) == sum(sum(c) for c in cached.values())
+    if dispatch == "prefix_affinity":
+        assert served == [6, 6]  # turn 1 split 2/2 by least work, later turns followed
+        assert all(c >= 64 for c in later), cached  # each read its own history (whole chunks)
+        assert all(r.cached_tokens > 0 and r.cache_hit_ratio > 0.3 for r in stats.replicas)
+    else:
+        assert sorted(served) == [0, 12]  # a batch goes whole to one replica
