@@ -94,7 +94,8 @@ class EnginePool:
         max_retries:      times a failed batch is retried on another replica.
         health_timeout_s: seconds a replica has to become healthy (at start and on restart).
         max_in_flight:    engine calls each replica runs at once (default 4 for endpoints
-                          and llama.cpp, which decodes concurrent calls together; 1 else).
+                          and llama.cpp, which decodes concurrent calls together; 1 else;
+                          with ``prefix_affinity``, llama.cpp's ``n_seq_max`` if larger).
         isolation:        ``process`` (one spawned process per replica) or ``thread``
                           (replicas in this process) for embedded replicas.
         max_restarts:     failed starts in a row after which a replica is marked down.
@@ -135,9 +136,16 @@ class EnginePool:
         self.max_retries, self.max_restarts = max_retries, max_restarts
         self.health_timeout_s = float(health_timeout_s)
         self._isolation = "thread" if endpoints is not None else isolation
-        # remote servers and llama.cpp (continuous batching) decode several calls together
+        # remote servers and llama.cpp (continuous batching) decode several calls together;
+        # prefix_affinity sends one call per request, so a llama.cpp replica takes as many
+        # calls as it decodes sequences (else the cap, not the engine, sends requests away
+        # from their cached prefix)
         in_flight = max_in_flight or (4 if endpoints is not None
                                       or spec["backend"] == "llama_cpp" else 1)
+        if max_in_flight is None and isinstance(self._policy, PrefixAffinity) \
+                and spec["backend"] == "llama_cpp":
+            n_seq = spec.get("n_seq_max", 8)
+            in_flight = max(in_flight, n_seq if isinstance(n_seq, int) else 8)
         self._replicas = [ReplicaState(i, (self.endpoints or [None] * count)[i], in_flight)
                           for i in range(count)]
         self._clock = clock
