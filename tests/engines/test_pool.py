@@ -255,6 +255,14 @@ def test_pool_statistics_sum_cached_and_prompt_tokens_per_replica(caching):
         assert r.cache_hit_ratio == pytest.approx(r.cached_tokens / r.prompt_tokens)
 
 
+def test_prefix_affinity_keeps_an_embedding_batch_whole(fake):
+    with EnginePool("emb", {**fake, "kind": "embed"}, endpoints=["a", "b"],
+                    dispatch="prefix_affinity", max_wait_ms=0) as pool:
+        assert pool.embed(["a", "bb", "ccc"]).shape == (3, 2)
+        stats = pool.statistics()
+    assert [r.calls for r in stats.replicas] == [1, 0]
+
+
 def test_prefix_affinity_options_are_checked(caching):
     with pytest.raises(EngineError, match="engine pool 'llm': affinity_slack must be an "
                                           "integer >= 0 .*got -5"):

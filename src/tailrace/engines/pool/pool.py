@@ -402,11 +402,11 @@ class EnginePool:
         ``prefix_affinity`` chooses per request, not per batch: a batch mixes callers whose
         prefixes live on different replicas, so it is split into one engine call per
         chosen replica (llama.cpp decodes a replica's concurrent calls together, so the
-        split costs calls, not decode steps).
+        split costs calls, not decode steps). Embedding batches go whole (no prefix).
         """
         untried = batch.tried and any(r.healthy and r.id not in batch.tried for r in self._replicas)
         loads = self._loads(batch.tried if untried else frozenset())
-        if not isinstance(self._policy, PrefixAffinity):
+        if not isinstance(self._policy, PrefixAffinity) or self.kind != "generate":
             rid = self._policy.choose(loads, batch.tokens)
             if rid is not None:
                 self._send(rid, batch)
