@@ -86,10 +86,10 @@ def _pct(xs: list[float], q: float) -> float:
 def run_dispatch(policy: str, seed: int, conversations: int, turns: int,
                  max_tokens: int) -> dict[str, float]:
     """One run on a fresh pool: hit ratio, TTFT percentiles (s), throughput (tokens/s)."""
-    # the same call cap for both policies: as many calls as a replica decodes sequences
-    # (prefix_affinity's default; least_work's default of 4 would cap it lower)
+    # the same call cap for both policies: prefix_affinity's default (4 x n_seq_max; the
+    # engine queues what it cannot decode yet); least_work's default of 4 would cap it lower
     with EnginePool("prefix-bench", POOL, replicas=2, dispatch=policy, max_batch_size=8,
-                    max_wait_ms=2, max_in_flight=POOL["n_seq_max"]) as pool:
+                    max_wait_ms=2, max_in_flight=4 * POOL["n_seq_max"]) as pool:
         out: list[Turn] = []
         start = threading.Barrier(conversations + 1)
         threads = [threading.Thread(target=_conversation, daemon=True, args=(

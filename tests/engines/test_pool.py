@@ -404,11 +404,11 @@ def test_llama_prefix_affinity_keeps_conversations_on_their_cache_and_spreads_th
         assert sorted(served) == [0, 12]  # a batch goes whole to one replica
 
 
-def test_prefix_affinity_lets_a_llama_replica_take_a_call_per_sequence():
+def test_prefix_affinity_lets_a_llama_replica_queue_calls_per_sequence():
     # one call per request: the call cap follows n_seq_max (else the cap sends requests
-    # away from their cached prefix while the engine still has free sequences)
+    # away from their cached prefix while the slack would keep them)
     spec = {"backend": "llama_cpp", "model": "smollm2-135m-instruct", "n_seq_max": 6}
     caps = lambda **kw: [r.max_in_flight for r in EnginePool(  # noqa: E731
         "llm", spec, replicas=2, **kw)._replicas]
-    assert caps(dispatch="prefix_affinity") == [6, 6]
+    assert caps(dispatch="prefix_affinity") == [24, 24]
     assert caps() == [4, 4] and caps(dispatch="prefix_affinity", max_in_flight=2) == [2, 2]

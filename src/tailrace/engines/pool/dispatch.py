@@ -230,7 +230,9 @@ class RoundRobin:
 class PrefixAffinity:
     """The replica that most likely holds the request's longest prompt prefix in its KV
     cache, or its session's replica, unless that one is ``slack`` tokens busier than the
-    least-loaded; else least work.
+    least-loaded; else least work. After each choice ``saved`` holds the predicted prompt
+    tokens the chosen replica likely has cached (the pool counts the request's work
+    without them: a cached prefix is not computed again).
 
     The pool cannot see an engine's cache, so the policy remembers what it sent where: the
     block keys of each request's prompt (``Affinity``), ``capacity`` prompts per replica
@@ -264,6 +266,7 @@ class PrefixAffinity:
         self._sessions: OrderedDict[str, int] = OrderedDict()
         self.affine = 0  # choices that followed a prefix or session
         self.fallbacks = 0  # choices where the preferred replica was too busy or full
+        self.saved = 0  # predicted prompt tokens the last choice likely finds cached
 
     def forget(self, rid: int) -> None:
         """Replica ``rid`` restarted: its cache is empty (its sessions go elsewhere next)."""
@@ -288,6 +291,7 @@ class PrefixAffinity:
                affinity: Affinity | None = None) -> int | None:
         """The preferred replica within ``slack`` of the least-loaded, else the least
         loaded; the choice is remembered for the request's prefix and session."""
+        self.saved = 0
         least = self._least.choose(loads, cost)
         if least is None or affinity is None:
             return least
@@ -305,6 +309,10 @@ class PrefixAffinity:
         else:
             if wanted:
                 self.fallbacks += 1
+        ix = self._index.get(rid)
+        n = ix.match(affinity.keys) if ix is not None else 0
+        if n and affinity.tokens[n - 1] >= MIN_PREFIX_TOKENS:
+            self.saved = affinity.tokens[n - 1]
         self._index.setdefault(rid, PrefixIndex(self.capacity)).add(affinity.keys)
         if affinity.session is not None:
             self._sessions[affinity.session] = rid

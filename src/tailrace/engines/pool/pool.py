@@ -95,7 +95,7 @@ class EnginePool:
         health_timeout_s: seconds a replica has to become healthy (at start and on restart).
         max_in_flight:    engine calls each replica runs at once (default 4 for endpoints
                           and llama.cpp, which decodes concurrent calls together; 1 else;
-                          with ``prefix_affinity``, llama.cpp's ``n_seq_max`` if larger).
+                          with ``prefix_affinity``, 4 x llama.cpp's ``n_seq_max``).
         isolation:        ``process`` (one spawned process per replica) or ``thread``
                           (replicas in this process) for embedded replicas.
         max_restarts:     failed starts in a row after which a replica is marked down.
@@ -137,15 +137,15 @@ class EnginePool:
         self.health_timeout_s = float(health_timeout_s)
         self._isolation = "thread" if endpoints is not None else isolation
         # remote servers and llama.cpp (continuous batching) decode several calls together;
-        # prefix_affinity sends one call per request, so a llama.cpp replica takes as many
-        # calls as it decodes sequences (else the cap, not the engine, sends requests away
-        # from their cached prefix)
+        # prefix_affinity sends one call per request and lets a llama.cpp replica queue
+        # some (4 x n_seq_max calls): ``affinity_slack`` bounds how much busier it gets
+        # than the others, not the call cap (which sent requests away from their prefix)
         in_flight = max_in_flight or (4 if endpoints is not None
                                       or spec["backend"] == "llama_cpp" else 1)
         if max_in_flight is None and isinstance(self._policy, PrefixAffinity) \
                 and spec["backend"] == "llama_cpp":
             n_seq = spec.get("n_seq_max", 8)
-            in_flight = max(in_flight, n_seq if isinstance(n_seq, int) else 8)
+            in_flight = 4 * (n_seq if isinstance(n_seq, int) and n_seq > 0 else 8)
         self._replicas = [ReplicaState(i, (self.endpoints or [None] * count)[i], in_flight)
                           for i in range(count)]
         self._clock = clock
@@ -417,6 +417,8 @@ class EnginePool:
         groups: dict[int, list[Item]] = {}
         for k, item in enumerate(batch.items):
             rid = self._policy.choose(list(by_id.values()), item.tokens, item.affinity)
+            if rid is not None and self._policy.saved:  # its cached prefix costs nothing
+                item.tokens = max(item.tokens - self._policy.saved, 1)
             if rid is None:  # nothing can take it: hold what is left
                 self._send_groups(batch, groups)
                 self._hold(Batch(next(self._batch_ids), batch.items[k:], batch.attempts,
