@@ -14,6 +14,7 @@ turns and over turns 2..5, and throughput (completion tokens / wall seconds).
 
     python bench/prefix.py --only dispatch                    # 64 x 5, seeds 1 2 3
     python bench/prefix.py --only dispatch --conversations 16 --turns 3 --seeds 1
+    python bench/prefix.py --only dispatch --think-s 0 --max-wait-ms 20   # mixed batches
 """
 
 from __future__ import annotations
@@ -84,16 +85,18 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def run_dispatch(policy: str, seed: int, conversations: int, turns: int,
-                 max_tokens: int) -> dict[str, float]:
+                 max_tokens: int, think_s: float = 1.0,
+                 max_wait_ms: float = 2.0) -> dict[str, float]:
     """One run on a fresh pool: hit ratio, TTFT percentiles (s), throughput (tokens/s)."""
     # the same call cap for both policies: prefix_affinity's default (4 x n_seq_max; the
     # engine queues what it cannot decode yet); least_work's default of 4 would cap it lower
     with EnginePool("prefix-bench", POOL, replicas=2, dispatch=policy, max_batch_size=8,
-                    max_wait_ms=2, max_in_flight=4 * POOL["n_seq_max"]) as pool:
+                    max_wait_ms=max_wait_ms, max_in_flight=4 * POOL["n_seq_max"]) as pool:
         out: list[Turn] = []
         start = threading.Barrier(conversations + 1)
         threads = [threading.Thread(target=_conversation, daemon=True, args=(
-            pool, c, turns, max_tokens, seed, start, out)) for c in range(conversations)]
+            pool, c, turns, max_tokens, seed, start, out, think_s))
+            for c in range(conversations)]
         for th in threads:
             th.start()
         start.wait()
@@ -111,25 +114,36 @@ def run_dispatch(policy: str, seed: int, conversations: int, turns: int,
             "later_p50": _pct(later, 0.5), "later_p99": _pct(later, 0.99),
             "tok_s": sum(x.completion_tokens for x in out) / wall,
             "requests": [r.requests for r in stats.replicas],  # type: ignore[dict-item]
+            "batch": stats.mean_batch_size,  # requests per batch formed
+            "calls_per_batch": sum(r.calls for r in stats.replicas) / max(stats.batches, 1),
             "wall_s": wall}
 
 
 def dispatch_bench(conversations: int = 64, turns: int = 5, seeds: tuple[int, ...] = (1, 2, 3),
                    policies: tuple[str, ...] = ("least_work", "prefix_affinity"),
-                   max_tokens: int = 16) -> dict[str, list[dict[str, float]]]:
-    """prefix_affinity vs least_work on 2 replicas; prints a table, returns the runs."""
+                   max_tokens: int = 16, think_s: float = 1.0,
+                   max_wait_ms: float = 2.0) -> dict[str, list[dict[str, float]]]:
+    """prefix_affinity vs least_work on 2 replicas; prints a table, returns the runs.
+
+    think_s:     the most a user waits before each turn (0: all at once, in bursts).
+    max_wait_ms: the pool's batching wait (larger: batches mixing conversations, which
+                 prefix_affinity splits by replica: ``calls/batch`` above 1)."""
     print(f"# dispatch: 2 replicas, {conversations} conversations x {turns} turns, "
-          f"max_tokens {max_tokens}, seeds {list(seeds)}")
+          f"max_tokens {max_tokens}, think 0-{think_s:g} s, max_wait_ms {max_wait_ms:g}, "
+          f"seeds {list(seeds)}")
     print(f"{'policy':<16} {'seed':>4} {'hit':>6} {'ttft p50':>9} {'ttft p99':>9} "
-          f"{'t2+ p50':>8} {'t2+ p99':>8} {'tok/s':>7}  requests/replica")
+          f"{'t2+ p50':>8} {'t2+ p99':>8} {'tok/s':>7} {'batch':>5} {'calls/b':>7}"
+          "  requests/replica")
     runs: dict[str, list[dict[str, float]]] = {p: [] for p in policies}
     for seed in seeds:
         for policy in policies:
-            r = run_dispatch(policy, seed, conversations, turns, max_tokens)
+            r = run_dispatch(policy, seed, conversations, turns, max_tokens, think_s,
+                             max_wait_ms)
             runs[policy].append(r)
             print(f"{policy:<16} {seed:>4} {r['hit_ratio']:>6.1%} {r['ttft_p50']:>8.2f}s "
                   f"{r['ttft_p99']:>8.2f}s {r['later_p50']:>7.2f}s {r['later_p99']:>7.2f}s "
-                  f"{r['tok_s']:>7.1f}  {r['requests']}", flush=True)
+                  f"{r['tok_s']:>7.1f} {r['batch']:>5.2f} {r['calls_per_batch']:>7.2f}"
+                  f"  {r['requests']}", flush=True)
     print("mean over seeds:")
     for policy, rs in runs.items():
         m = {k: statistics.mean(r[k] for r in rs) for k in
@@ -151,10 +165,14 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--think-s", type=float, default=1.0,
+                    help="the most a user waits before each turn (0: bursts)")
+    ap.add_argument("--max-wait-ms", type=float, default=2.0, help="the pool's batching wait")
     args = ap.parse_args()
     if args.only in (None, "dispatch"):
         dispatch_bench(args.conversations, args.turns, tuple(args.seeds),
-                       max_tokens=args.max_tokens)
+                       max_tokens=args.max_tokens, think_s=args.think_s,
+                       max_wait_ms=args.max_wait_ms)
 
 
 if __name__ == "__main__":
