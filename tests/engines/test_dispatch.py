@@ -201,12 +201,3 @@ def test_least_work_balances_skewed_sizes_better_than_round_robin(seed):
     assert lw_makespan < rr_makespan
     assert lw_p99 < rr_p99
 
-
-def test_the_choice_says_how_many_prompt_tokens_the_replica_likely_has_cached():
-    pa = PrefixAffinity(slack=1000)
-    pa.choose(two(), 100, Affinity(keys=(1, 2, 3), tokens=(70, 140, 200)))
-    assert pa.saved == 0  # nothing remembered yet
-    assert pa.choose(two(work0=50), 100, Affinity(keys=(1, 2, 9), tokens=(70, 140, 210))) == 0
-    assert pa.saved == 140  # the pool counts the request's work without them
-    assert pa.choose(two(work0=5000), 100, Affinity(keys=(1, 2, 8), tokens=(70, 140, 210))) == 1
-    assert pa.saved == 0  # sent where nothing is cached

@@ -417,8 +417,6 @@ class EnginePool:
         groups: dict[int, list[Item]] = {}
         for k, item in enumerate(batch.items):
             rid = self._policy.choose(list(by_id.values()), item.tokens, item.affinity)
-            if rid is not None:  # its cached prefix costs nothing (a retry counts afresh)
-                item.tokens = max(item.predicted - self._policy.saved, 1)
             if rid is None:  # nothing can take it: hold what is left
                 self._send_groups(batch, groups)
                 self._hold(Batch(next(self._batch_ids), batch.items[k:], batch.attempts,

@@ -96,13 +96,11 @@ class Call:
 class Item:
     """One request (or text) of a call, as the batcher and the replicas see it."""
 
-    __slots__ = ("call", "index", "payload", "tokens", "predicted", "emitted", "seen",
-                 "affinity")
+    __slots__ = ("call", "index", "payload", "tokens", "emitted", "seen", "affinity")
 
     def __init__(self, call: Call, index: int, payload: Any, tokens: int,
                  affinity: Affinity | None = None):
         self.call, self.index, self.payload, self.tokens = call, index, payload, tokens
-        self.predicted = tokens  # ``tokens`` before a dispatch counted a cached prefix off
         self.affinity = affinity  # its prefix keys and session, for prefix_affinity
         self.emitted = 0  # characters streamed to the caller, over all attempts
         self.seen = 0  # characters the current attempt has produced
