@@ -6,10 +6,15 @@ import random
 
 import pytest
 
+from tailrace.engines.base import GenerationRequest
 from tailrace.engines.pool.dispatch import (
+    Affinity,
     LeastOutstandingWork,
+    PrefixAffinity,
+    PrefixIndex,
     ReplicaLoad,
     RoundRobin,
+    affinity_of,
     make_dispatch,
 )
 
@@ -50,9 +55,115 @@ def test_round_robin_rotates_and_skips_down_or_full_replicas():
 def test_make_dispatch_by_name():
     assert isinstance(make_dispatch("least_work"), LeastOutstandingWork)
     assert make_dispatch("round_robin") is not make_dispatch("round_robin")  # own state
+    assert isinstance(make_dispatch("prefix_affinity"), PrefixAffinity)
     with pytest.raises(ValueError, match="unknown dispatch policy 'x'; known: least_work, "
-                                         "round_robin"):
+                                         "prefix_affinity, round_robin"):
         make_dispatch("x")
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"name": "prefix_affinity", "affinity_slack": -1}, "affinity_slack must be an integer >= 0"),
+    ({"name": "prefix_affinity", "affinity_slack": "lots"},
+     "affinity_slack must be an integer >= 0 .*got 'lots'"),
+    ({"name": "least_work", "affinity_slack": 10},
+     "affinity_slack applies to dispatch: prefix_affinity, not 'least_work'"),
+])
+def test_bad_affinity_options_are_one_line_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        make_dispatch(**kw)
+
+
+# -- prefix_affinity -------------------------------------------------------------------
+
+def conversation(turns: int, tag: str = "") -> GenerationRequest:
+    """A chat whose ``turns``-th user message is the last (long turns: ~100 tokens each)."""
+    msgs: list[dict[str, str]] = [{"role": "system", "content": f"{tag} be brief " * 40}]
+    for t in range(turns):
+        msgs.append({"role": "user", "content": f"{tag} question {t} " * 30})
+        if t < turns - 1:
+            msgs.append({"role": "assistant", "content": f"{tag} answer {t} " * 30})
+    return GenerationRequest(messages=tuple(msgs))
+
+
+def two(work0: int = 0, work1: int = 0) -> list[ReplicaLoad]:
+    return [ReplicaLoad(0, outstanding_work=work0, max_concurrency=4),
+            ReplicaLoad(1, outstanding_work=work1, max_concurrency=4)]
+
+
+def test_affinity_keys_chain_chat_messages_and_prompt_blocks():
+    a, b = affinity_of(conversation(1)), affinity_of(conversation(2))
+    assert b.keys[:len(a.keys)] == a.keys and len(b.keys) == len(a.keys) + 2  # turn 2
+    # extends turn 1's messages by an answer and a question
+    assert not set(affinity_of(conversation(1, "other")).keys) & set(a.keys)
+    assert list(b.tokens) == sorted(b.tokens) and b.tokens[-1] > a.tokens[-1]
+    p1 = affinity_of(GenerationRequest(prompt="x" * 600 + "tail one"), block_chars=256)
+    p2 = affinity_of(GenerationRequest(prompt="x" * 600 + "tail two"), block_chars=256)
+    assert len(p1.keys) == 3 and p1.keys[:2] == p2.keys[:2] and p1.keys[2] != p2.keys[2]
+    assert affinity_of(GenerationRequest(prompt="hi", session="s1")).session == "s1"
+
+
+def test_affinity_sends_a_conversation_to_the_replica_holding_its_history():
+    pa = PrefixAffinity(slack=1000)
+    first = pa.choose(two(work0=0, work1=10), 100, affinity_of(conversation(1, "a")))
+    assert first == 0
+    # replica 0 is now busier, so least work says 1: the history's replica still wins
+    assert LeastOutstandingWork().choose(two(work0=600, work1=0), 100) == 1
+    assert pa.choose(two(work0=600, work1=0), 100, affinity_of(conversation(2, "a"))) == 0
+    assert pa.choose(two(work0=900, work1=0), 100, affinity_of(conversation(3, "a"))) == 0
+    # an unrelated conversation goes by least work
+    assert pa.choose(two(work0=600, work1=0), 100, affinity_of(conversation(1, "b"))) == 1
+    assert pa.affine == 2 and pa.fallbacks == 0
+
+
+def test_affinity_falls_back_to_least_work_beyond_the_slack_or_when_full():
+    pa = PrefixAffinity(slack=500)
+    assert pa.choose(two(), 100, affinity_of(conversation(1, "a"))) == 0
+    assert pa.choose(two(work0=501, work1=0), 100, affinity_of(conversation(2, "a"))) == 1
+    assert pa.fallbacks == 1
+    # now both replicas hold turn 1's prefix; turn 2's full history lives on 1 only
+    assert pa.choose(two(work0=0, work1=400), 100, affinity_of(conversation(3, "a"))) == 1
+    full = [ReplicaLoad(0, max_concurrency=4), ReplicaLoad(1, in_flight=4, max_concurrency=4)]
+    assert pa.choose(full, 100, affinity_of(conversation(4, "a"))) == 0
+
+
+def test_a_short_shared_prefix_does_not_attract():
+    pa = PrefixAffinity(slack=10_000)
+    pa.choose(two(), 10, Affinity(keys=(1, 2), tokens=(10, 20)))  # on 0, 10 tokens shared
+    assert pa.choose(two(work0=50), 10, Affinity(keys=(1, 3), tokens=(10, 20))) == 1
+
+
+def test_the_prefix_index_forgets_least_recently_used_prompts():
+    ix = PrefixIndex(capacity=2)
+    ix.add((1, 2))
+    ix.add((1, 3))
+    assert ix.match((1, 2, 5)) == 2 and len(ix) == 2
+    ix.add((1, 2))  # used again: now the most recent
+    ix.add((7, 8))  # evicts (1, 3)
+    assert ix.match((1, 3)) == 1 and ix.match((1, 2)) == 2 and ix.match((7, 8)) == 2
+    ix.add((9,))  # evicts (1, 2): key 1 leaves with its last prompt
+    assert ix.match((1, 2)) == 0 and len(ix) == 2
+
+
+def test_policy_capacity_bounds_what_each_replica_is_credited_with():
+    pa = PrefixAffinity(slack=10_000, capacity=2)
+    convs = [affinity_of(conversation(1, tag)) for tag in "abc"]
+    for c in convs:
+        assert pa.choose(two(work1=1), 10, c) == 0  # all onto replica 0 (least work)
+    # conversation a was pushed out of replica 0's two remembered prompts
+    assert pa.preferred(two(), affinity_of(conversation(2, "a"))) == []
+    assert pa.preferred(two(), affinity_of(conversation(2, "c"))) == [0]
+    pa.forget(0)  # replica 0 restarted
+    assert pa.preferred(two(), affinity_of(conversation(2, "c"))) == []
+
+
+def test_sessions_are_sticky_within_the_slack():
+    pa = PrefixAffinity(slack=300)
+    s = Affinity(session="user-7")
+    assert pa.choose(two(work0=5, work1=0), 10, s) == 1
+    assert pa.choose(two(work0=0, work1=300), 10, s) == 1  # sticky, though 0 is idle
+    assert pa.choose(two(work0=0, work1=301), 10, s) == 0  # beyond the slack: moves
+    assert pa.choose(two(work0=200, work1=0), 10, s) == 0  # and sticks to its new replica
+    assert pa.choose(two(work0=200, work1=0), 10, Affinity(session="other")) == 1
 
 
 def simulate(policy, seed: int, n_calls: int = 2000, replicas: int = 4):
@@ -89,3 +200,4 @@ def test_least_work_balances_skewed_sizes_better_than_round_robin(seed):
     assert lw_spread < 0.6 * rr_spread
     assert lw_makespan < rr_makespan
     assert lw_p99 < rr_p99
+

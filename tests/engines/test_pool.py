@@ -89,7 +89,7 @@ def run_callers(pool, texts, **kw):
     ({"replicas": 1, "endpoints": ["x"]}, "give either replicas=N .* not both or neither"),
     ({}, "give either replicas=N"),
     ({"replicas": 1, "dispatch": "fastest"},
-     "unknown dispatch policy 'fastest'; known: least_work, round_robin"),
+     "unknown dispatch policy 'fastest'; known: least_work, prefix_affinity, round_robin"),
     ({"replicas": 1, "max_batch_size": 0}, "max_batch_size must be an integer >= 1"),
 ])
 def test_bad_configuration_is_one_clear_error(kw, match):
@@ -172,6 +172,105 @@ def test_get_pool_shares_one_pool_per_name(fake):
     finally:
         close_pools()
     assert pool.statistics().replicas[0].healthy is False
+
+
+# -- prefix_affinity over fake replicas that cache prefixes ---------------------------------
+
+class CachingEngine:
+    """Remembers every prompt it rendered; reports the longest prefix (4 characters a token)
+    it shares with one of them as cached tokens, and its endpoint as ``extra["replica"]``."""
+
+    def __init__(self, model: str = "cache", base_url: str | None = None):
+        self.model, self.base_url, self.context_length, self.seen = model, base_url, 10_000, []
+
+    def generate(self, requests, on_token=None):
+        out = []
+        for r in requests:
+            text = "".join(f"<{m['role']}>{m['content']}" for m in r.messages)
+            shared = max((len(os.path.commonprefix([text, s])) for s in self.seen), default=0)
+            self.seen.append(text)
+            out.append(Generation("ok", len(text) // 4, 1, "stop",
+                                  {"cached_tokens": shared // 4, "replica": self.base_url}))
+        return out
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def caching(monkeypatch):
+    monkeypatch.setitem(BACKENDS, "cache", (__name__, "CachingEngine", ("generate",)))
+    return {"backend": "cache", "model": "cache"}
+
+
+def turn(conv: str, k: int, session: str | None = None) -> GenerationRequest:
+    """Turn ``k`` (1-based) of conversation ``conv``: a long system prompt and k-1 exchanges."""
+    msgs = [{"role": "system", "content": f"You help {conv}. " * 40}]
+    for t in range(1, k + 1):
+        msgs.append({"role": "user", "content": f"{conv} asks question {t}. " * 10})
+        if t < k:
+            msgs.append({"role": "assistant", "content": "ok"})
+    return GenerationRequest(messages=tuple(msgs), max_tokens=4, session=session)
+
+
+def test_prefix_affinity_splits_a_batch_by_where_each_history_lives(caching):
+    with EnginePool("llm", caching, endpoints=["r0", "r1"], dispatch="prefix_affinity",
+                    max_wait_ms=0) as pool:
+        a1, b1 = pool.generate([turn("ann", 1), turn("bob", 1)])  # least work spreads them
+        assert {a1.extra["replica"], b1.extra["replica"]} == {"r0", "r1"}
+        for k in (2, 3):  # one engine call per caller, split across the replicas
+            a, b = pool.generate([turn("ann", k), turn("bob", k)])
+            assert (a.extra["replica"], b.extra["replica"]) == (a1.extra["replica"],
+                                                                 b1.extra["replica"])
+            assert a.extra["cached_tokens"] > 100 and b.extra["cached_tokens"] > 100
+        stats = pool.statistics()
+    assert stats.batches == 3 and sum(r.calls for r in stats.replicas) == 6
+
+
+def test_sessions_stick_to_their_replica(caching):
+    with EnginePool("llm", caching, endpoints=["r0", "r1"], dispatch="prefix_affinity",
+                    max_wait_ms=0) as pool:
+        short = lambda s: GenerationRequest(  # noqa: E731 - no shared prefix to follow
+            messages=({"role": "user", "content": f"hi from {s}"},), session=s)
+        x, y = pool.generate([short("s1"), short("s2")])
+        # alone, each would go to r0 (both idle, lower id): s2 stays on its replica
+        assert [pool.generate([short("s2")])[0].extra["replica"] for _ in range(3)] == \
+            [y.extra["replica"]] * 3
+        assert pool.generate([short("s1")])[0].extra["replica"] == x.extra["replica"]
+    assert x.extra["replica"] != y.extra["replica"]
+
+
+def test_pool_statistics_sum_cached_and_prompt_tokens_per_replica(caching):
+    outs: dict[str, list[Generation]] = {"r0": [], "r1": []}
+    with EnginePool("llm", caching, endpoints=["r0", "r1"], dispatch="prefix_affinity",
+                    max_wait_ms=0) as pool:
+        for k in (1, 2, 3):
+            for g in pool.generate([turn("ann", k), turn("bob", k)]):
+                outs[g.extra["replica"]].append(g)
+        stats = pool.statistics()
+    for r in stats.replicas:
+        gens = outs[r.endpoint]
+        assert r.prompt_tokens == sum(g.prompt_tokens for g in gens) > 0
+        assert r.cached_tokens == sum(g.extra["cached_tokens"] for g in gens) > 0
+        assert r.cache_hit_ratio == pytest.approx(r.cached_tokens / r.prompt_tokens)
+
+
+def test_prefix_affinity_keeps_an_embedding_batch_whole(fake):
+    with EnginePool("emb", {**fake, "kind": "embed"}, endpoints=["a", "b"],
+                    dispatch="prefix_affinity", max_wait_ms=0) as pool:
+        assert pool.embed(["a", "bb", "ccc"]).shape == (3, 2)
+        stats = pool.statistics()
+    assert [r.calls for r in stats.replicas] == [1, 0]
+
+
+def test_prefix_affinity_options_are_checked(caching):
+    with pytest.raises(EngineError, match="engine pool 'llm': affinity_slack must be an "
+                                          "integer >= 0 .*got -5"):
+        EnginePool("llm", caching, endpoints=["r0"], dispatch="prefix_affinity",
+                   affinity_slack=-5)
+    with pytest.raises(EngineError, match="affinity_slack applies to dispatch: "
+                                          "prefix_affinity, not 'least_work'"):
+        EnginePool("llm", caching, endpoints=["r0"], affinity_slack=10)
 
 
 # -- real llama.cpp replica processes -------------------------------------------------------
@@ -269,3 +368,47 @@ def test_a_replica_that_never_starts_fails_start_with_the_health_timeout(tmp_pat
                                           r"within 5.0s \(its last error: model file not found"):
         pool.start()
     assert multiprocessing.active_children() == []
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("dispatch", ["prefix_affinity", "least_work"])
+def test_llama_prefix_affinity_keeps_conversations_on_their_cache_and_spreads_them(dispatch):
+    """4 conversations, 3 turns, each turn's 4 requests batched together on 2 replicas.
+    prefix_affinity: every later turn reads its own history from its replica's cache and
+    both replicas work; least_work sends each batch whole to one replica (the control)."""
+    pytest.importorskip("llama_cpp")
+    names = ["Ada", "Bo", "Cy", "Di"]
+    history = {n: [{"role": "system", "content": f"You are {n}'s assistant. " + "Answer in "
+                    "one short sentence, politely, and never repeat the question. " * 6}]
+               for n in names}
+    cached: dict[str, list[int]] = {n: [] for n in names}
+    with EnginePool("llm", {**LLAMA, "n_ctx": 1024}, replicas=2, dispatch=dispatch,
+                    max_batch_size=4, max_wait_ms=60_000) as pool:
+        for t in range(3):
+            ask = {"role": "user", "content": f"Question {t + 1}: name a "
+                                              f"{['colour', 'fruit', 'city'][t]}."}
+            reqs = [GenerationRequest(messages=(*history[n], ask), max_tokens=6) for n in names]
+            gens = pool.generate(reqs)  # one caller, one batch of 4 (max_batch_size)
+            for n, req, g in zip(names, reqs, gens, strict=True):
+                history[n] = [*req.messages, {"role": "assistant", "content": g.text}]
+                cached[n].append(g.extra.get("cached_tokens", 0))
+        stats = pool.statistics()
+    later = [c for n in names for c in cached[n][1:]]
+    served = [r.requests for r in stats.replicas]
+    assert sum(r.cached_tokens for r in stats.replicas) == sum(sum(c) for c in cached.values())
+    if dispatch == "prefix_affinity":
+        assert served == [6, 6]  # turn 1 split 2/2 by least work, later turns followed
+        assert all(c >= 64 for c in later), cached  # each read its own history (whole chunks)
+        assert all(r.cached_tokens > 0 and r.cache_hit_ratio > 0.3 for r in stats.replicas)
+    else:
+        assert sorted(served) == [0, 12]  # a batch goes whole to one replica
+
+
+def test_prefix_affinity_lets_a_llama_replica_queue_calls_per_sequence():
+    # one call per request: the call cap follows n_seq_max (else the cap sends requests
+    # away from their cached prefix while the slack would keep them)
+    spec = {"backend": "llama_cpp", "model": "smollm2-135m-instruct", "n_seq_max": 6}
+    caps = lambda **kw: [r.max_in_flight for r in EnginePool(  # noqa: E731
+        "llm", spec, replicas=2, **kw)._replicas]
+    assert caps(dispatch="prefix_affinity") == [24, 24]
+    assert caps() == [4, 4] and caps(dispatch="prefix_affinity", max_in_flight=2) == [2, 2]

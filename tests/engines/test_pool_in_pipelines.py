@@ -83,7 +83,13 @@ def test_a_pool_counts_tokens_and_knows_its_engine_after_start(fake):
     ({"endpoints": []}, r"engine 'llm': endpoints must be a non-empty list of base URLs"),
     ({"replicas": 1, "endpoints": ["x"]}, r"engine 'llm': give either replicas: N .* not both"),
     ({"replicas": 1, "dispatch": "fastest"},
-     r"engine pool 'llm': unknown dispatch policy 'fastest'; known: least_work, round_robin"),
+     r"engine pool 'llm': unknown dispatch policy 'fastest'; known: least_work, "
+     r"prefix_affinity, round_robin"),
+    ({"replicas": 2, "dispatch": "prefix_affinity", "affinity_slack": -1},
+     r"engine pool 'llm': affinity_slack must be an integer >= 0 \(predicted tokens\), got -1"),
+    ({"replicas": 2, "affinity_slack": 512},
+     r"engine pool 'llm': affinity_slack applies to dispatch: prefix_affinity, not "
+     r"'least_work'"),
     ({"replicas": 1, "max_batch_size": 0}, r"max_batch_size must be an integer >= 1"),
     ({"max_batch_size": 4}, r"engine 'llm': max_batch_size configure an engine pool; add "
                             r"replicas: N"),

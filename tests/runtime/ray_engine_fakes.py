@@ -84,6 +84,32 @@ class CounterEngine:
         pass
 
 
+class PrefixEngine:
+    """Remembers the prompts it rendered; reports the longest prefix one of them shares
+    with a request (4 characters a token) as ``extra["cached_tokens"]``, and which engine
+    it is (``extra["replica"]``: one per pool replica)."""
+
+    chat = True
+    context_length = 100_000
+
+    def __init__(self, model: str = "prefix") -> None:
+        self.model, self.seen = model, []
+
+    def generate(self, requests: Sequence[GenerationRequest],
+                 on_token: Any = None) -> list[Generation]:
+        out = []
+        for r in requests:
+            text = "".join(f"<{m['role']}>{m['content']}" for m in r.messages or ())
+            shared = max((len(os.path.commonprefix([text, s])) for s in self.seen), default=0)
+            self.seen.append(text)
+            out.append(Generation("ok", len(text) // 4, 1, "stop",
+                                  {"cached_tokens": shared // 4, "replica": id(self)}))
+        return out
+
+    def close(self) -> None:
+        pass
+
+
 class Signal:
     """A Ray actor (threaded) that ``wait`` blocks on until ``send``."""
 
@@ -121,6 +147,7 @@ class FakeBackendActor(EngineActor):
 
     def __init__(self, name: str, spec: dict[str, Any]) -> None:
         registry.BACKENDS["counter"] = (__name__, "CounterEngine", ("generate",))
+        registry.BACKENDS["prefix"] = (__name__, "PrefixEngine", ("generate",))
         super().__init__(name, spec)
 
 
@@ -150,6 +177,14 @@ def actor_state(name: str, spec: dict[str, Any]) -> dict[str, Any]:
         return {"streams": len(actor._streams), "log": list(actor.engine.log)}
 
     return ray.get(_OWNERS[actor_name(name, spec)].__ray_call__.remote(state))
+
+
+def actor_pool_statistics(name: str, spec: dict[str, Any]) -> Any:
+    """``statistics()`` of the engine pool engine ``name``'s actor hosts."""
+    import ray
+
+    return ray.get(_OWNERS[actor_name(name, spec)].__ray_call__.remote(
+        lambda actor: actor.engine.statistics()))
 
 
 def kill_engine(name: str, spec: dict[str, Any], restart: bool = False) -> None:

@@ -103,6 +103,8 @@ def test_admission_pools_and_pages(hub):
     pool = d["pools"][0]
     assert (pool["name"], pool["up"], pool["busy"]) == ("llm", 3, 2)
     assert [r["in_flight"] for r in pool["replicas"]] == [2, 0, 1]
+    assert [r["cached_tokens"] for r in pool["replicas"]] == [0, 100, 200]
+    assert pool["replicas"][2]["cache_hit_ratio"] == pytest.approx(200 / 1200)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert '<script src="/dashboard/static/dashboard.js">' in page.text
     assert js.status_code == 200 and "/dashboard/data" in js.text

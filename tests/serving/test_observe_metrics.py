@@ -65,7 +65,7 @@ def check_positive(r: dict) -> dict:
 
 def pool_stats() -> PoolStatistics:
     rep = lambda i, busy: ReplicaStatistics(i, None, None, True, False, 40 * busy, busy,  # noqa: E731
-                                            10, 30, 0, 0, None)
+                                            10, 30, 0, 0, None, 400 * (i + 1), 100 * i)
     return PoolStatistics("llm", (rep(0, 2), rep(1, 0), rep(2, 1)), 12, 2.5, 3, 4, 0, 1)
 
 
@@ -172,6 +172,12 @@ def test_errors_admission_and_pools(served):
                   pool="llm", replica="0") == 2
     assert sample(m, "tailrace_pool_replicas_busy", "tailrace_pool_replicas_busy",
                   pool="llm") == 2
+    assert sample(m, "tailrace_pool_cache_hit_tokens", "tailrace_pool_cache_hit_tokens_total",
+                  pool="llm", replica="2") == 200
+    assert sample(m, "tailrace_pool_prompt_tokens", "tailrace_pool_prompt_tokens_total",
+                  pool="llm", replica="2") == 1200
+    assert sample(m, "tailrace_pool_cache_hit_ratio", "tailrace_pool_cache_hit_ratio",
+                  pool="llm", replica="1") == pytest.approx(100 / 800)
 
 
 def test_metrics_over_http_grow_with_requests():

@@ -37,6 +37,8 @@ class GenerationRequest:
     # that schedule (llama.cpp) start, prefill and preempt by it
     deadline: float | None = None  # wall-clock seconds (time.time()) it is due by;
     # earlier first within a class
+    session: str | None = None  # the caller's session (conversation) id: an engine pool with
+    # ``dispatch: prefix_affinity`` sends a session's requests to the replica that served it
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from .pool import check_options, close_pools, get_pool, pool_statistics
 #: spec keys that configure an engine pool (``tailrace.engines.pool.EnginePool`` arguments)
 POOL_KEYS = ("replicas", "endpoints", "dispatch", "max_batch_size", "max_wait_ms",
              "max_batch_tokens", "max_retries", "health_timeout_s", "max_in_flight",
-             "isolation", "max_restarts")
+             "isolation", "max_restarts", "affinity_slack")
 
 #: the runtime's engine opener in this process, if it opens engines elsewhere (Ray hosts
 #: reach engines shared by the cluster): ``opener(name, spec) -> engine``

@@ -225,7 +225,8 @@ def admission_families(a: Any) -> list[Any]:
 
 
 def pool_families(pools: Iterable[Any]) -> list[Any]:
-    """Engine pool utilisation: busy replicas, in-flight batches (``PoolStatistics``)."""
+    """Engine pool utilisation: busy replicas, in-flight batches, prefix cache hits per
+    replica (``PoolStatistics``)."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     def gauge(name: str, doc: str, *labels: str) -> Any:
@@ -245,6 +246,12 @@ def pool_families(pools: Iterable[Any]) -> list[Any]:
     work = gauge("replica_outstanding_tokens",
                  "Predicted tokens of the batches the replica is running", "replica")
     served = counter("replica_requests", "Requests the replica answered", "replica")
+    prompt = counter("prompt_tokens", "Prompt tokens of the generations the replica returned",
+                     "replica")
+    hits = counter("cache_hit_tokens", "Prompt tokens the replica's engine read from its "
+                   "prefix cache", "replica")
+    ratio = gauge("cache_hit_ratio", "Cache hit tokens / prompt tokens of the replica (0..1)",
+                  "replica")
     for p in pools:
         live = [r for r in p.replicas if r.healthy and not r.down]
         n_busy = sum(1 for r in live if r.in_flight > 0)
@@ -260,7 +267,11 @@ def pool_families(pools: Iterable[Any]) -> list[Any]:
             in_flight.add_metric(rid, r.in_flight)
             work.add_metric(rid, r.outstanding_work)
             served.add_metric(rid, r.requests)
-    return [up, busy, util, queued, batches, retries, failed, in_flight, work, served]
+            prompt.add_metric(rid, r.prompt_tokens)
+            hits.add_metric(rid, r.cached_tokens)
+            ratio.add_metric(rid, r.cache_hit_ratio)
+    return [up, busy, util, queued, batches, retries, failed, in_flight, work, served, prompt,
+            hits, ratio]
 
 
 def merged(histograms: Iterable[Histogram]) -> Histogram:

@@ -302,6 +302,9 @@ def _build_generate(params: dict, contract: Any) -> OpRuntime:
         if fmt is not None and fmt.get("type") not in enforced:
             raise EngineError(f"response_format '{fmt.get('type')}' cannot be enforced by "
                               f"engine '{params['engine']}'; use a llama_cpp or openai engine")
+        session = record.get("_session") if isinstance(record, dict) else None
+        if isinstance(session, str):  # engine pools route a session's requests together
+            kw = {**kw, "session": session}
         conv = record.get(conv_field) if conv_field and isinstance(record, dict) else None
         if conv is not None:
             msgs = chat_messages(system, conv, text, engine.count_tokens, limit)

@@ -63,6 +63,7 @@ from .openai_wire import (
 )
 from .security import KeyCheck, Redactor, hub_redactor
 from .service import Cancel, PipelineService
+from .sessions import session_of
 from .tenants import Tenant, request_fields
 from .urgency import bounds, urgency
 
@@ -401,6 +402,9 @@ def create_app(hub: ServingHub) -> FastAPI:
         urgent = urgency(serves[req.model], req.model, body, request.headers)
         if urgent is not None:
             record["_urgency"] = urgent
+        session = session_of(body, request.headers)
+        if session is not None:  # engine pools route the session's requests together
+            record["_session"] = session
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if req.prompts:
@@ -445,6 +449,9 @@ def create_app(hub: ServingHub) -> FastAPI:
                 dumps(record).decode() if tenant is not None else "")
         if urgent is not None:
             record["_urgency"] = urgent
+        session = session_of(None, request.headers)
+        if session is not None:
+            record["_session"] = session
         if stream:
             return await _stream_runs(request, service, record, redact)
         cancel = Cancel()

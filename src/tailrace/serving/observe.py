@@ -212,7 +212,11 @@ def dashboard_data(hub: Any, http: HttpMeter | None = None) -> dict[str, Any]:
                       "batches": p.batches, "mean_batch_size": p.mean_batch_size,
                       "replicas": [{"id": r.id, "healthy": r.healthy and not r.down,
                                     "in_flight": r.in_flight,
-                                    "outstanding": r.outstanding_work} for r in p.replicas]})
+                                    "outstanding": r.outstanding_work,
+                                    "prompt_tokens": r.prompt_tokens,
+                                    "cached_tokens": r.cached_tokens,
+                                    "cache_hit_ratio": r.cache_hit_ratio}
+                                   for r in p.replicas]})
     return {"now": time.time(),
             "pipelines": [_pipeline_data(s) for s in list(hub.services.values())],
             "admission": admission, "pools": pools, "http": _http_data(http)}

@@ -134,7 +134,8 @@ class WireRequest:
 
 
 #: fields every OpenAI request may carry that tailrace accepts and ignores by design
-#: (``user`` and ``metadata`` reach the record only through a pipeline's ``serve:``)
+#: (``user`` and ``metadata`` reach the record only through a pipeline's ``serve:``;
+#: ``user`` is also the session id engine pools route by: ``sessions.session_of``)
 IGNORED = frozenset({"user", "metadata", "service_tier", "store", "parallel_tool_calls"})
 _HANDLED = frozenset({"model", "stream", "stream_options", "n", "max_tokens", "temperature",
                       "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",

@@ -26,6 +26,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from ...errors import ContextOverflow, EngineError
@@ -34,7 +35,7 @@ from ..base import Generation, GenerationRequest, TokenCallback
 from ..models import backend
 from ..tokens import approx_tokens, token_counter
 from .batching import Batcher
-from .dispatch import make_dispatch
+from .dispatch import PrefixAffinity, affinity_of, make_dispatch
 from .messages import (
     BatchResult,
     EmbedBatch,
@@ -78,24 +79,29 @@ class EnginePool:
                  max_batch_tokens: int | None = None, max_retries: int = 2,
                  health_timeout_s: float = 60.0, max_in_flight: int | None = None,
                  isolation: str = "process", max_restarts: int = 3,
-                 clock: Callable[[], float] = time.monotonic):
+                 affinity_slack: int | None = None, clock: Callable[[], float] = time.monotonic):
         """Configure the pool (nothing starts until ``start``).
 
         name:             the engine's name in the pipeline (used in every message).
         spec:             the engine spec, e.g. ``{backend: llama_cpp, model: ..., n_threads: 1}``.
         replicas:         embedded replicas to run (each opens ``spec`` itself).
         endpoints:        base URLs of remote OpenAI-compatible servers, one replica each.
-        dispatch:         the dispatch policy (``least_work`` or ``round_robin``).
+        dispatch:         the dispatch policy (``least_work``, ``prefix_affinity`` or
+                          ``round_robin``).
         max_batch_size:   the most requests in one engine call.
         max_wait_ms:      the longest a request waits for others to share its engine call.
         max_batch_tokens: the most predicted tokens in one engine call (None: no budget).
         max_retries:      times a failed batch is retried on another replica.
         health_timeout_s: seconds a replica has to become healthy (at start and on restart).
         max_in_flight:    engine calls each replica runs at once (default 4 for endpoints
-                          and llama.cpp, which decodes concurrent calls together; 1 else).
+                          and llama.cpp, which decodes concurrent calls together; 1 else;
+                          with ``prefix_affinity``, 4 x llama.cpp's ``n_seq_max``).
         isolation:        ``process`` (one spawned process per replica) or ``thread``
                           (replicas in this process) for embedded replicas.
         max_restarts:     failed starts in a row after which a replica is marked down.
+        affinity_slack:   ``prefix_affinity`` only: the most predicted tokens a replica
+                          holding a request's prefix (or session) may have outstanding
+                          beyond the least-loaded one and still get it (default 2048).
         clock:            seconds, monotonic; tests may inject their own.
         """
         where = f"engine pool '{name}'"
@@ -114,7 +120,8 @@ class EnginePool:
                               f"health_timeout_s > 0 (got {max_retries}, {max_restarts}, "
                               f"{health_timeout_s})")
         try:
-            self._policy = make_dispatch(dispatch)
+            self._policy = make_dispatch(dispatch, affinity_slack=affinity_slack,
+                                         affinity_capacity=_cached_prompts(spec))
             self._batcher = Batcher(max_batch_size, max_wait_ms, max_batch_tokens)
         except ValueError as e:
             raise EngineError(f"{where}: {e}") from None
@@ -129,9 +136,16 @@ class EnginePool:
         self.max_retries, self.max_restarts = max_retries, max_restarts
         self.health_timeout_s = float(health_timeout_s)
         self._isolation = "thread" if endpoints is not None else isolation
-        # remote servers and llama.cpp (continuous batching) decode several calls together
+        # remote servers and llama.cpp (continuous batching) decode several calls together;
+        # prefix_affinity sends one call per request and lets a llama.cpp replica queue
+        # some (4 x n_seq_max calls): ``affinity_slack`` bounds how much busier it gets
+        # than the others, not the call cap (which sent requests away from their prefix)
         in_flight = max_in_flight or (4 if endpoints is not None
                                       or spec["backend"] == "llama_cpp" else 1)
+        if max_in_flight is None and isinstance(self._policy, PrefixAffinity) \
+                and spec["backend"] == "llama_cpp":
+            n_seq = spec.get("n_seq_max", 8)
+            in_flight = 4 * (n_seq if isinstance(n_seq, int) and n_seq > 0 else 8)
         self._replicas = [ReplicaState(i, (self.endpoints or [None] * count)[i], in_flight)
                           for i in range(count)]
         self._clock = clock
@@ -234,7 +248,10 @@ class EnginePool:
         """
         self._check_kind("generate")
         call = Call(len(requests), on_token)
-        self._submit(call, [Item(call, i, r, predicted_tokens(r)) for i, r in enumerate(requests)])
+        affine = isinstance(self._policy, PrefixAffinity)
+        self._submit(call, [Item(call, i, r, predicted_tokens(r),
+                                 affinity_of(r) if affine else None)
+                            for i, r in enumerate(requests)])
         return call.wait()
 
     def embed(self, texts: Sequence[str]) -> Any:
@@ -363,30 +380,68 @@ class EnginePool:
 
     def _dispatch(self, now: float) -> None:
         while self._held:
-            rid = self._choose(self._held[0])
-            if rid is None:
+            if not self._route(self._held.popleft(), front=True):
                 return
-            self._send(rid, self._held.popleft())
         while self._batcher.ready(now) and any(x.can_take(0) for x in self._loads()):
             batch = Batch(next(self._batch_ids), self._batcher.take(now))
             if len({id(i.call) for i in batch.items}) > 1:
                 self._shared_batches += 1
-            rid = self._choose(batch)
-            if rid is None:
-                self._held.append(batch)
+            if not self._route(batch, front=False):
                 return
-            self._send(rid, batch)
 
     # -- steps the loop takes ---------------------------------------------------------------
 
     def _loads(self, exclude: set[int] | frozenset[int] = frozenset()) -> list[Any]:
         return [r.load() for r in self._replicas if r.id not in exclude]
 
-    def _choose(self, batch: Batch) -> int | None:
-        """A replica for ``batch``: one it has not failed on, while such a one is healthy."""
+    def _route(self, batch: Batch, *, front: bool) -> bool:
+        """Send ``batch`` (to replicas it has not failed on, while such a one is healthy);
+        False if it (or a part) had to be held back (at the front of ``_held`` if
+        ``front``) because no replica can take it now.
+
+        ``prefix_affinity`` chooses per request, not per batch: a batch mixes callers whose
+        prefixes live on different replicas, so it is split into one engine call per
+        chosen replica (llama.cpp decodes a replica's concurrent calls together, so the
+        split costs calls, not decode steps). Embedding batches go whole (no prefix).
+        """
         untried = batch.tried and any(r.healthy and r.id not in batch.tried for r in self._replicas)
-        return self._policy.choose(self._loads(batch.tried if untried else frozenset()),
-                                   batch.tokens)
+        loads = self._loads(batch.tried if untried else frozenset())
+        if not isinstance(self._policy, PrefixAffinity) or self.kind != "generate":
+            rid = self._policy.choose(loads, batch.tokens)
+            if rid is not None:
+                self._send(rid, batch)
+                return True
+            self._hold(batch, front)
+            return False
+        by_id = {x.id: x for x in loads}
+        groups: dict[int, list[Item]] = {}
+        for k, item in enumerate(batch.items):
+            rid = self._policy.choose(list(by_id.values()), item.tokens, item.affinity)
+            if rid is None:  # nothing can take it: hold what is left
+                self._send_groups(batch, groups)
+                self._hold(Batch(next(self._batch_ids), batch.items[k:], batch.attempts,
+                                 set(batch.tried)), front)
+                return False
+            groups.setdefault(rid, []).append(item)
+            # later requests see this one's work; joining a call takes no more in-flight slot
+            x = by_id[rid]
+            by_id[rid] = replace(x, outstanding_work=x.outstanding_work + item.tokens,
+                                 in_flight=self._replicas[rid].load().in_flight)
+        self._send_groups(batch, groups)
+        return True
+
+    def _send_groups(self, batch: Batch, groups: dict[int, list[Item]]) -> None:
+        for n, (rid, items) in enumerate(groups.items()):
+            part = batch if n == 0 and len(groups) == 1 else Batch(
+                batch.id if n == 0 else next(self._batch_ids), items, batch.attempts,
+                set(batch.tried))
+            self._send(rid, part)
+
+    def _hold(self, batch: Batch, front: bool) -> None:
+        if front:
+            self._held.appendleft(batch)
+        else:
+            self._held.append(batch)
 
     def _send(self, rid: int, batch: Batch) -> None:
         r = self._replicas[rid]
@@ -416,7 +471,11 @@ class EnginePool:
         for k, item in enumerate(batch.items):
             err = errors.get(k)
             if err is None:
-                item.call.complete(item.index, msg.outputs[k])
+                out = msg.outputs[k]
+                if isinstance(out, Generation):
+                    r.prompt_tokens += out.prompt_tokens
+                    r.cached_tokens += int(out.extra.get("cached_tokens", 0) or 0)
+                item.call.complete(item.index, out)
             elif err.kind in NOT_RETRIED:
                 self._fail(item.call, NOT_RETRIED[err.kind](err.message))
             else:
@@ -439,6 +498,7 @@ class EnginePool:
             self._stoppers.append(threading.Thread(target=transport.stop, daemon=True))
             self._stoppers[-1].start()
         lost, r.in_flight, r.outstanding = list(r.in_flight.values()), {}, 0
+        self._policy.forget(r.id)  # a restarted engine caches nothing
         for batch in lost:
             self._retry(batch, f"replica {r.id} failed: {reason}")
         if not started:
@@ -500,6 +560,16 @@ class EnginePool:
             r.failed_starts += 1
             r.last_error = f"could not start: {type(e).__name__}: {e}"
             r.restart_at = now + min(0.1 * 2 ** r.failed_starts, 2.0)
+
+
+def _cached_prompts(spec: dict[str, Any]) -> int:
+    """Prompts one replica's engine keeps cached: ``n_seq_max + cache_sequences`` KV streams
+    for llama.cpp (its defaults: 8 + 0), 8 for other backends."""
+    if spec.get("backend") != "llama_cpp":
+        return 8
+    n, extra = spec.get("n_seq_max", 8), spec.get("cache_sequences", 0)
+    ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (n, extra))
+    return max(n + extra, 1) if ok else 8  # bad values: the engine's own check names them
 
 
 _POOLS: Registry[EnginePool] = Registry("engine pools")

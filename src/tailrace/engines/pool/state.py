@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..base import TokenCallback
-from .dispatch import ReplicaLoad
+from .dispatch import Affinity, ReplicaLoad
 from .messages import Cancel, TokenPiece
 from .replicas import Replica
 
@@ -34,6 +34,14 @@ class ReplicaStatistics:
     failures: int  # deaths, failed starts and batches that came back with errors
     restarts: int  # times it was started again after a failure
     last_error: str | None
+    prompt_tokens: int = 0  # prompt tokens of the generations it returned
+    cached_tokens: int = 0  # of those, read from its engine's prefix cache
+    # (``Generation.extra["cached_tokens"]``) instead of computed
+
+    @property
+    def cache_hit_ratio(self) -> float:
+        """The share of its prompt tokens served from its prefix cache (0.0 before any)."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 @dataclass(frozen=True)
@@ -88,10 +96,12 @@ class Call:
 class Item:
     """One request (or text) of a call, as the batcher and the replicas see it."""
 
-    __slots__ = ("call", "index", "payload", "tokens", "emitted", "seen")
+    __slots__ = ("call", "index", "payload", "tokens", "emitted", "seen", "affinity")
 
-    def __init__(self, call: Call, index: int, payload: Any, tokens: int):
+    def __init__(self, call: Call, index: int, payload: Any, tokens: int,
+                 affinity: Affinity | None = None):
         self.call, self.index, self.payload, self.tokens = call, index, payload, tokens
+        self.affinity = affinity  # its prefix keys and session, for prefix_affinity
         self.emitted = 0  # characters streamed to the caller, over all attempts
         self.seen = 0  # characters the current attempt has produced
 
@@ -122,6 +132,7 @@ class ReplicaState:
         self.in_flight: dict[int, Batch] = {}
         self.outstanding = 0
         self.calls = self.requests = self.failures = self.restarts = self.failed_starts = 0
+        self.prompt_tokens = self.cached_tokens = 0
         self.first_try = self.spawned_at = self.restart_at = 0.0
         self.last_error: str | None = None
 
@@ -133,7 +144,7 @@ class ReplicaState:
         return ReplicaStatistics(
             self.id, self.endpoint, self.pid, self.healthy, self.down, self.outstanding,
             len(self.in_flight), self.calls, self.requests, self.failures, self.restarts,
-            self.last_error)
+            self.last_error, self.prompt_tokens, self.cached_tokens)
 
     def piece(self, msg: TokenPiece) -> None:
         """Hand a streamed piece to its caller, skipping text an earlier attempt streamed."""

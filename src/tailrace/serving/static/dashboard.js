@@ -230,7 +230,8 @@ function drawPools(pools) {
     const reps = el("div", {class: "replicas"});
     for (const r of p.replicas) {
       reps.appendChild(el("span", {class: !r.healthy ? "down" : r.in_flight ? "busy" : ""},
-                          `#${r.id} ${r.healthy ? r.in_flight + " in flight" : "down"}`));
+                          `#${r.id} ${r.healthy ? r.in_flight + " in flight" : "down"}` +
+                          (r.prompt_tokens ? ` · cache ${(100 * r.cache_hit_ratio).toFixed(0)}%` : "")));
     }
     const meta = el("div", {class: "muted"},
                     `queued ${p.queued} · batches ${fmtN(p.batches)} · mean batch ${p.mean_batch_size.toFixed(1)}`);
