@@ -412,3 +412,30 @@ def test_prefix_affinity_lets_a_llama_replica_queue_calls_per_sequence():
         "llm", spec, replicas=2, **kw)._replicas]
     assert caps(dispatch="prefix_affinity") == [24, 24]
     assert caps() == [4, 4] and caps(dispatch="prefix_affinity", max_in_flight=2) == [2, 2]
+
+
+class OrderEngine(FakeEngine):
+    """Records the prompts of each call, in the order calls arrive."""
+
+    CALLS: list = []
+
+    def generate(self, requests, on_token=None):
+        OrderEngine.CALLS.append([r.prompt for r in requests])
+        return super().generate(requests, on_token)
+
+
+def test_the_batcher_sends_the_most_urgent_requests_first(monkeypatch):
+    monkeypatch.setitem(BACKENDS, "order", (__name__, "OrderEngine", ("generate",)))
+    OrderEngine.CALLS.clear()
+    pool = EnginePool("urgent", {"backend": "order", "model": "fake"}, replicas=1,
+                      isolation="thread", max_batch_size=1, max_wait_ms=0, max_in_flight=1)
+    pool.start()
+    try:
+        reqs = [GenerationRequest(prompt="batch-a", max_tokens=4),
+                GenerationRequest(prompt="batch-b", max_tokens=4),
+                GenerationRequest(prompt="chat", max_tokens=4, priority=2, deadline=1.0)]
+        got = pool.generate(reqs)
+    finally:
+        pool.stop()
+    assert [g.text for g in got] == ["BATCH-A", "BATCH-B", "CHAT"]  # results in order
+    assert OrderEngine.CALLS == [["chat"], ["batch-a"], ["batch-b"]]

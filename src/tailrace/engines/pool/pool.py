@@ -339,8 +339,10 @@ class EnginePool:
     def _handle(self, ev: Any) -> None:
         if isinstance(ev, list):  # a caller's items
             now = self._clock()
-            for item in ev:
-                self._batcher.add(item, item.tokens, now)
+            for item in ev:  # a generation request's class and deadline order the batches
+                p = item.payload
+                self._batcher.add(item, item.tokens, now, getattr(p, "priority", 0),
+                                  getattr(p, "deadline", None))
             return
         rid, incarnation, msg = ev
         r = self._replicas[rid]
