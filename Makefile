@@ -53,6 +53,7 @@ bench: $(STAMP)  ## run the benchmarks and print their figures (~45 minutes)
 	$(BIN)/python bench/contention.py
 	$(BIN)/python bench/contention.py --engine llama --duration 40
 	$(BIN)/python bench/engine_efficiency.py
+	$(BIN)/python bench/prefix.py
 	$(BIN)/python bench/serve_load.py
 	$(BIN)/python bench/ray_overhead.py
 	$(BIN)/python bench/scale_out.py

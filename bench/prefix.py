@@ -1,6 +1,10 @@
 """Prefix reuse (issue 16): what the llama.cpp engine's KV prefix cache saves, and where pool
 dispatch sends a conversation's turns.
 
+``--only engine``: the engine alone, cache on vs off (``bench/prefix_engine.py``: turn-5
+TTFT, RAG-shape prompt tokens computed, the price of aligned prefill, memory under a random
+workload).
+
 ``dispatch_bench`` (``--only dispatch``): a pool of 2 llama.cpp replicas (1 thread each) and
 64 concurrent conversations, 5 turns each, every turn's prompt being the whole history so
 far (its own system prompt, the earlier questions and the model's answers) plus a new
@@ -12,6 +16,8 @@ tokens read from a replica's cache / prompt tokens, from the pool's statistics),
 first token (the first streamed piece, from the call, queueing included) p50/p99 over all
 turns and over turns 2..5, and throughput (completion tokens / wall seconds).
 
+    python bench/prefix.py                                    # both
+    python bench/prefix.py --only engine
     python bench/prefix.py --only dispatch                    # 64 x 5, seeds 1 2 3
     python bench/prefix.py --only dispatch --conversations 16 --turns 3 --seeds 1
     python bench/prefix.py --only dispatch --think-s 0 --max-wait-ms 20   # mixed batches
@@ -159,7 +165,7 @@ def dispatch_bench(conversations: int = 64, turns: int = 5, seeds: tuple[int, ..
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=["dispatch"], default=None,
+    ap.add_argument("--only", choices=["engine", "dispatch"], default=None,
                     help="run one measurement (default: all there are)")
     ap.add_argument("--conversations", type=int, default=64)
     ap.add_argument("--turns", type=int, default=5)
@@ -169,6 +175,11 @@ def main() -> None:
                     help="the most a user waits before each turn (0: bursts)")
     ap.add_argument("--max-wait-ms", type=float, default=2.0, help="the pool's batching wait")
     args = ap.parse_args()
+    if args.only in (None, "engine"):
+        import prefix_engine  # bench/ is on sys.path when this script runs
+
+        sys.argv = sys.argv[:1]
+        prefix_engine.main()
     if args.only in (None, "dispatch"):
         dispatch_bench(args.conversations, args.turns, tuple(args.seeds),
                        max_tokens=args.max_tokens, think_s=args.think_s,
