@@ -62,6 +62,7 @@ bench: $(STAMP)  ## run the benchmarks and print their figures (~45 minutes)
 	$(BIN)/python bench/memory.py
 	$(BIN)/tailrace ingest
 	$(BIN)/python bench/retrieval.py
+	$(BIN)/python bench/ingest.py
 	$(BIN)/python bench/cascade.py
 	$(BIN)/python bench/vs_sage.py
 	$(BIN)/python bench/vs_peers.py
