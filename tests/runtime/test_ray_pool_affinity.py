@@ -10,16 +10,8 @@ import uuid
 import pytest
 
 from tailrace.engines import GenerationRequest
+from tests.engines.test_pool import turn  # one conversation shape for both tests
 from tests.runtime.ray_engine_fakes import actor_pool_statistics, cluster_engine, kill_engine
-
-
-def turn(conv: str, k: int, session: str | None = None) -> GenerationRequest:
-    msgs = [{"role": "system", "content": f"You help {conv}. " * 40}]
-    for t in range(1, k + 1):
-        msgs.append({"role": "user", "content": f"{conv} asks question {t}. " * 10})
-        if t < k:
-            msgs.append({"role": "assistant", "content": "ok"})
-    return GenerationRequest(messages=tuple(msgs), max_tokens=4, session=session)
 
 
 @pytest.fixture
