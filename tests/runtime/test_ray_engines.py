@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import tailrace as tr
+from tests.conftest import wait_until
 
 pytestmark = [pytest.mark.engine]
 
@@ -96,6 +97,7 @@ def test_a_handle_outlives_the_process_that_created_its_engine_actor(ray_session
         handle = ClusterEngine("emb", EMB)  # finds the owner's actor by name
         assert handle.embed(["one"]).shape[0] == 1
         ray_session.kill(owner_actor)  # its engine actor dies with it, for good
+        wait_until(lambda: not engine_actors(ray_session), what="the engine actor reaped")
         vecs = handle.embed(["two", "three"])  # a new engine actor, made by this handle
         assert vecs.shape[0] == 2
         assert engine_actors(ray_session) == [before]  # one engine, by the same name
