@@ -27,7 +27,6 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 import tailrace as tr  # noqa: E402
-from tailrace.runtime.ray import driver  # noqa: E402
 
 WORK_S = 0.01
 
@@ -42,21 +41,10 @@ def one(n: int, replicas: object) -> tuple[float, int, list[float]]:
     p = tr.Pipeline("autoscale-bench")
     p.source(range(n)).map(work, id="work", replicas=replicas, queue=128).sink(out := [])
     t0 = time.time()
-    events: list[tuple[float, str, int]] = []
-    orig = driver.RayRun._reroute
-
-    async def spy(self, i):  # record when the stage scaled (the driver's own events)
-        await orig(self, i)
-        events.append(self.scale_events[-1])
-
-    driver.RayRun._reroute = spy
-    try:
-        res = tr.run(p, runtime="ray")
-    finally:
-        driver.RayRun._reroute = orig
+    res = tr.run(p, runtime="ray")
     wall = time.time() - t0
     assert len(out) == n and res.stats.records_out == n, "lost records"
-    ups = [t - t0 for t, _, k in events if k > 1]
+    ups = [t - t0 for t, _, k in res.stats.scale_events if k > 1]
     return wall, res.stats["work"].replicas, ups
 
 

@@ -73,15 +73,20 @@ def test_a_busy_elastic_stage_scales_out_and_loses_nothing(ray_session, quick):
     assert max(seen) <= 3  # the declared bound
     assert result.stats["work"].records_in == n  # summed over every replica it had
     assert result.stats["work"].replicas == max(seen)  # the table shows the replicas it had
+    events = result.stats.scale_events  # each scaling, in order, as the run reports it
+    assert events and all(stage == "work" for _, stage, _ in events)
+    assert max(k for _, _, k in events) == max(seen)
+    assert [t for t, _, _ in events] == sorted(t for t, _, _ in events)
 
 
 def test_a_fixed_stage_is_never_scaled(ray_session, quick):
     p = tr.Pipeline("fixed")
     p.source(range(200)).map(slow, id="work", replicas=1, queue=64).sink(got := [])
     with watching("work") as seen:
-        tr.run(p, runtime="ray")
+        result = tr.run(p, runtime="ray")
     assert sorted(got) == [x * 2 for x in range(200)]
     assert not seen  # not elastic: nothing to report
+    assert result.stats.scale_events == ()
 
 
 def test_scaled_out_replicas_retire_when_idle_and_return_under_load(ray_session, quick):
@@ -97,10 +102,12 @@ def test_scaled_out_replicas_retire_when_idle_and_return_under_load(ray_session,
     p.source(feed()).map(slow, id="work", replicas={"min": 1, "max": 2}, queue=64) \
         .sink(got := [])
     with watching("work") as seen:
-        tr.run(p, runtime="ray")
+        result = tr.run(p, runtime="ray")
     assert sorted(got) == [x * 2 for x in range(600)]
     runs = [k for k, _ in groupby(seen)]
     assert runs[:4] == [1, 2, 1, 2], f"expected out, in, out again: {runs}"
+    reported = [k for _, _, k in result.stats.scale_events]
+    assert reported[:3] == [2, 1, 2], f"the run's own scale events: {reported}"
 
 
 def test_killing_a_scaled_out_replica_loses_and_duplicates_nothing(ray_session, quick):

@@ -207,9 +207,18 @@ def test_bad_bounds_are_one_line_errors():
 
 def test_the_cli_help_gives_the_default_bound(capsys):
     from tailrace.cli.main import main
-    from tailrace.serving.cluster import MAX_OUTSTANDING
 
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    assert f"before the admission gate (default {MAX_OUTSTANDING})" in help_text
+    assert ("before the admission gate (default: 4 x --max-in-flight, at least 32, with "
+            "--admission fcfs|slo; 256 without)") in help_text
+
+
+def test_the_default_bound_is_sized_to_the_gate():
+    from tailrace.serving.cluster import MAX_OUTSTANDING, default_outstanding
+
+    assert default_outstanding(None) == MAX_OUTSTANDING == 256  # nothing bounds in-flight
+    assert default_outstanding(8) == 32  # the CLI's default --max-in-flight
+    assert default_outstanding(1) == 32  # never below 32
+    assert default_outstanding(100) == 400

@@ -81,7 +81,8 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--ingress-max-outstanding", type=int, metavar="N",
                    help="with --runtime ray: requests (/v1/*) each ingress replica holds at "
                         "once; one more gets 429 with Retry-After at once, before the "
-                        "admission gate (default 256)")
+                        "admission gate (default: 4 x --max-in-flight, at least 32, with "
+                        "--admission fcfs|slo; 256 without)")
     s.add_argument("--app-name", default="tailrace", metavar="NAME",
                    help="with --runtime ray: the Ray Serve application (and hub actor) name "
                         "(default tailrace; one per cluster and name)")
@@ -278,7 +279,7 @@ def serve_on_cluster(args: argparse.Namespace, plans: list[Any], *, api_key: str
     from functools import partial
 
     from ..runtime.ray import connect
-    from ..serving.cluster import MAX_OUTSTANDING, ClusterServer
+    from ..serving.cluster import ClusterServer, default_outstanding
 
     if args.ingress_replicas is not None and args.ingress_autoscale is not None:
         raise TailraceError("give --ingress-replicas N or --ingress-autoscale MIN:MAX, not both")
@@ -304,7 +305,8 @@ def serve_on_cluster(args: argparse.Namespace, plans: list[Any], *, api_key: str
         server = ClusterServer(
             plans, host=args.host, port=port, ingress_replicas=args.ingress_replicas or 1,
             autoscale=autoscale, gate_factory=factory, app_name=args.app_name,
-            max_outstanding=args.ingress_max_outstanding or MAX_OUTSTANDING,
+            max_outstanding=args.ingress_max_outstanding or default_outstanding(
+                args.max_in_flight if args.admission in ("fcfs", "slo") else None),
             api_key=api_key, max_body_bytes=args.max_body_bytes,
             metrics_public=args.metrics_public, tenants=tenants)
     except ValueError as e:

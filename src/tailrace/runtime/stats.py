@@ -31,11 +31,14 @@ class RayStageStats(StageStats):
 
 @dataclass(frozen=True)
 class RayRunStats(RunStats):
-    """``RunStats`` plus ``actor_restarts`` (host actors that restarted during the run) and
-    ``duplicates`` (replayed records the sinks dropped: each record is delivered once)."""
+    """``RunStats`` plus ``actor_restarts`` (host actors that restarted during the run),
+    ``duplicates`` (replayed records the sinks dropped: each record is delivered once) and
+    ``scale_events``: ``(unix time, stage id, active replicas after)`` each time an
+    elastic stage scaled out or in, in order."""
 
     actor_restarts: int = 0
     duplicates: int = 0
+    scale_events: tuple[tuple[float, str, int], ...] = ()
 
 
 def _extend(base: StageStats, **extra: object) -> RayStageStats:
@@ -103,7 +106,8 @@ def build_stats(plan: Plan, reports: dict[tuple, Any], *,
                 sink_depth: dict[int, int], totals: tuple[int, int, int], wall: float,
                 latency: Histogram, scheduling: Histogram, interrupted: bool,
                 actor_restarts: int, duplicates: int,
-                incarnations: dict[tuple[int, int], set[str]]) -> RayRunStats:
+                incarnations: dict[tuple[int, int], set[str]],
+                scale_events: tuple[tuple[float, str, int], ...] = ()) -> RayRunStats:
     """One ``RayRunStats`` from the latest report of every replica incarnation.
 
     reports:       ``(stage, replica, incarnation) -> MeterReport`` (Ray's messages).
@@ -144,4 +148,4 @@ def build_stats(plan: Plan, reports: dict[tuple, Any], *,
                 m.max_queue_depth = depth.get(i, 0)
             stages.append(_extend(m.statistics(), restarts=restarts, nodes=nodes))
     return RayRunStats(tuple(stages), *totals, wall, latency.statistics(), interrupted,
-                       sched.statistics(), actor_restarts, duplicates)
+                       sched.statistics(), actor_restarts, duplicates, scale_events)

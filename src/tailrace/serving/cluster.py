@@ -62,14 +62,30 @@ POLL_S = 0.5
 #: seconds a replica reuses one snapshot of the hub's figures (a /metrics scrape reads
 #: every pipeline's statistics: one actor call for all of them)
 FIGURES_TTL_S = 0.25
-#: ``/v1/*`` requests an ingress replica holds at once by default; more get 429 at once
+#: ``/v1/*`` requests an ingress replica holds at once by default without a gate that
+#: bounds what is in flight; more get 429 at once
 MAX_OUTSTANDING = 256
+#: with such a gate the default is this many times its ``max_in_flight`` (at least
+#: ``MIN_OUTSTANDING``): room for what it runs, what it queues and the refusals on
+#: their way, and no more (a longer backlog only waits to be refused, and grows the
+#: replica's and Serve's memory: bench/serve_ray.py part 3)
+OUTSTANDING_PER_IN_FLIGHT = 4
+MIN_OUTSTANDING = 32
 #: requests Serve may hand a replica beyond its bound: probes (/healthz, /readyz,
 #: /metrics) and the refusals on their way out (Serve's ``max_ongoing_requests`` is
 #: the bound plus this)
 PROBE_HEADROOM = 64
 #: seconds a refused client is told to wait (``Retry-After``)
 REFUSED_RETRY_S = 1.0
+
+
+def default_outstanding(max_in_flight: int | None) -> int:
+    """The per-replica bound when none is given: sized to a gate's ``max_in_flight``
+    (``OUTSTANDING_PER_IN_FLIGHT`` times, at least ``MIN_OUTSTANDING``), or
+    ``MAX_OUTSTANDING`` when nothing bounds what is in flight."""
+    if max_in_flight is None:
+        return MAX_OUTSTANDING
+    return max(MIN_OUTSTANDING, OUTSTANDING_PER_IN_FLIGHT * max_in_flight)
 
 
 def hub_name(app: str) -> str:

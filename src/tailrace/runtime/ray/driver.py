@@ -297,8 +297,9 @@ class RayRun:
 
     # -- the run --------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
-        """This run's pipeline, id and ``{stage id: [(actor name, node id), ...]}`` (every
-        operator id of a fused stage names the stage's actors)."""
+        """This run's pipeline, id, ``{stage id: [(actor name, node id), ...]}`` (every
+        operator id of a fused stage names the stage's actors), the active replicas per
+        stage and its scale events so far (as ``RayRunStats.scale_events``)."""
         stages: dict[str, list[tuple[str, str | None]]] = {}
         for (i, _), h in sorted(self.assignment.items()):
             for o in self.plan.stages[i].ops:
@@ -306,7 +307,7 @@ class RayRun:
                     stages.setdefault(o.id, []).append((h.name, h.node))
         active = {self.plan.stages[i].id: sum(a) for i, a in self.active.items()}
         return {"pipeline": self.plan.name, "run_id": self.run_id, "stages": stages,
-                "active_replicas": active}
+                "active_replicas": active, "scale_events": list(self.scale_events)}
 
     async def execute(self) -> None:
         finished = False
@@ -756,4 +757,4 @@ class RayRun:
             totals=(self.records_in, self.records_out, self.errors), wall=wall,
             latency=self.latency, scheduling=self.scheduling, interrupted=interrupted,
             actor_restarts=self.actor_restarts, duplicates=self.ledger.dropped,
-            incarnations=self.replica_incarnations)
+            incarnations=self.replica_incarnations, scale_events=tuple(self.scale_events))
