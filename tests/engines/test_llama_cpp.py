@@ -470,3 +470,43 @@ def test_without_a_spare_stream_an_urgent_request_waits_its_turn():
         assert eng.preemptions == 0 and out["high"].completion_tokens == 2
     finally:
         eng.close()
+
+
+def test_a_less_urgent_prompt_waits_while_an_urgent_sequence_runs():
+    """Two decoding slots: a long class-0 prompt that arrives while a class-2 sequence
+    decodes is not prefilled until that sequence ends (a prompt chunk costs dozens of
+    decode steps on a CPU); it then runs to the same answer as alone. Without classes
+    (both 0) it is prefilled at once, beside the running sequence."""
+    eng = LlamaCppEngine("smollm2-135m-instruct", n_threads=2, n_ctx=1024, n_seq_max=2)
+    try:
+        long_text = "Summarise: " + " ".join(["the river flows to the sea"] * 30)
+        alone = eng.generate([chat(long_text, max_tokens=3)])[0]
+        assert alone.prompt_tokens > 3 * eng.prefill_chunk  # several chunks to prefill
+        for urgent, expect_wait in ((2, True), (0, False)):
+            events: list[str] = []
+            hold = Hold(2)
+
+            def urgent_cb(i: int, piece: str, hold=hold) -> None:
+                events.append("urgent")
+                hold(i, piece)
+
+            out: dict = {}
+            t_urgent = run_bg(eng, chat(QUESTIONS[0], max_tokens=12, priority=urgent),
+                              urgent_cb, out, "urgent")
+            assert hold.reached.wait(60)
+            t_low = run_bg(eng, chat(long_text, max_tokens=3),
+                           lambda i, piece: events.append("low"), out, "low")
+            queued(eng, 1)
+            hold.release.set()
+            t_urgent.join(60)
+            t_low.join(60)
+            assert out["low"] == alone
+            n_urgent = out["urgent"].completion_tokens
+            assert n_urgent > 4 and events.count("urgent") == n_urgent
+            first_low = events.index("low")
+            if expect_wait:  # every urgent token came before the prompt was even read
+                assert first_low == n_urgent, events
+            else:  # one class: first come, first served, prefilled beside it
+                assert first_low < n_urgent, events
+    finally:
+        eng.close()

@@ -661,21 +661,22 @@ class LlamaCppEngine:
                 if not active:
                     continue
 
-                # prefill: most urgent first; while a sequence of the top class decodes,
-                # less urgent prompts get one chunk a step in all (they yield the step)
-                top = max((s.priority for s in active if s.fed == s.n_prompt), default=None)
+                # prefill: most urgent first, and only the prompts of the most urgent
+                # class active: a less urgent prompt waits (its sequence holds its slot
+                # and KV) while a more urgent sequence is prefilled or decoded. A prompt
+                # chunk costs as much as dozens of decode steps on a CPU, so one in every
+                # step would stretch each of the urgent sequence's tokens by that much
+                top = max(s.priority for s in active)
                 budget = n_batch - sum(1 for s in active if s.fed == s.n_prompt)
-                low = chunk if top is not None else budget
                 allot: dict[int, int] = {}
                 for s in sorted((s for s in active if s.fed < s.n_prompt), key=_Seq.rank):
                     c = min(chunk, s.n_prompt - s.fed)
-                    below = top is not None and s.priority < top
-                    if c > budget or (below and c > low):
+                    if s.priority < top:
+                        break  # sorted: every one after it is less urgent still
+                    if c > budget:
                         continue
                     allot[id(s)] = c
                     budget -= c
-                    if below:
-                        low -= c
 
                 # one batch: the next token of every generating sequence, prompt chunks
                 n = 0
