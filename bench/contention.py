@@ -12,12 +12,15 @@ second), both over the time until the last request finished.
 
     python bench/contention.py                      # latency-model server (default)
     python bench/contention.py --engine llama       # a real embedded llama.cpp pool
+    python bench/contention.py --engine llama --seeds 7 8 9 --reserve 2 0 \
+        --policies simultaneous slo                 # spread over seeds, with/without reserve
 
 Under ``slo`` the admitted requests also carry their class and deadline into the engine
 (an SLO-ordering policy's records do; ``simultaneous`` and ``fcfs`` carry nothing): with
 ``--engine llama`` the llama.cpp decode loop then starts, prefills and preempts by class
 (docs/engines.md, "Priorities inside the engine"); ``simultaneous`` is the engine's
-first come, first served. ``--reserve 0`` shows the slo policy without reserve lanes.
+first come, first served. ``--reserve 2 0`` runs the slo policy with and without
+reserve lanes on the same traces.
 
 The latency-model server (bench/latency_server.py) is a real OpenAI-wire HTTP server
 whose timing follows a continuous-batching model, so contention is measured on this
@@ -188,14 +191,48 @@ def fit_cost_model(workloads: list[Workload], measured: dict[str, float]) -> Cos
     return CostModel(prefill_tps=1 / x, decode_tps=1 / y, overhead_s=overhead)
 
 
+def spread(xs: list[float], fmt: str = "{:.1%}") -> str:
+    """median [min - max] of one figure over the seeds"""
+    if len(xs) == 1:
+        return fmt.format(xs[0])
+    return (f"{fmt.format(statistics.median(xs))} [{fmt.format(min(xs))} - "
+            f"{fmt.format(max(xs))}]")
+
+
+def summarise(runs: dict[str, list[dict]], seeds: list[int], engine: str) -> None:
+    """Each policy against ``simultaneous`` on the same trace, seed by seed: median
+    [min - max] over the seeds."""
+    base = runs["simultaneous"]
+    target_drop = 0.85 if engine == "llama" else 0.80
+    print(f"\nagainst simultaneous, seed by seed ({len(seeds)} seeds: {seeds}); median "
+          "[min - max]:")
+    print(f"  {'policy':<16} {'interactive p99 lower':>26} {'interactive attainment':>26} "
+          f"{'raw throughput ratio':>24} {'goodput ratio':>24}")
+    for label, rs in runs.items():
+        if label == "simultaneous":
+            continue
+        drop = [1 - r["pipelines"]["interactive"]["p99_ms"]
+                / b["pipelines"]["interactive"]["p99_ms"] for r, b in zip(rs, base, strict=True)]
+        att = [r["pipelines"]["interactive"]["slo_attainment"] for r in rs]
+        thr = [r["throughput_tps"] / b["throughput_tps"] for r, b in zip(rs, base, strict=True)]
+        good = [r["goodput_tps"] / b["goodput_tps"] if b["goodput_tps"] else float("inf")
+                for r, b in zip(rs, base, strict=True)]
+        print(f"  {label:<16} {spread(drop):>26} {spread(att):>26} "
+              f"{spread(thr, '{:.3f}'):>24} {spread(good, '{:.2f}'):>24}")
+    print(f"  targets (slo): p99 >= {target_drop:.0%} lower, attainment >= 99%, raw "
+          "throughput >= 0.95")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", choices=["latency", "llama"], default="latency")
     ap.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals")
     ap.add_argument("--load", type=float, default=1.5, help="offered load / capacity")
-    ap.add_argument("--seed", type=int, default=7)
-    ap.add_argument("--reserve", type=int, default=2,
-                    help="slo policy: lanes kept for the interactive class while it is active")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[7],
+                    help="arrival traces (one run of every policy each; spread reported)")
+    ap.add_argument("--reserve", type=int, nargs="+", default=[2],
+                    help="slo policy: lanes kept for the interactive class while it is "
+                         "active; several values run slo once with each (e.g. 2 0)")
     ap.add_argument("--policies", nargs="+", default=["simultaneous", "fcfs", "slo"])
     args = ap.parse_args()
 
@@ -251,32 +288,28 @@ def main() -> None:
     interactive = Workload(**{**interactive.__dict__, "rate": i_rate})
     batch = Workload(**{**batch.__dict__, "rate": b_rate})
     workloads = [interactive, batch]
-    traces = {w.name: trace(w, args.duration, args.seed) for w in workloads}
-    print(f"contention benchmark ({args.engine} engine): {args.duration:.0f}s of Poisson "
-          f"arrivals at {args.load:.1f}x capacity ({capacity} sequences); interactive "
-          f"{i_rate:.2f}/s ({len(traces['interactive'])} requests, SLO p99 "
-          f"{interactive.slo_ms / 1000:g}s), batch {b_rate:.2f}/s "
-          f"({len(traces['batch'])} requests); seed {args.seed}")
-    results = []
-    for name in args.policies:
-        r = run_policy(name, workloads, traces, engine, capacity, cost, replicas, args.reserve)
-        results.append(r)
-        print(f"\n[{name}] goodput {r['goodput_tps']:.1f} tok/s (within SLO), throughput "
-              f"{r['throughput_tps']:.1f} tok/s, over {r['span_s']:.1f}s")
-        for pname, s in r["pipelines"].items():
-            print(f"  {pname:<12} p50 {s['p50_ms']:>8.0f} ms  p99 {s['p99_ms']:>8.0f} ms  "
-                  f"SLO attainment {s['slo_attainment']:>6.1%}  completed {s['completed']}"
-                  f"/{s['arrivals']}  rejected {s['rejected']}")
-    by = {r["policy"]: r for r in results}
-    if "slo" in by and "simultaneous" in by:
-        s, b = by["slo"], by["simultaneous"]
-        drop = 1 - s["pipelines"]["interactive"]["p99_ms"] / b["pipelines"]["interactive"][
-            "p99_ms"]
-        print(f"\nslo vs simultaneous: interactive p99 {drop:+.1%} lower (target >= 80%), "
-              f"interactive SLO attainment {s['pipelines']['interactive']['slo_attainment']:.1%}"
-              f" (target >= 99%), goodput ratio {s['goodput_tps'] / b['goodput_tps']:.3f} "
-              f"(target >= 0.95), raw throughput ratio "
-              f"{s['throughput_tps'] / b['throughput_tps']:.3f}")
+    runs: dict[str, list[dict]] = {}
+    for seed in args.seeds:
+        traces = {w.name: trace(w, args.duration, seed) for w in workloads}
+        print(f"\ncontention benchmark ({args.engine} engine): {args.duration:.0f}s of Poisson "
+              f"arrivals at {args.load:.1f}x capacity ({capacity} sequences); interactive "
+              f"{i_rate:.2f}/s ({len(traces['interactive'])} requests, SLO p99 "
+              f"{interactive.slo_ms / 1000:g}s), batch {b_rate:.2f}/s "
+              f"({len(traces['batch'])} requests); seed {seed}")
+        for name in args.policies:
+            for reserve in (args.reserve if name == "slo" else [0]):
+                label = f"slo reserve {reserve}" if name == "slo" else name
+                r = run_policy(name, workloads, traces, engine, capacity, cost, replicas,
+                               reserve)
+                runs.setdefault(label, []).append(r)
+                print(f"\n[{label}] goodput {r['goodput_tps']:.1f} tok/s (within SLO), "
+                      f"throughput {r['throughput_tps']:.1f} tok/s, over {r['span_s']:.1f}s")
+                for pname, st in r["pipelines"].items():
+                    print(f"  {pname:<12} p50 {st['p50_ms']:>8.0f} ms  p99 {st['p99_ms']:>8.0f} "
+                          f"ms  SLO attainment {st['slo_attainment']:>6.1%}  completed "
+                          f"{st['completed']}/{st['arrivals']}  rejected {st['rejected']}")
+    if "simultaneous" in runs:
+        summarise(runs, args.seeds, "llama" if args.engine == "llama" else "latency")
     if server is not None:
         server.stop()
 
