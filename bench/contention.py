@@ -12,7 +12,7 @@ second), both over the time until the last request finished.
 
     python bench/contention.py                      # latency-model server (default)
     python bench/contention.py --engine llama       # a real embedded llama.cpp pool
-    python bench/contention.py --engine llama --seeds 7 8 9 --reserve 2 0 \
+    python bench/contention.py --engine llama --seeds 7 8 9 --reserve 2 0 --overflow 4 \
         --policies simultaneous slo                 # spread over seeds, with/without reserve
 
 Under ``slo`` the admitted requests also carry their class and deadline into the engine
@@ -82,13 +82,15 @@ def pipeline(w: Workload, engine: dict, replicas: int) -> tr.Pipeline:
 
 
 def run_policy(policy_name: str, workloads: list[Workload], traces: dict, engine: dict,
-               capacity: int, cost: CostModel, replicas: int, reserve: int) -> dict:
+               capacity: int, cost: CostModel, replicas: int, reserve: int,
+               overflow: int = 0) -> dict:
     slos = {w.name: PipelineSLO(w.slo_ms, w.priority, w.weight, w.name) for w in workloads}
     options: dict = {"cost_model": cost, "slos": slos}
     if policy_name != "simultaneous":
         options["max_in_flight"] = capacity
     if policy_name == "slo":
         options["reserve"] = reserve
+        options["overflow"] = overflow
     gate = AdmissionGate(make_policy(policy_name, **options),
                          max_tokens={w.name: w.max_tokens for w in workloads})
     start = time.perf_counter() + 0.5
@@ -233,6 +235,10 @@ def main() -> None:
     ap.add_argument("--reserve", type=int, nargs="+", default=[2],
                     help="slo policy: lanes kept for the interactive class while it is "
                          "active; several values run slo once with each (e.g. 2 0)")
+    ap.add_argument("--overflow", type=int, nargs="*", default=[],
+                    help="slo policy: also run it with reserve 0 and this many overflow "
+                         "lanes (beyond max_in_flight, for the interactive class while a "
+                         "batch request runs: the engine preempts for it)")
     ap.add_argument("--policies", nargs="+", default=["simultaneous", "fcfs", "slo"])
     args = ap.parse_args()
 
@@ -256,9 +262,11 @@ def main() -> None:
         # questions for the interactive pipeline, Wikipedia summaries to condense for batch.
         # cache_sequences: 2 spare KV streams per replica, where a batch sequence paused
         # for an interactive one keeps its KV (the engine's preemption needs one)
+        # max_in_flight: the pool sends each replica as many calls as it holds sequences
+        # (4 decoding + 2 paused), so an urgent call reaches the engine to preempt
         engine = {"backend": "llama_cpp", "model": "smollm2-135m-instruct", "n_threads": 1,
                   "n_ctx": 1024, "n_seq_max": 4, "cache_sequences": 2, "replicas": 2,
-                  "max_batch_size": 4, "max_wait_ms": 2}
+                  "max_batch_size": 4, "max_wait_ms": 2, "max_in_flight": 6}
         capacity, replicas = 8, 8
         docs = [d for d in read_wiki() if len(d["text"]) > 1200][:64]
         questions = tuple(f"In one sentence: what is {d['title']}?" for d in docs)
@@ -297,10 +305,13 @@ def main() -> None:
               f"{interactive.slo_ms / 1000:g}s), batch {b_rate:.2f}/s "
               f"({len(traces['batch'])} requests); seed {seed}")
         for name in args.policies:
-            for reserve in (args.reserve if name == "slo" else [0]):
-                label = f"slo reserve {reserve}" if name == "slo" else name
+            variants = ([(r, 0) for r in args.reserve] + [(0, o) for o in args.overflow]
+                        if name == "slo" else [(0, 0)])
+            for reserve, overflow in variants:
+                label = name if name != "slo" else (
+                    f"slo overflow {overflow}" if overflow else f"slo reserve {reserve}")
                 r = run_policy(name, workloads, traces, engine, capacity, cost, replicas,
-                               reserve)
+                               reserve, overflow)
                 runs.setdefault(label, []).append(r)
                 print(f"\n[{label}] goodput {r['goodput_tps']:.1f} tok/s (within SLO), "
                       f"throughput {r['throughput_tps']:.1f} tok/s, over {r['span_s']:.1f}s")

@@ -392,6 +392,40 @@ def test_slo_reserve_keeps_lanes_for_an_active_higher_class():
     assert [t.request.id for t in policy.poll()] == ["b1"]
 
 
+def test_slo_overflow_lanes_go_to_the_top_class_over_a_less_urgent_one():
+    """All lanes taken by bulk: a chat request takes an overflow lane (the engine pauses a
+    bulk sequence for it) instead of waiting for a bulk one to finish; bulk never does,
+    nor chat when nothing less urgent runs; the lanes come back on release."""
+    clock = VirtualClock()
+    slos = {"chat": ctl.PipelineSLO(2000, "interactive", 4, "chat"),
+            "bulk": ctl.PipelineSLO(60000, "batch", 1, "bulk")}
+    policy = ctl.make_policy("slo", max_in_flight=2, overflow=2, slos=slos, clock=clock)
+    bulk = [policy.try_admit(ctl.Request(f"b{i}", "bulk", 0.0, max_tokens=10))
+            for i in range(3)]
+    assert [t is not None for t in bulk] == [True, True, False]  # b2 waits: no overflow
+    chats = [policy.try_admit(ctl.Request(f"c{i}", "chat", 0.0, max_tokens=10))
+             for i in range(3)]
+    assert [t is not None for t in chats] == [True, True, False]  # 2 + 2 overflow lanes
+    assert policy.statistics().in_flight == 4
+    policy.release(bulk[0])  # back to 3 of 2 + 2: the waiting chat (top class) goes first
+    (c2,) = policy.poll()
+    assert c2.request.id == "c2"
+    for t in (bulk[1], chats[0], chats[1], c2):
+        policy.release(t)
+    assert [t.request.id for t in policy.poll()] == ["b2"]
+    # only chat in flight now: nothing less urgent to pause, so no overflow lane
+    alone = ctl.make_policy("slo", max_in_flight=1, overflow=2, slos=slos, clock=clock)
+    first = alone.try_admit(ctl.Request("c0", "chat", 0.0, max_tokens=10))
+    assert first is not None
+    assert alone.try_admit(ctl.Request("c1", "chat", 0.0, max_tokens=10)) is None
+
+
+def test_slo_overflow_must_be_a_count():
+    with pytest.raises(ValueError, match=r"^admission policy 'slo': overflow must be a "
+                       r"non-negative integer, got -1$"):
+        ctl.make_policy("slo", max_in_flight=4, overflow=-1)
+
+
 def test_slo_reserve_must_leave_a_lane():
     with pytest.raises(ValueError, match=r"^admission policy 'slo': reserve must be a "
                        r"non-negative integer below max_in_flight \(4\), got 4$"):

@@ -164,6 +164,11 @@ class SLOPolicy(_Limited):
         class has sent requests within ``reserve_window`` seconds: headroom so an urgent
         request rarely waits for a long one to finish (there is no preemption).
     reserve_window: seconds a priority class counts as active after its last arrival.
+    overflow: lanes beyond max_in_flight that only the most urgent active class may take,
+        and only while a less urgent request is in flight: for an engine that preempts
+        (llama.cpp with ``cache_sequences``), which pauses the less urgent sequence for it,
+        so an urgent request need not wait for a long one to finish and no lane idles
+        for it in advance (as ``reserve`` lanes do).
     options: max_in_flight (required), max_cost, max_queue (per pipeline), the common ones.
     """
 
@@ -171,7 +176,7 @@ class SLOPolicy(_Limited):
     orders_by_urgency = True
 
     def __init__(self, *, max_lead: float = 2.0, reserve: int = 0,
-                 reserve_window: float = 10.0, **options: Any) -> None:
+                 reserve_window: float = 10.0, overflow: int = 0, **options: Any) -> None:
         super().__init__(**options)
         where = "admission policy 'slo'"
         if self.max_in_flight is None:
@@ -185,6 +190,9 @@ class SLOPolicy(_Limited):
         require(_is_number(reserve_window) and reserve_window >= 0, where, "reserve_window",
                 "a non-negative number of seconds", reserve_window)
         self.reserve, self.reserve_window = reserve, float(reserve_window)
+        require(_is_count(overflow), where, "overflow", "a non-negative integer", overflow)
+        self.overflow = overflow
+        self._ranks: dict[int, int] = {}  # in flight: ticket seq -> its class
         self._seen: dict[int, float] = {}  # priority rank -> time of its latest arrival
         self._lanes: int = self.max_in_flight
         self._flows: dict[str, _Flow] = {}
@@ -228,14 +236,22 @@ class SLOPolicy(_Limited):
         first_free = self._next_completion(now) if busy else 0.0
         return first_free + ahead / self._lanes
 
+    def _top_active(self, rank: int, now: float) -> bool:
+        """Whether no class above ``rank`` has sent requests within ``reserve_window``."""
+        active = (r for r, t in self._seen.items() if now - t <= self.reserve_window)
+        return rank >= max(active, default=rank)
+
     def _room(self, rank: int, cost: float, now: float) -> bool:
         """Capacity for a request of class ``rank`` now, keeping ``reserve`` lanes for
-        active higher classes."""
+        active higher classes; else an ``overflow`` lane, if it may take one."""
         if not self._fits(cost):
-            return False
+            return (len(self._in_flight) < self._lanes + self.overflow
+                    and (self.max_cost is None
+                         or self._in_flight_cost + cost <= self.max_cost * (1 + 1e-9))
+                    and self._top_active(rank, now)
+                    and any(r < rank for r in self._ranks.values()))
         if self.reserve and len(self._in_flight) >= self._lanes - self.reserve:
-            active = (r for r, t in self._seen.items() if now - t <= self.reserve_window)
-            return rank >= max(active, default=rank)
+            return self._top_active(rank, now)
         return True
 
     def _decide(self, entry: Pending, now: float) -> Decision:
@@ -314,7 +330,12 @@ class SLOPolicy(_Limited):
             return None  # the policy's pick waits for room; nothing overtakes it
         return self._pop(flow, flow.top)
 
+    def release(self, ticket: Any, service_seconds: float | None = None) -> None:
+        super().release(ticket, service_seconds)
+        self._ranks.pop(ticket.seq, None)
+
     def _charge(self, entry: Pending, immediate: bool) -> None:
+        self._ranks[entry.seq] = entry.rank
         flow = self._flow(entry.request.pipeline)
         if immediate:
             flow.vtime = max(flow.vtime, self._virtual_now())
