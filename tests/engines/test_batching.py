@@ -96,6 +96,22 @@ def test_urgent_items_go_first_then_by_deadline_then_arrival():
     assert len(b) == 0 and b.next_deadline() is None
 
 
+def test_a_batch_holds_one_class():
+    """Its answers come back together: an urgent item never shares a batch (and its wait
+    for the batch's end) with a less urgent one; deadlines within a class do mix."""
+    b = Batcher(max_batch_size=4, max_wait_ms=0)
+    b.add("bulk-1", tokens=10, now=0.0)
+    b.add("chat-1", tokens=10, now=0.001, priority=2, deadline=9.0)
+    b.add("bulk-2", tokens=10, now=0.002)
+    b.add("chat-2", tokens=10, now=0.003, priority=2, deadline=5.0)
+    assert b.take(now=0.003) == ["chat-2", "chat-1"]
+    assert b.take(now=0.003) == ["bulk-1", "bulk-2"]
+    b.add("low", tokens=1, now=1.0, priority=-1)
+    b.add("plain", tokens=1, now=1.0)
+    assert b.take(now=1.0) == ["plain"] and b.take(now=1.0) == ["low"]
+    assert b.statistics().batches == 4
+
+
 def test_without_classes_the_order_is_unchanged():
     b = Batcher(max_batch_size=3, max_wait_ms=0)
     for i in range(3):

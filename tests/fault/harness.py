@@ -134,6 +134,7 @@ class Admission:
     max_queue: int = 4
     p99_ms: float = 60_000.0
     quick: bool = False  # predict ~2 ms a request (these operators' speed), not ~1.3 s
+    overflow: int = 0  # slo: lanes beyond max_in_flight for the top class over a lower one
 
     def gate(self) -> Any:
         from tailrace.control import AdmissionGate, CostModel
@@ -152,7 +153,8 @@ class Admission:
             return make_policy("fcfs", max_in_flight=self.max_in_flight,
                                max_queue=self.max_queue, **common)
         return make_policy("slo", max_in_flight=self.max_in_flight, max_queue=self.max_queue,
-                           slos={PIPELINE: PipelineSLO(p99_ms=self.p99_ms)}, **common)
+                           slos={PIPELINE: PipelineSLO(p99_ms=self.p99_ms)},
+                           overflow=self.overflow, **common)
 
 
 @dataclass(frozen=True)

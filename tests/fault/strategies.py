@@ -123,7 +123,8 @@ def scenarios(draw, target: str = "local", policy: str | None = None, interrupt:
 
 def admissions(policies: tuple[str, ...] = ("simultaneous", "fcfs", "slo")):
     return st.builds(Admission, st.sampled_from(policies), st.sampled_from([1, 2, 3, 8]),
-                     st.sampled_from([0, 2, 8, 32]), st.sampled_from([60_000.0, 50.0]))
+                     st.sampled_from([0, 2, 8, 32]), st.sampled_from([60_000.0, 50.0]),
+                     overflow=st.sampled_from([0, 0, 2]))
 
 
 def _replace(sc: Scenario, **kw) -> Scenario:

@@ -7,7 +7,9 @@ when the oldest has waited ``max_wait_ms``. It reads no clock of its own: every 
 one. A batch never exceeds the size or the token budget, except that a single item larger
 than the budget is sent alone rather than stuck forever. Items may carry their request's
 priority class and deadline: a batch then takes the most urgent first (class, then
-deadline, then arrival); without them it is first come, first served.
+deadline, then arrival) and holds only items of one class (a batch's answers come back
+together: an urgent item must not wait for a less urgent one's); without them it is first
+come, first served.
 
     >>> b = Batcher(max_batch_size=2, max_wait_ms=5)
     >>> b.add("a", tokens=10, now=0.0); b.ready(now=0.001)
@@ -116,14 +118,19 @@ class Batcher:
         batch: list[Any] = []
         used = 0
         budget = self.max_batch_tokens
-        if self._ranks:  # the most urgent first (a stable sort: arrival order within)
-            ranks, plain = self._ranks, (0, math.inf)
+        ranks, plain = self._ranks, (0, math.inf)
+        if ranks:  # the most urgent first (a stable sort: arrival order within)
             self._items = deque(sorted(self._items,
                                        key=lambda e: ranks.get(id(e[0]), plain)))
+        ranked = bool(ranks)  # (taking an item drops its rank)
+        cls = ranks.get(id(self._items[0][0]), plain)[0] if self._items else 0
         while self._items and len(batch) < self.max_batch_size:
             item, tokens, _ = self._items[0]
             if batch and budget is not None and used + tokens > budget:
                 break
+            if ranked and ranks.get(id(item), plain)[0] != cls:
+                break  # one class a batch: its answers come back together, so an urgent
+                # request batched with a less urgent one would wait for that one's end
             self._items.popleft()
             self._ranks.pop(id(item), None)
             batch.append(item)
