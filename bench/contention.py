@@ -240,6 +240,10 @@ def main() -> None:
                          "lanes (beyond max_in_flight, for the interactive class while a "
                          "batch request runs: the engine preempts for it)")
     ap.add_argument("--policies", nargs="+", default=["simultaneous", "fcfs", "slo"])
+    ap.add_argument("--service", type=float, nargs=2, metavar=("INTERACTIVE_S", "BATCH_S"),
+                    help="--engine llama: skip the calibration and take these service "
+                         "seconds (each kind, 8 at once) as measured, e.g. the ones an "
+                         "earlier run printed: the load and the SLO then match that run's")
     args = ap.parse_args()
 
     server = None
@@ -277,11 +281,15 @@ def main() -> None:
         pool = open_engine(engine, "llm")  # start the pool once, outside the timing
         # Calibrate on this machine: service seconds of each kind at full concurrency,
         # then a cost model that predicts both, and an interactive SLO of 3x its service.
-        measured = {w.name: calibrate(pool, w, capacity) for w in (interactive, batch)}
+        if args.service:  # a calibration given: the same setup across runs and machines
+            measured = {"interactive": args.service[0], "batch": args.service[1]}
+        else:
+            measured = {w.name: calibrate(pool, w, capacity) for w in (interactive, batch)}
         cost = fit_cost_model([interactive, batch], measured)
         slo_ms = max(2000.0, round(3 * measured["interactive"] * 2) / 2 * 1000)
         interactive = Workload(**{**interactive.__dict__, "slo_ms": slo_ms})
-        print(f"calibration: {capacity} concurrent requests take {measured['interactive']:.2f}s"
+        print(f"calibration{' (given)' if args.service else ''}: {capacity} concurrent "
+              f"requests take {measured['interactive']:.2f}s"
               f" (interactive) and {measured['batch']:.2f}s (batch) each; cost model "
               f"prefill {cost.prefill_tps:.0f} tok/s, decode {cost.decode_tps:.1f} tok/s")
 
