@@ -52,7 +52,7 @@ bench: $(STAMP)  ## run the benchmarks and print their figures (~45 minutes)
 	$(BIN)/python bench/dispatch.py
 	$(BIN)/python bench/contention.py
 	$(BIN)/python bench/contention.py --engine llama --duration 40 --seeds 7 8 9 --reserve 2 0 \
-		--policies simultaneous slo
+		--overflow 4 --policies simultaneous slo
 	$(BIN)/python bench/engine_efficiency.py
 	$(BIN)/python bench/prefix.py
 	$(BIN)/python bench/serve_load.py
