@@ -4,7 +4,10 @@ actors, the hub's fcfs gate (3 in flight, 3 queued).
 
 Each example sends a random set of HTTP requests (plain or streamed; records that pass,
 fail in a stage, are dropped by a filter, or run slowly and may be abandoned by their
-client mid-way) and may kill a stage actor or an ingress replica meanwhile. Every
+client mid-way, streamed or not) and may kill a stage actor or an ingress replica
+meanwhile. The whole suite runs behind each HTTP proxy Serve offers: HAProxy (which lets
+an abandoned non-streamed record run to its end) and the Python proxy actor (which
+cancels it). Every
 request must end exactly once with its own answer — 200 with its output, 500 naming the
 failing stage, 422 for a drop, 429 + Retry-After — or, only if its ingress replica was
 killed, a cut connection; none hangs. Afterwards the gate holds no ticket, nothing waits
@@ -30,8 +33,14 @@ from .harness import fault_settings
 
 pytestmark = pytest.mark.slow
 
-@pytest.fixture(scope="module")
-def server(ray_session):
+def proxies():
+    from tailrace.serving.cluster import default_proxy
+
+    return ["haproxy", "python"] if default_proxy() == "haproxy" else ["python"]
+
+
+@pytest.fixture(scope="module", params=proxies())
+def server(ray_session, request):
     pytest.importorskip("ray.serve")
     from tailrace.serving.cluster import ClusterServer
 
@@ -40,7 +49,8 @@ def server(ray_session):
      .filter(keep, id="keep").sink())
     port = free_port()
     srv = ClusterServer([compile_pipeline(p)], port=port, ingress_replicas=2,
-                        gate_factory=gate, app_name="tailrace-fault").start()
+                        gate_factory=gate, app_name="tailrace-fault",
+                        proxy=request.param).start()
     try:
         assert srv.wait_ready(180), srv.state()
         srv.url = f"http://127.0.0.1:{port}"
@@ -64,8 +74,16 @@ async def one(c, url, i, mode, stream, leave, answers):
     ("left", ...) / ("cut", ...)."""
     body = {"i": i, "mode": mode}
     try:
-        if not stream and not leave:
-            r = await c.post(url + "/v1/pipelines/faulty/runs", json=body)
+        if not stream:
+            post = c.post(url + "/v1/pipelines/faulty/runs", json=body)
+            if leave:  # the client goes away while its (slow) record runs
+                try:
+                    r = await asyncio.wait_for(post, 0.3)
+                except asyncio.TimeoutError:
+                    answers[i] = ("left", None, None)
+                    return
+            else:
+                r = await post
             replica = r.headers.get("x-tailrace-ingress")
             if replica is None:  # Serve's own answer (500, plain text): the replica died
                 answers[i] = ("cut", r.text, None)

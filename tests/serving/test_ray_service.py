@@ -244,6 +244,12 @@ def test_serve_runtime_ray_one_line_errors(pipe, capsys, monkeypatch):
     assert capsys.readouterr().err.strip() == (
         "tailrace: error: --ingress-max-outstanding is an option of serving on Ray: add "
         "--runtime ray")
+    assert main(["serve", str(pipe), "--ingress-proxy", "python"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "tailrace: error: --ingress-proxy is an option of serving on Ray: add --runtime ray")
+    with pytest.raises(SystemExit):
+        main(["serve", str(pipe), "--runtime", "ray", "--ingress-proxy", "nginx"])
+    assert "invalid choice: 'nginx' (choose from" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
     assert main(["serve", str(pipe), "--runtime", "ray"]) == 2
     err = capsys.readouterr().err
