@@ -79,7 +79,7 @@ async def one(c, url, i, mode, stream, leave, answers):
             if leave:  # the client goes away while its (slow) record runs
                 try:
                     r = await asyncio.wait_for(post, 0.3)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     answers[i] = ("left", None, None)
                     return
             else:

@@ -300,3 +300,38 @@ def test_the_default_bound_is_sized_to_the_gate():
     assert default_outstanding(8) == 32  # the CLI's default --max-in-flight
     assert default_outstanding(1) == 32  # never below 32
     assert default_outstanding(100) == 400
+
+
+def test_tcp_nodelay_reaches_connections_of_a_protocol_0_listener(monkeypatch):
+    """Serve's replica server listens on a socket made with protocol 0, on which asyncio
+    leaves Nagle's algorithm on (a response's body then waits ~40 ms for the client's
+    delayed ACK); ``tcp_nodelay`` turns it off for every TCP connection."""
+    import asyncio.base_events
+    import socket
+
+    from tailrace.serving.cluster import tcp_nodelay
+
+    # restored after the test: the patch is meant for a replica's process
+    monkeypatch.setattr(asyncio.base_events, "_set_nodelay", asyncio.base_events._set_nodelay)
+
+    async def accepted_nodelay():
+        got = asyncio.get_running_loop().create_future()
+
+        async def on(reader, writer):
+            got.set_result(writer.get_extra_info("socket").getsockopt(
+                socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # protocol 0, as Serve's
+        sock.bind(("127.0.0.1", 0))
+        server = await asyncio.start_server(on, sock=sock)
+        _, w = await asyncio.open_connection(*sock.getsockname())
+        value = await got
+        w.close()
+        server.close()
+        await server.wait_closed()
+        return value
+
+    assert asyncio.run(accepted_nodelay()) == 0  # asyncio's own rule: Nagle stays on
+    tcp_nodelay()
+    assert asyncio.run(accepted_nodelay()) != 0

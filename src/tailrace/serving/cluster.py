@@ -556,6 +556,27 @@ class _IngressHeader:
         await self.app(scope, receive, tagged)
 
 
+def tcp_nodelay() -> None:
+    """Make asyncio set ``TCP_NODELAY`` on every TCP connection of this process.
+
+    Serve's HTTP server in a replica (direct ingress, behind HAProxy) listens on a socket
+    made with protocol 0, and asyncio sets ``TCP_NODELAY`` only on sockets whose protocol
+    is ``IPPROTO_TCP`` (``asyncio.base_events._set_nodelay``): uvicorn writes a response's
+    headers and body separately, and on a quiet keep-alive connection Nagle's algorithm
+    holds the body until the client's delayed ACK, ~40 ms later (measured: every no-op
+    request took 52 ms instead of ~10). Called in tailrace's replicas before Serve starts
+    their server; idempotent."""
+    import asyncio.base_events
+    import socket
+
+    def set_nodelay(sock: socket.socket) -> None:
+        if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    asyncio.base_events._set_nodelay = set_nodelay  # type: ignore[attr-defined]
+
+
 HEALTHZ_BODY = b'{"status":"ok"}'
 
 
@@ -576,6 +597,9 @@ def healthz_deployment() -> Any:
                       max_ongoing_requests=PROBE_HEADROOM, health_check_period_s=2,
                       logging_config=QUIET)
     class Healthz:
+        def __init__(self) -> None:
+            tcp_nodelay()
+
         async def __call__(self, request: Any) -> Any:
             if request.url.path.rstrip("/") != "/healthz":
                 msg = f"{request.method} {request.url.path}: Not Found"
@@ -597,6 +621,7 @@ def ingress_deployment() -> Any:
     class Ingress:
         def __init__(self, app_name: str, plans: list[Any], gated: bool,
                      options: dict[str, Any], max_outstanding: int = MAX_OUTSTANDING) -> None:
+            tcp_nodelay()
             self._args = (app_name, plans, gated, options, max_outstanding)
 
         async def __serve_build_asgi_app__(self) -> Any:
