@@ -6,7 +6,7 @@ Each example sends a random set of HTTP requests (plain or streamed; records tha
 fail in a stage, are dropped by a filter, or run slowly and may be abandoned by their
 client mid-way, streamed or not) and may kill a stage actor or an ingress replica
 meanwhile. The whole suite runs behind each HTTP proxy Serve offers: HAProxy (which lets
-an abandoned non-streamed record run to its end) and the Python proxy actor (which
+an abandoned non-streamed record may run to its end) and the Python proxy actor (which
 cancels it). Every
 request must end exactly once with its own answer — 200 with its output, 500 naming the
 failing stage, 422 for a drop, 429 + Retry-After — or, only if its ingress replica was

