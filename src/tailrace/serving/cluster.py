@@ -88,7 +88,7 @@ MIN_OUTSTANDING = 32
 PROBE_HEADROOM = 64
 #: seconds a refused client is told to wait (``Retry-After``)
 REFUSED_RETRY_S = 1.0
-#: the HTTP proxies Serve can put in front of the ingress replicas (``proxy_kinds``)
+#: the HTTP proxies Serve can put in front of the ingress replicas
 PROXIES = ("haproxy", "python")
 #: with HAProxy: seconds an ingress replica that is being removed stays reachable so
 #: HAProxy can take it out of its backends (Serve's default is 30 s, which every stop
