@@ -10,6 +10,7 @@ import time
 import pytest
 
 from tailrace.cli.main import main
+from tailrace.request import REQUEST
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PIPE = """\
@@ -153,7 +154,7 @@ def test_run_with_admission_policy(files, capsys):
                  "--admission", "slo", "--max-in-flight", "1"]) == 0
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert sorted(r["text"] for r in rows) == ["ab", "cde"]
-    assert all("_admission" not in r for r in rows)
+    assert all(REQUEST not in r for r in rows)
 
 
 def test_negative_slo_budget_is_a_clear_error(files, capsys):

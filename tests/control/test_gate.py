@@ -6,6 +6,7 @@ import time
 import tailrace as tr
 from tailrace.control import make_policy
 from tailrace.control.gate import AdmissionGate
+from tailrace.request import REQUEST
 
 
 class Concurrency:
@@ -41,7 +42,7 @@ def test_fcfs_limit_bounds_in_flight_and_loses_nothing():
     result = tr.run(pipeline("qa", c), input=[{"q": str(i)} for i in range(20)],
                     admission=gate)
     assert sorted(r["q"] for r in result.outputs) == sorted(str(i) for i in range(20))
-    assert all("_admission" not in r for r in result.outputs)  # the ticket left with it
+    assert all(REQUEST not in r for r in result.outputs)  # the ticket left with it
     assert c.peak <= 2
     stats = gate.statistics()
     assert stats.admitted == 20 and stats.in_flight == 0

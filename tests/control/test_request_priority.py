@@ -13,6 +13,8 @@ from tailrace.control import (
     Request,
     make_policy,
 )
+from tailrace.request import REQUEST
+from tailrace.request import Request as Envelope
 from tests.control.test_admission import BIG, UNIT, VirtualClock, req, saturate
 
 
@@ -143,16 +145,17 @@ def test_the_gate_reads_the_records_urgency():
                          max_tokens={"qa": 10})  # 1 s each
 
     async def scenario():
-        first = await gate.admit("qa", {"q": "x", "_urgency": {"priority": "interactive"}})
+        first = await gate.admit("qa", {"q": "x",
+                                        REQUEST: Envelope(asked={"priority": "interactive"})})
         assert (first.request.priority, first.request.deadline) == ("interactive", None)
         # a second must wait 1 s for the first and run 1 s: 1.5 s is too short
         with pytest.raises(AdmissionRejected) as e:
-            await gate.admit("qa", {"q": "x", "_urgency": {"deadline_ms": 1500}})
+            await gate.admit("qa", {"q": "x", REQUEST: Envelope(asked={"deadline_ms": 1500})})
         assert e.value.reason == "deadline_unmeetable"
         gate.done(first)
         clock.now = 10.0
-        second = await gate.admit("qa", {"q": "x", "_urgency": {"deadline_ms": 1500,
-                                                                "priority": 0}})
+        second = await gate.admit("qa", {"q": "x", REQUEST: Envelope(asked={
+            "deadline_ms": 1500, "priority": 0})})
         assert (second.request.priority, second.deadline) == (0, 11.5)
         plain = gate.admit("qa", {"q": "x"})
         gate.done(second)

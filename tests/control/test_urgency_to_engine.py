@@ -11,6 +11,7 @@ import pytest
 
 import tailrace as tr
 from tailrace.control import AdmissionGate, PipelineSLO, make_policy
+from tailrace.request import REQUEST, Request
 from tests.serving import fakes
 
 
@@ -37,7 +38,8 @@ def test_an_slo_policy_sends_the_class_and_deadline_to_the_engine():
         out_chat = tr.run(pipeline("chat"), input=[{"q": "hi there"}], admission=gate)
         out_jobs = tr.run(pipeline("jobs"), input=[{"q": "sum up"}], admission=gate)
         mine = tr.run(pipeline("jobs"), admission=gate, input=[
-            {"q": "now please", "_urgency": {"priority": "interactive", "deadline_ms": 500}}])
+            {"q": "now please",
+             REQUEST: Request(asked={"priority": "interactive", "deadline_ms": 500})}])
     finally:
         gate.close()
     chat, jobs, urgent = fakes.EchoEngine.REQUESTS
@@ -46,7 +48,7 @@ def test_an_slo_policy_sends_the_class_and_deadline_to_the_engine():
     assert jobs.deadline > before + 59
     assert urgent.deadline < time.time() + 0.5  # its own deadline_ms
     for r in (out_chat, out_jobs, mine):
-        assert not any(k in r.outputs[0] for k in ("_urgent", "_admission"))
+        assert REQUEST not in r.outputs[0]
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "simultaneous"])
@@ -75,6 +77,6 @@ def test_a_served_request_carries_its_class_to_the_engine():
     finally:
         svc.stop()
         gate.close()
-    assert got["a"] == "hello you" and "_urgent" not in got
+    assert got["a"] == "hello you" and REQUEST not in got
     [req] = fakes.EchoEngine.REQUESTS
     assert req.priority == 2 and req.deadline is not None

@@ -3,13 +3,12 @@ queue bounds and drop counts, from what a run produced (``Observed``)."""
 
 from __future__ import annotations
 
-import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 import tailrace.errors as tr_errors
-from tailrace.serving.service import Cancel
+from tailrace.request import REQUEST, Cancel, Request
 
 from .harness import Scenario, fanout, lineages, stage_id
 
@@ -29,7 +28,7 @@ class Observed:
     ledger: list = field(default_factory=list)  # (kind, stage, path)
     complete: bool = True  # False for interrupted runs: records may not have ended
     cancelled: set[int] = field(default_factory=set)  # lids whose caller gave up (serving)
-    transient: frozenset = frozenset()  # ``_`` fields the caller put in the records
+    transient: frozenset = frozenset()  # non-user fields the caller's records may hold
 
 
 FIELDS = frozenset({"lid", "path", "grp", "hops", "count", "items"})
@@ -41,9 +40,10 @@ def _foreign(x: Any, transient: frozenset) -> list[str]:
     if not isinstance(x, dict):
         return []
     out = sorted(k for k in x if k not in FIELDS and k not in transient)
-    if "_cancel" in x and "_cancel" in transient and not isinstance(
-            x["_cancel"], threading.Event | Cancel):  # e.g. a timed attempt's own
-        out.append(f"_cancel={type(x['_cancel']).__name__} (not the caller's event)")
+    req = x.get(REQUEST)
+    if REQUEST in x and (REQUEST not in transient or not isinstance(req, Request)
+                         or type(req.cancel.parent) is Cancel):  # e.g. a timed attempt's
+        out.append(f"{REQUEST}={req!r:.80} (not the caller's request)")
     for r in x.get("items", ()):
         out += _foreign(r, transient)
     return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from tailrace.control import AdmissionGate, make_policy
+from tailrace.request import request_of
 
 MODES = ("ok", "fail", "drop", "slow")
 
@@ -15,13 +16,14 @@ async def work(r):
     """Streams three pieces; 'fail' raises; 'slow' runs ~1.5 s unless its caller leaves."""
     if r["mode"] == "fail":
         raise ValueError(f"record {r['i']} fails on purpose")
+    req = request_of(r)
     for k in range(3):
-        if "_stream" in r:
-            r["_stream"](f"p{k} ")
+        if req is not None and req.sink is not None:
+            req.sink(f"p{k} ")
         await asyncio.sleep(0.01)
     if r["mode"] == "slow":
         for _ in range(150):
-            if r["_cancel"].is_set():
+            if req.cancel.is_set():
                 break
             await asyncio.sleep(0.01)
     return {**r, "out": r["i"] * 10}

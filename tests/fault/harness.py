@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import tailrace as tr
+from tailrace.request import request_of
 
 
 def h(*parts: Any) -> int:
@@ -276,11 +277,11 @@ def forget_attempts(run: int) -> None:
 
 
 def _events(x: Any, probe: Probe | None) -> list[Any]:
-    """What may end a blocking wait early: the records' ``_cancel`` (set by the caller,
-    or by the runtime when it abandons a timed-out attempt) and the test's release."""
-    evs = [r.get("_cancel") for r in (x if isinstance(x, list) else [x])
-           if isinstance(r, dict)]
-    evs = [e for e in evs if callable(getattr(e, "is_set", None))]
+    """What may end a blocking wait early: the records' requests' cancels (set by the
+    caller, or by the runtime when it abandons a timed-out attempt) and the test's
+    release."""
+    reqs = [request_of(r) for r in (x if isinstance(x, list) else [x])]
+    evs = [q.cancel for q in reqs if q is not None]
     return evs + ([probe.release] if probe is not None else [])
 
 

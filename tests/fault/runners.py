@@ -24,6 +24,7 @@ from typing import Any
 
 import tailrace as tr
 from tailrace.errors import RunInterrupted
+from tailrace.request import REQUEST, Request
 
 from .account import Observed, account, drop_problems, queue_problems
 from .harness import (
@@ -416,8 +417,8 @@ def run_service(sc: Scenario, *, here: bool = False, ray: Any = None) -> Report:
                                 f"the service never became ready: {svc.failure!r}")
                             return
                         await asyncio.sleep(0.01)
-                tasks = {r["lid"]: asyncio.create_task(svc.submit(r))
-                         for r in with_urgency(sc, inputs(sc.n))}
+                tasks = {r["lid"]: asyncio.create_task(svc.submit(r, request=q))
+                         for r, q in with_urgency(sc, inputs(sc.n))}
 
                 def cancel(lid: int) -> None:
                     with contextlib.suppress(RuntimeError):  # this loop ended: all answered
@@ -534,21 +535,21 @@ def run_service(sc: Scenario, *, here: bool = False, ray: Any = None) -> Report:
     return report
 
 
-#: transient fields of served records: submit() adds the first three, the runtime the
-#: ticket; the service strips them all from the caller's answer
-SERVING_FIELDS = frozenset({"_rid", "_cancel", "_stream", "_admission", "_urgency"})
+#: the one non-user field of served records: submit() adds the request; the service
+#: strips it from the caller's answer
+SERVING_FIELDS = frozenset({REQUEST})
 
 
-def with_urgency(sc: Scenario, records: list[dict]) -> list[dict]:
-    """The records, each with its request's own priority and deadline (``sc.urgency``) in
-    ``_urgency`` where the scenario gives any, as ``tailrace serve`` sets them."""
-    for r, own in zip(records, sc.urgency, strict=False):
-        if own is not None:
-            u = {k: v for k, v in zip(("priority", "deadline_ms"), own, strict=True)
-                 if v is not None}
-            if u:
-                r["_urgency"] = u
-    return records
+def with_urgency(sc: Scenario, records: list[dict]) -> list[tuple[dict, Request]]:
+    """The records, each with its request, asking its own priority and deadline
+    (``sc.urgency``) where the scenario gives any, as ``tailrace serve`` sets them."""
+    out = []
+    for i, r in enumerate(records):
+        own = sc.urgency[i] if i < len(sc.urgency) else None
+        u = ({k: v for k, v in zip(("priority", "deadline_ms"), own, strict=True)
+              if v is not None} if own is not None else None)
+        out.append((r, Request(asked=u or None)))
+    return out
 ANSWER_S = 1.0  # how long callers may wait for an answer once their records ended
 #: the same on Ray: a record's end (a filter's verdict) is answered once it is acknowledged
 #: end to end, which waits for a killed actor's restart and the replay

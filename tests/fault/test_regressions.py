@@ -16,6 +16,7 @@ import time
 import pytest
 
 import tailrace as tr
+from tailrace.request import request_of
 
 
 def _child(code: str, timeout: float = 30.0) -> str:
@@ -125,7 +126,8 @@ def test_ctrl_c_cancels_the_blocking_calls_it_abandons():
 
         def slow(x):
             os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while this call runs
-            cancel = x.get("_cancel")
+            req = x.get("_request")
+            cancel = req.cancel if req is not None else None
             end = time.monotonic() + 8
             while time.monotonic() < end and not (cancel is not None and cancel.is_set()):
                 time.sleep(0.005)  # honours cooperative cancellation
@@ -241,7 +243,8 @@ def test_a_batch_under_admission_does_not_hand_out_admission_tickets():
 
 def _waits_for_cancel(x):
     """A blocking predicate that honours cooperative cancellation (like ``generate``)."""
-    cancel = x.get("_cancel")
+    req = request_of(x)
+    cancel = req.cancel if req is not None else None
     deadline = time.monotonic() + 30
     while not (cancel is not None and cancel.is_set()) and time.monotonic() < deadline:
         time.sleep(0.005)

@@ -7,6 +7,7 @@ import pytest
 
 import tailrace as tr
 from tailrace.api.yaml_loader import loads_pipeline
+from tailrace.request import REQUEST, Request
 from tests.rag_fixtures import EMBEDDER, LLM
 
 pytestmark = pytest.mark.engine
@@ -162,7 +163,7 @@ def test_generate_streams_tokens_to_the_record_and_honours_stop(tailrace_home):
     (p.source(fields=["text"]).apply("generate", id="gen", engine="llm", input="text",
                                       max_tokens=24, stop=["."], usage="usage").sink())
     [rec] = tr.run(p, input=[{"text": "Describe the sea in one sentence.",
-                              "_stream": pieces.append}]).outputs
+                              REQUEST: Request(sink=pieces.append)}]).outputs
     assert len(pieces) > 1 and "".join(pieces) == rec["answer"]
     assert "." not in rec["answer"]  # the stop string ends generation and is not emitted
     assert 0 < rec["usage"]["completion_tokens"] <= 24

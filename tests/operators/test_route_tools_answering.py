@@ -12,6 +12,7 @@ import pytest
 import tailrace as tr
 from tailrace.engines import BACKENDS, Generation
 from tailrace.errors import EngineError
+from tailrace.request import REQUEST, Cancel, Request
 
 CALLS: list[int] = []  # the batch size of each engine call
 
@@ -56,8 +57,9 @@ def test_a_route_answer_that_streamed_before_its_batch_failed_is_not_sent_twice(
                                  max_batch=8, batch={"max_size": 2, "max_wait_ms": 1000}
                                  ).sink()
     pieces: list[str] = []
-    streamed = {"q": "streamed words", "_options": {"for": "answer"}, "_stream": pieces.append}
-    quiet = {"q": "quiet words", "_options": {"for": "answer"}}
+    streamed = {"q": "streamed words",
+                REQUEST: Request(options={}, answers="answer", sink=pieces.append)}
+    quiet = {"q": "quiet words", REQUEST: Request(options={}, answers="answer")}
     result = tr.run(p, runtime="local", input=[streamed, quiet])
     assert CALLS == [2, 1]  # the batch, then the quiet one alone
     assert pieces == ["streamed"]  # its first piece went out once; no second answer
@@ -67,7 +69,7 @@ def test_a_route_answer_that_streamed_before_its_batch_failed_is_not_sent_twice(
     assert out["answer"] == "quiet words"
 
 
-GONE = threading.Event()  # the record's _cancel in the tool_call test
+GONE = threading.Event()  # what the record's request's cancel reads in the tool_call test
 LEFT: list[str] = []
 
 
@@ -114,7 +116,8 @@ def test_a_tool_call_whose_caller_left_starts_no_further_round(monkeypatch):
     Caller.REQUESTS.clear()
     pieces: list[str] = []
     result = tr.run(p, runtime="local", input=[
-        {"q": "go", "_options": {"for": "answer"}, "_stream": pieces.append, "_cancel": GONE}])
+        {"q": "go", REQUEST: Request(options={}, answers="answer", sink=pieces.append,
+                                     cancel=Cancel(GONE))}])
     assert not result.errors, result.errors
     assert LEFT == ["called"] and len(Caller.REQUESTS) == 1  # no round after it left
     assert pieces == []  # the tool call was never streamed

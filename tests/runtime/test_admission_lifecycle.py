@@ -11,6 +11,7 @@ import pytest
 
 import tailrace as tr
 from tailrace.control import AdmissionGate, make_policy
+from tailrace.request import REQUEST
 
 
 class CountingGate(AdmissionGate):
@@ -108,7 +109,7 @@ def test_flat_map_children_release_the_ticket_once_after_the_last_child():
      .map(lambda r: r, queue=1).sink())
     result = finishes(lambda: tr.run(p, input=records(30), admission=gate, fuse=False))
     assert len(result.outputs) == sum(i % 3 for i in range(30))
-    assert all("_admission" not in r for r in result.outputs)
+    assert all(REQUEST not in r for r in result.outputs)
     gate.assert_balanced()
 
 
@@ -158,7 +159,7 @@ def test_outputs_do_not_carry_the_ticket_and_shared_records_keep_theirs():
     s.map(lambda r: r, queue=1).sink(b := [])  # the same dicts, later
     finishes(lambda: tr.run(p, input=records(50), admission=gate, fuse=False))
     assert len(a) == len(b) == 50
-    assert not any("_admission" in r for r in a + b)
+    assert not any(REQUEST in r for r in a + b)
     gate.assert_balanced()
 
 
@@ -264,7 +265,7 @@ def test_a_batch_window_lists_its_records_without_their_tickets():
     result = finishes(lambda: tr.run(p, input=records(7), admission=gate, fuse=False))
     items = [x for r in result.outputs for x in r["items"]]
     assert sorted(x["i"] for x in items) == list(range(7))
-    assert not any("_admission" in x for x in items)
+    assert not any(REQUEST in x for x in items)
     gate.assert_balanced()
 
 

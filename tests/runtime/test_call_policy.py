@@ -12,6 +12,7 @@ import pytest
 import tailrace as tr
 from tailrace.api.yaml_loader import loads_pipeline
 from tailrace.compiler import ABANDON_CAP
+from tailrace.request import REQUEST, Cancel, Request
 from tests.serving.fakes import echo_spec, register_echo
 
 
@@ -116,8 +117,8 @@ def test_a_retry_never_overlaps_its_abandoned_attempt():
 
 
 def test_an_abandoned_generate_is_cancelled_cooperatively(monkeypatch):
-    """The timed-out attempt's ``_cancel`` is set: the engine stops that sequence; the
-    caller's own ``_cancel`` is untouched and comes back in the output."""
+    """The timed-out attempt's cancel is set: the engine stops that sequence; the
+    caller's own request's cancel is untouched."""
     register_echo(monkeypatch)
     from tests.serving.fakes import EchoEngine
 
@@ -127,7 +128,7 @@ def test_an_abandoned_generate_is_cancelled_cooperatively(monkeypatch):
      retries: 0}
 """, engines="engines:\n  llm: " + str(echo_spec(delay=0.02)).replace("'", '"') + "\n")
     mine = threading.Event()
-    result = tr.run(p, input=[{"q": " ".join(["w"] * 50), "_cancel": mine}])
+    result = tr.run(p, input=[{"q": " ".join(["w"] * 50), REQUEST: Request(cancel=Cancel(mine))}])
     [err] = result.errors
     assert "timeout_ms=100" in err.message
     deadline = time.monotonic() + 5

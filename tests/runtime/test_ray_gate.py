@@ -11,6 +11,7 @@ import pytest
 
 import tailrace as tr
 from tailrace.control import AdmissionRejected
+from tailrace.request import REQUEST, Request
 from tailrace.runtime.ray.gate import ClusterGate, GateUnavailable
 from tailrace.serving import PipelineService
 
@@ -125,7 +126,7 @@ def test_slo_admits_the_urgent_class_first(make_gate):
         order = []
 
         async def queued(cls):
-            t = await gate.admit("p", {"text": "b", "_urgency": {"priority": cls}})
+            t = await gate.admit("p", {"text": "b", REQUEST: Request(asked={"priority": cls})})
             order.append(cls)
             gate.done(t)
 

@@ -197,13 +197,13 @@ def test_a_record_a_filter_drops_is_answered_at_once(contract):
 
 
 def test_a_record_that_loses_its_request_id_is_answered_at_once_with_the_reason():
-    """It used to wait for timeout_s: the stage that dropped ``_rid`` is named now."""
+    """It used to wait for timeout_s: the stage that dropped the request is named now."""
     p = tr.Pipeline("lost")
     p.source(fields=["text"]).map(lambda r: {"text": r["text"]}, id="fresh").sink()
     svc = PipelineService(p, timeout_s=60).start()
     try:
         with pytest.raises(RecordDropped, match="stage 'fresh' dropped this record .* "
-                                                "without keeping '_rid'"):
+                                                "without keeping its '_request'"):
             asyncio.run(asyncio.wait_for(svc.submit({"text": "a"}), 10))
         assert svc.pending == 0
     finally:

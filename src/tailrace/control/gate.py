@@ -5,8 +5,8 @@ through the same gate, so one policy sees all the contention. The runtime calls
 ``admit(pipeline, record)`` for each arriving record and ``done(token)`` when the
 record leaves (output or error record); the gate turns records into ``Request``s
 (predicted prompt tokens from the record's text, ``max_tokens`` from the pipeline's
-generate stages, the request's own priority class and deadline from the record's
-transient ``_urgency`` field), waits while the policy queues them, and raises ``AdmissionRejected``
+generate stages, the priority class and deadline the record's request asked for,
+(``Request.asked``)), waits while the policy queues them, and raises ``AdmissionRejected``
 when it rejects them. A background thread polls the policy so queued requests whose
 deadline can no longer be met are rejected on time, not when capacity frees up.
 """
@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..engines.tokens import CHARS_PER_TOKEN, approx_tokens
+from ..request import request_of
 from .admission import AdmissionPolicy, AdmissionRejected, Rejection, Request, Ticket
 from .slo import rank_of
 
@@ -64,12 +65,14 @@ class AdmissionGate:
     async def admit(self, pipeline: str, record: Any) -> Ticket:
         """Wait until the policy admits ``record``; raises ``AdmissionRejected``.
 
-        A record's transient ``_urgency`` field (``{"priority": CLASS, "deadline_ms": MS}``,
-        either optional; set by the HTTP layer) gives the request its own priority class
-        and a deadline ``deadline_ms`` after its arrival, instead of its pipeline's SLO.
+        The urgency a record's request asked for (``Request.asked``: ``{"priority":
+        CLASS, "deadline_ms": MS}``, either optional; set by the HTTP layer) gives the
+        request its own priority class and a deadline ``deadline_ms`` after its
+        arrival, instead of its pipeline's SLO.
         """
         arrival = self._clock()
-        urgency = record.get("_urgency") if isinstance(record, dict) else None
+        asked = request_of(record)
+        urgency = asked.asked if asked is not None else None
         priority = deadline = None
         if urgency:
             priority = urgency.get("priority")

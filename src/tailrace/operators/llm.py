@@ -2,18 +2,17 @@
 
 ``generate`` calls its engine once per micro-batch (at most ``max_batch`` records, or
 the stage's ``batch`` contract), so concurrent requests share one batched decode.
-With ``messages: FIELD`` (a list of ``{"role", "content"}`` dicts in the record, e.g.
-the ``_messages`` a served chat request carries), the stage answers a conversation; see
-``chat_messages`` for the order and what is dropped when it does not fit.
-With ``json_schema: {...}`` (or a request's ``response_format`` in ``_options``), the
+With ``messages: FIELD`` (a list of ``{"role", "content"}`` dicts in the record, or
+``_messages``: the conversation a served chat request carries), the stage answers a
+conversation; see ``chat_messages`` for the order and what is dropped when it does not
+fit. With ``json_schema: {...}`` (or a served request's ``response_format``), the
 engine constrains the answer to JSON and every answer is checked afterwards: one that
 is not valid JSON for its schema makes the record an error record.
-Tokens stream as they are produced to a record's ``_stream`` callable when it has
-one (for a served OpenAI request, only the answering stage's: the one its ``_options``
-are ``for``; that stage also reports ``_finish`` and ``_usage``), and a record whose
-``_cancel`` (a ``threading.Event``) is set stops generating at the next token, freeing
-its engine sequence (fields starting with ``_`` are transient and never written to
-output files).
+A served record's request (``tailrace/request.py``) shapes the call: tokens stream to
+its sink as they are produced (for an OpenAI request, only the answering stage's: the
+one the request ``answers`` names; that stage also reports its finish reason and usage
+in the request's reply), its options and granted priority apply, and once its cancel is
+set the engine stops that sequence at the next token.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from typing import Any
 from ..engines import GenerationRequest, open_engine
 from ..engines.structured import check_answer, check_enforceable, check_schema, enforced_by
 from ..errors import ContextOverflow, EngineError, StructuredOutputError
+from ..request import request_of
 from .common import (
     ENGINE_HINT,
     FieldError,
@@ -174,7 +174,7 @@ def chat_messages(system: str | None, conversation: Any, latest: str,
     return head + tuple(turns[k:]) + tail
 
 
-#: the per-request options a generate stage takes from a record's ``_options``
+#: the per-request options a generate stage takes from its request's ``options``
 OPTIONS = ("max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty",
            "frequency_penalty", "response_format")
 
@@ -190,41 +190,72 @@ FROZEN = Param("frozen", (list,), want=f"a list of request options the request m
                f"(of {', '.join(OPTIONS)})", check=_check_frozen)
 
 
+#: the ``messages:`` value that names the conversation a served chat request carries
+CONVERSATION = "_messages"
+
+
 def answering(record: Any, out: str) -> dict | None:
-    """The served request's ``_options`` when they are meant for the stage writing field
-    ``out`` (its ``for``): that stage answers the request; else None.
+    """The served request's options when the stage writing field ``out`` answers it
+    (the request's ``answers``); else None.
 
     record: the record.
     out:    the stage's output field.
     """
-    opts = record.get("_options") if isinstance(record, dict) else None
-    return opts if isinstance(opts, dict) and opts.get("for") == out else None
+    req = request_of(record)
+    return req.options_for(out) if req is not None else None
 
 
 def stream_of(record: Any, out: str) -> Any:
-    """The record's ``_stream`` callable if the stage writing ``out`` streams to it: the
-    answering stage of a served OpenAI request, or any stage of a record without
-    ``_options`` (``/v1/pipelines/NAME/runs?stream=true``); else None.
+    """The request's token sink if the stage writing ``out`` streams to it: the
+    answering stage of a served OpenAI request, or any stage of a request that names
+    none (``/v1/pipelines/NAME/runs?stream=true``); else None.
 
     record: the record.
     out:    the stage's output field.
     """
-    if not isinstance(record, dict):
+    req = request_of(record)
+    return req.sink_for(out) if req is not None else None
+
+
+def cancel_of(record: Any) -> Any:
+    """The record's request's cancel signal, or None (a record of a batch run)."""
+    req = request_of(record)
+    return req.cancel if req is not None else None
+
+
+def conversation(record: Any, field: str | None) -> Any:
+    """The conversation a stage answers: its request's (``messages: _messages``) or the
+    record field ``field`` names; None without one."""
+    if not field or type(record) is not dict:
         return None
-    s = record.get("_stream")
-    if not callable(s) or ("_options" in record and answering(record, out) is None):
-        return None
-    return s
+    if field == CONVERSATION:
+        req = request_of(record)
+        return req.messages if req is not None else record.get(field)
+    return record.get(field)
 
 
 def with_urgency(kw: dict[str, Any], record: Any) -> dict[str, Any]:
-    """``kw`` plus the admitted request's class and deadline (the transient ``_urgent``
-    field, ``(class, wall-clock deadline)``, that admission gives a record), for engines
-    that schedule by them (docs/engines.md, "Priorities inside the engine")."""
-    u = record.get("_urgent") if type(record) is dict else None
-    if u is None:
+    """``kw`` plus the class and deadline admission granted the record's request
+    (``(class, wall-clock deadline)``), and its session (engine pools route a session's
+    requests together), for engines that schedule by them (docs/engines.md,
+    "Priorities inside the engine")."""
+    req = request_of(record)
+    if req is None:
         return kw
-    return {**kw, "priority": u[0], "deadline": u[1]}
+    u = req.granted
+    if u is not None:
+        kw = {**kw, "priority": u[0], "deadline": u[1]}
+    if isinstance(req.session, str):
+        kw = {**kw, "session": req.session}
+    return kw
+
+
+def report(record: Any, out: str, finish: str | None, usage: dict[str, int]) -> None:
+    """The stage writing ``out`` reports its answer to the record's request (kept when
+    it is the answering stage)."""
+    req = request_of(record)
+    if req is not None:
+        req.report(out, finish, usage)
 
 
 def request_options(base: dict[str, Any], opts: dict | None,
@@ -302,10 +333,7 @@ def _build_generate(params: dict, contract: Any) -> OpRuntime:
         if fmt is not None and fmt.get("type") not in enforced:
             raise EngineError(f"response_format '{fmt.get('type')}' cannot be enforced by "
                               f"engine '{params['engine']}'; use a llama_cpp or openai engine")
-        session = record.get("_session") if isinstance(record, dict) else None
-        if isinstance(session, str):  # engine pools route a session's requests together
-            kw = {**kw, "session": session}
-        conv = record.get(conv_field) if conv_field and isinstance(record, dict) else None
+        conv = conversation(record, conv_field)
         if conv is not None:
             msgs = chat_messages(system, conv, text, engine.count_tokens, limit)
             return GenerationRequest(messages=msgs, **kw)
@@ -323,7 +351,7 @@ def _build_generate(params: dict, contract: Any) -> OpRuntime:
 
     def call(records: list, reqs: list, errors: list) -> list:
         streams = [stream_of(r, out) for r in records]
-        cancels = [r.get("_cancel") if isinstance(r, dict) else None for r in records]
+        cancels = [cancel_of(r) for r in records]
         on_token = None
         if any(callable(s) for s in streams) or any(c is not None for c in cancels):
             def on_token(i: int, piece: str) -> bool:
@@ -348,12 +376,12 @@ def _build_generate(params: dict, contract: Any) -> OpRuntime:
                 r[usage] = {"prompt_tokens": g.prompt_tokens,
                             "completion_tokens": g.completion_tokens}
             if answering(r, out) is not None:  # it answers a served request
-                r["_finish"] = g.finish_reason
-                r["_usage"] = {"prompt_tokens": g.prompt_tokens,
-                               "completion_tokens": g.completion_tokens}
+                counts = {"prompt_tokens": g.prompt_tokens,
+                          "completion_tokens": g.completion_tokens}
                 cached = g.extra.get("cached_tokens")
                 if cached:  # prompt tokens whose KV the engine reused (prefix cache)
-                    r["_usage"]["cached_tokens"] = cached
+                    counts["cached_tokens"] = cached
+                report(r, out, g.finish_reason, counts)
             result.append(r)
         return result
 

@@ -14,13 +14,13 @@ Each output record carries the decision (``route``: engine, confidences, escalat
 its cost (``cost``: prompt and completion tokens per engine, including the tokens a
 cascade spent before escalating); ``route_statistics()`` totals them per stage ``label``.
 
-As the answering stage of a served request (its ``_options`` are ``for`` this stage's
+As the answering stage of a served request (the request ``answers`` this stage's
 ``output``), route applies the request's options like ``generate`` (each engine's
 ``max_tokens`` is the ceiling, ``stop`` adds to its, ``frozen:`` keeps some from
 requests), builds the chat from ``messages: FIELD`` like ``generate``, stops a request
-whose ``_cancel`` is set at its next token, and reports ``_finish`` (the final answer's
-finish reason) and ``_usage`` (tokens over every engine it called). Tokens stream to
-``_stream``: with rules, the chosen engine's as they come; in a cascade, the last
+whose cancel is set at its next token, and reports in the request's reply the final
+answer's finish reason and the tokens over every engine it called. Tokens stream to
+the request's sink: with rules, the chosen engine's as they come; in a cascade, the last
 level's as they come, and an earlier level's answer whole once its confidence keeps it
 (a reply that may still be escalated is never streamed).
 """
@@ -41,10 +41,13 @@ from .llm import (
     PROMPT_PARAMS,
     TEMPERATURE,
     answering,
+    cancel_of,
     chat_messages,
     check_prompt_source,
+    conversation,
     prompt_reads,
     prompt_text,
+    report,
     request_options,
     stream_of,
     template_fields,
@@ -152,7 +155,7 @@ class _Target:
                                                              self.frozen), r),
                               **({"logprobs": True} if _LOGPROBS else {})}
         limit = eng.context_length - self.max_tokens
-        conv = r.get(self.conv_field) if self.conv_field and isinstance(r, dict) else None
+        conv = conversation(r, self.conv_field)
         if conv is not None:
             return GenerationRequest(messages=chat_messages(self.system, conv, text,
                                                             eng.count_tokens, limit), **kw)
@@ -167,11 +170,11 @@ class _Target:
         return GenerationRequest(prompt=(self.system + "\n\n" if self.system else "") + text, **kw)
 
     def _call(self, rows: list, reqs: list, live: bool, sent: set[int]) -> list:
-        """The engine's generations of ``reqs``; each row's ``_cancel`` stops its
-        sequence, and with ``live`` its tokens go to its ``_stream`` as they come (the
+        """The engine's generations of ``reqs``; each row's cancel stops its
+        sequence, and with ``live`` its tokens go to its request's sink as they come (the
         ``id`` of a row that streamed a piece is added to ``sent``)."""
         streams = [stream_of(row[0], self.out) if live else None for row in rows]
-        cancels = [row[0].get("_cancel") if isinstance(row[0], dict) else None for row in rows]
+        cancels = [cancel_of(row[0]) for row in rows]
         if not any(callable(s) for s in streams) and all(c is None for c in cancels):
             return self.engine.generate(reqs)
 
@@ -214,7 +217,7 @@ class _Target:
 
 
 def _cancelled(record: Any) -> bool:
-    c = record.get("_cancel") if isinstance(record, dict) else None
+    c = cancel_of(record)
     return c is not None and c.is_set()
 
 
@@ -256,7 +259,7 @@ def _build_route(params: dict, contract: Any) -> OpRuntime:
 
     def by_cascade(batch: list, errors: list) -> list:
         """Only the last level streams as it generates (its answer is final); an answer
-        an earlier level keeps goes to ``_stream`` whole, once its confidence is known.
+        an earlier level keeps goes to the request's sink whole, once its confidence is known.
         A cancelled request is not escalated."""
         rows = [[r, {"engine": None, "confidence": [], "escalated": False}, {}] for r in batch]
         done = []
@@ -289,9 +292,8 @@ def _build_route(params: dict, contract: Any) -> OpRuntime:
     def result(row: list, g: Any) -> dict:
         r = {**row[0], out: g.text, route_f: row[1], cost_f: row[2]}
         if answering(r, out) is not None:  # it answers a served request
-            r["_finish"] = g.finish_reason
-            r["_usage"] = {k: sum(c[k] for c in row[2].values())
-                           for k in ("prompt_tokens", "completion_tokens")}
+            report(r, out, g.finish_reason, {k: sum(c[k] for c in row[2].values())
+                                             for k in ("prompt_tokens", "completion_tokens")})
         return r
 
     def batch_fn(batch: list, errors: list) -> list:

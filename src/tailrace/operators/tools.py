@@ -14,15 +14,16 @@ record an error record saying which and why (``on_error: record``), or is sent b
 model as the tool's result so it can recover (``on_error: model``). A timed-out call is
 abandoned, not killed: Python cannot stop a thread, so its result is discarded.
 
-With ``messages: FIELD`` the conversation starts from the record's chat (e.g. a served
-request's ``_messages``, built like ``generate``'s: ``chat_messages``) and continues with
-the tool rounds. As the answering stage of a served request (its ``_options`` are
-``for`` this stage's ``output``), every round takes the request's options like
-``generate`` (``max_tokens`` at most the stage's, ``stop`` added, ``frozen:`` kept from
-requests); ``_finish`` is the answering round's finish reason and ``_usage`` the tokens
-of all rounds. A reply is only known not to call a tool once it is complete, so the
-answer goes to ``_stream`` whole, and never a round that calls tools; a set ``_cancel``
-stops the round at its next token (local engines) and ends the conversation.
+With ``messages: FIELD`` the conversation starts from the record's chat (e.g.
+``_messages``, a served chat request's conversation, built like ``generate``'s:
+``chat_messages``) and continues with the tool rounds. As the answering stage of a
+served request (the request ``answers`` this stage's ``output``), every round takes the
+request's options like ``generate`` (``max_tokens`` at most the stage's, ``stop`` added,
+``frozen:`` kept from requests); the request's reply gets the answering round's finish
+reason and the tokens of all rounds. A reply is only known not to call a tool once it
+is complete, so the answer goes to the request's sink whole, and never a round that
+calls tools; a set cancel stops the round at its next token (local engines) and ends
+the conversation.
 """
 
 from __future__ import annotations
@@ -44,10 +45,13 @@ from .llm import (
     PROMPT_PARAMS,
     TEMPERATURE,
     answering,
+    cancel_of,
     chat_messages,
     check_prompt_source,
+    conversation,
     prompt_reads,
     prompt_text,
+    report,
     request_options,
     stream_of,
 )
@@ -82,8 +86,8 @@ class Conversation:
         self.usage = [0, 0]
 
     def cancelled(self) -> bool:
-        """Whether the record's ``_cancel`` is set (its caller gave up)."""
-        c = self.record.get("_cancel") if isinstance(self.record, dict) else None
+        """Whether the record's request was cancelled (its caller gave up)."""
+        c = cancel_of(self.record)
         return c is not None and c.is_set()
 
 
@@ -165,11 +169,10 @@ class JsonChat:
         return GenerationRequest(prompt=text + "Assistant:", **kw)
 
     def _generate(self, convs: list[Conversation], reqs: list) -> list:
-        """The engine's generations; a conversation whose ``_cancel`` is set stops at its
+        """The engine's generations; a conversation whose cancel is set stops at its
         next token (nothing streams: a reply is only known not to call a tool when it is
         complete)."""
-        if not any(isinstance(c.record, dict) and c.record.get("_cancel") is not None
-                   for c in convs):
+        if not any(cancel_of(c.record) is not None for c in convs):
             return self.engine.generate(reqs)
         return self.engine.generate(reqs, lambda i, piece: not convs[i].cancelled())
 
@@ -298,7 +301,7 @@ def _build_tool_call(params: dict, contract: Any) -> OpRuntime:
     def start(r: Any) -> Conversation:
         text = prompt_text(template, inp, r)
         opts = request_options(base, answering(r, out), frozen)
-        conv = r.get(conv_field) if conv_field and isinstance(r, dict) else None
+        conv = conversation(r, conv_field)
         if conv is not None:
             return Conversation(r, list(chat_messages(system or None, conv, text, count,
                                                       limit)), opts)
@@ -358,9 +361,8 @@ def _build_tool_call(params: dict, contract: Any) -> OpRuntime:
             else:
                 r = {**conv.record, out: conv.answer, calls_field: conv.calls}
                 if answering(r, out) is not None:  # it answers a served request
-                    r["_finish"] = conv.finish
-                    r["_usage"] = {"prompt_tokens": conv.usage[0],
-                                   "completion_tokens": conv.usage[1]}
+                    report(r, out, conv.finish, {"prompt_tokens": conv.usage[0],
+                                                 "completion_tokens": conv.usage[1]})
                 result.append(r)
         return result
 

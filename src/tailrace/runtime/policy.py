@@ -8,61 +8,51 @@ timeout, the retries and what a timeout does (docs/design.md, "Timeouts").
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from ..compiler import ABANDON_CAP, Execution
 from ..errors import StageTimeout
 from ..observability import StageMeter
 from ..operators import OpRuntime
+from ..request import REQUEST, Cancel, Request, request_of
 
 
-class AttemptCancel:
-    """The ``_cancel`` an attempt under a timeout sees: set when the attempt is
-    abandoned, and set whenever the caller's own event is (``is_set`` reads both)."""
-
-    __slots__ = ("_own", "caller")
-
-    def __init__(self, caller: Any) -> None:
-        self._own = threading.Event()
-        self.caller = caller  # the record's own ``_cancel`` (None: it had none)
-
-    def is_set(self) -> bool:
-        c = self.caller
-        return self._own.is_set() or (c is not None and bool(c.is_set()))
-
-    def set(self) -> None:
-        self._own.set()
+def _attempt(r: Any, attempts: list) -> Any:
+    """``r`` for one attempt under a timeout: its request (one is made for a record
+    that has none) gets a cancel of the attempt's own, set when the attempt is
+    abandoned and whenever the request's is; the request's reply is shared."""
+    if type(r) is not dict:
+        return r
+    req = request_of(r)
+    mine = (replace(req, cancel=req.cancel.child()) if req is not None
+            else Request(cancel=Cancel()))
+    attempts.append((mine, req))
+    return {**r, REQUEST: mine}
 
 
-def _cancellable(r: dict, cancels: list) -> dict:
-    c = r.get("_cancel")
-    c = AttemptCancel(c if callable(getattr(c, "is_set", None)) else None)
-    cancels.append(c)
-    return {**r, "_cancel": c}
-
-
-def _with_cancel(arg: Any) -> tuple[Any, list[AttemptCancel]]:
-    """``arg`` (a record or a list of them) with a fresh attempt cancel in each dict."""
-    cancels: list[AttemptCancel] = []
-    if isinstance(arg, dict):
-        return _cancellable(arg, cancels), cancels
+def _with_cancel(arg: Any) -> tuple[Any, list[tuple[Request, Request | None]]]:
+    """``arg`` (a record or a list of them) with an attempt's request in each dict;
+    the (attempt's, record's own) requests."""
+    attempts: list = []
     if isinstance(arg, list):
-        return [_cancellable(r, cancels) if isinstance(r, dict) else r for r in arg], cancels
-    return arg, cancels
+        return [_attempt(r, attempts) for r in arg], attempts
+    return _attempt(arg, attempts), attempts
 
 
-def _restore_cancel(result: Any) -> Any:
-    """Give outputs that carry an attempt's cancel back the caller's own ``_cancel``."""
+def _restore(result: Any, attempts: list) -> Any:
+    """Give outputs of a finished attempt their record's own request back (or none)."""
+    own = {id(mine): req for mine, req in attempts}
     for r in result if isinstance(result, list) else ():
-        if isinstance(r, dict):
-            c = r.get("_cancel")
-            if isinstance(c, AttemptCancel):
-                if c.caller is None:
-                    del r["_cancel"]
-                else:
-                    r["_cancel"] = c.caller
+        q = request_of(r)
+        if q is not None and id(q) in own:
+            req = own[id(q)]
+            if req is None:
+                del r[REQUEST]
+            else:
+                req.streamed = max(req.streamed, q.streamed)
+                r[REQUEST] = req
     return result
 
 
@@ -95,7 +85,7 @@ async def call_with_policy(x: Execution, rt: OpRuntime, meter: StageMeter, arg: 
     ``fn``: a synchronous call to make instead of the operator's own (a whole batch).
 
     Timeouts (docs/design.md, "Timeouts"): an async attempt is cancelled. A blocking
-    attempt cannot be killed: it is abandoned, its ``_cancel`` is set (operators that
+    attempt cannot be killed: it is abandoned, its request's cancel is set (operators that
     honour it, like ``generate``, stop at the next token) and its result is discarded.
     A retry never overlaps its abandoned attempt: it waits up to one more timeout for
     it to return, else the record fails. A replica with ``ABANDON_CAP`` abandoned
@@ -134,18 +124,18 @@ async def call_with_policy(x: Execution, rt: OpRuntime, meter: StageMeter, arg: 
                     "refusing new calls until one returns")
             # a map or branch call gets a cancel of its own per attempt; a batch window's
             # records are handed over untouched
-            call_arg, cancels = _with_cancel(arg) if rt.kind != "collect" else (arg, [])
+            call_arg, tries = _with_cancel(arg) if rt.kind != "collect" else (arg, [])
             fut = asyncio.ensure_future(run_blocking(call, call_arg))
             try:
                 done, _ = await asyncio.wait({fut}, timeout=timeout)
             except asyncio.CancelledError:  # the run is ending (Ctrl-C): stop the call too
-                for ev in cancels:
-                    ev.set()
+                for mine, _ in tries:
+                    mine.cancel.set()
                 raise
             if fut in done:
-                return _restore_cancel(fut.result())
-            for ev in cancels:
-                ev.set()
+                return _restore(fut.result(), tries)
+            for mine, _ in tries:
+                mine.cancel.set()
             rt.abandoned = abandoned + 1
             fut.add_done_callback(lambda f, rt=rt: _returned(rt, f))
             running = fut

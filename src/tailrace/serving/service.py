@@ -2,19 +2,17 @@
 
 A ``PipelineService`` runs ONE plan on its own thread and event loop for as long as it
 is started. Its source reads an endless async stream that ``submit`` feeds; every
-record carries transient fields the runtime passes along untouched:
-
-- ``_rid``: the request id the output (or error record) is routed back by;
-- ``_stream``: called with each text piece the generate stage produces;
-- ``_cancel``: a ``Cancel`` (or the caller's ``threading.Event``); set, the generate
-  stage stops that sequence.
+record points at its ``Request`` (``tailrace/request.py``: id, cancel signal, token
+sink, options, urgency, session, conversation) under the one reserved key ``REQUEST``,
+which the runtime passes along untouched. The output record (user fields only) or
+error record reaches the waiting caller, routed by the request's id.
 
 An output or error record reaches the waiting caller on the caller's own event loop,
 after the runtime has finished the step that produced it: by the time ``submit``
 returns, the record is counted in ``stats()`` and its admission ticket is back.
 A record that ends without an output — a filter's drop, a flat_map's empty expansion,
-a stage that replaced it without keeping ``_rid`` — is answered at once with
-``RecordDropped`` naming the stage (the runtime reports records whose ``_rid`` no
+a stage that replaced it without keeping its request — is answered at once with
+``RecordDropped`` naming the stage (the runtime reports records whose request no
 output carries); one folded into a ``batch`` window's list gets ``ServiceTimeout``.
 A caller that gives up (cancelled, timed out, disconnected) before its record is
 admitted costs nothing more:
@@ -23,9 +21,9 @@ ends as a ``CallerGone`` error record; once admitted, it runs on for nobody.
 ``ServingHub`` (``hub.py``) holds the services of one process.
 
 ``runtime="ray"`` runs the plan on a Ray cluster instead, this process its driver: the
-stages run in stage-host actors, fed by the same feed and answered the same way; the
-driver keeps each record's ``_cancel`` and ``_stream`` and ships marks
-(``runtime/ray/transient.py``), so a disconnect still stops the generation and tokens
+stages run in stage-host actors, fed by the same feed and answered the same way; a
+request crosses actors as its data and each host binds live parts of its own
+(``runtime/ray/served.py``), so a disconnect still stops the generation and tokens
 still stream.
 """
 
@@ -33,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import threading
 from collections.abc import Callable
 from dataclasses import replace as dataclass_replace
@@ -47,6 +44,7 @@ from ..compiler import Plan, compile_pipeline
 from ..control.gate import settle
 from ..errors import PlanError
 from ..observability import RunStats
+from ..request import REQUEST, Cancel, Request, request_of, strip
 from ..runtime.ingress import Feed
 from .errors import (
     CallerGone,
@@ -59,23 +57,6 @@ from .errors import (
 )
 
 _STOP = object()
-
-
-class Cancel:
-    """A request's stop signal, the part of ``threading.Event`` the runtime uses: any
-    thread may ``set()`` it, stages read ``is_set()``; nothing waits on it (so it costs a
-    flag, not a lock and a condition, per request)."""
-
-    __slots__ = ("_set",)
-
-    def __init__(self) -> None:
-        self._set = False
-
-    def set(self) -> None:
-        self._set = True
-
-    def is_set(self) -> bool:
-        return self._set
 
 
 class _Waiter:
@@ -94,8 +75,8 @@ def _answer(waiter: _Waiter, value: Any, exc: BaseException | None) -> None:
 
 
 def _streamer(loop: asyncio.AbstractEventLoop, on_token: Callable[[str], Any],
-              cancel: Cancel | threading.Event) -> Callable[[str], None]:
-    """A record's ``_stream``: hands each piece to ``on_token`` on the caller's loop."""
+              cancel: Cancel) -> Callable[[str], None]:
+    """A request's token sink: hands each piece to ``on_token`` on the caller's loop."""
     call_soon = loop.call_soon_threadsafe
 
     def stream(piece: str) -> None:
@@ -105,16 +86,6 @@ def _streamer(loop: asyncio.AbstractEventLoop, on_token: Callable[[str], Any],
             cancel.set()
 
     return stream
-
-
-_KEPT = frozenset({"_finish", "_usage"})
-
-
-def _clean(record: dict) -> dict:
-    """The record without transient fields, except ``_finish`` and ``_usage`` (the
-    answering stage's finish reason and tokens, set only for OpenAI requests; the HTTP
-    layer takes them out)."""
-    return {k: v for k, v in record.items() if not k.startswith("_") or k in _KEPT}
 
 
 class _Door:
@@ -131,13 +102,14 @@ class _Door:
             ticket = await self.gate.admit(pipeline, record)
         except Exception as e:
             retry = getattr(e, "retry_after", None)
-            if retry is not None and isinstance(record, dict):
-                waiter = self.service._waiting.get(record.get("_rid", 0))
+            req = request_of(record)
+            if retry is not None and req is not None:
+                waiter = self.service._waiting.get(req.rid)
                 if waiter is not None:
                     waiter.retry_after = float(retry)
             raise
-        cancel = record.get("_cancel") if isinstance(record, dict) else None
-        if cancel is not None and cancel.is_set():
+        req = request_of(record)
+        if req is not None and req.cancel.is_set():
             self.gate.done(ticket)
             raise CallerGone(f"pipeline '{pipeline}': the caller gave up while this request "
                              "waited for admission; it did not run")
@@ -206,7 +178,6 @@ class PipelineService:
         self.address = address
         self.placement = placement
         self.unrouted = 0  # outputs/error records with no waiting caller (late, extra)
-        self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._waiting: dict[int, _Waiter] = {}
         self._state = "new"  # new -> running -> stopping -> stopped | failed
@@ -372,7 +343,7 @@ class PipelineService:
             return
         build = partial(LocalRun, self.plan, inputs=inputs, outputs=outputs,
                         on_error=self._on_error, admission=door, on_drop=self._on_drop,
-                        drop_key="_rid")  # loads engines
+                        drop_key=REQUEST)  # loads engines
         # on a shared loop, the engines load in a worker thread: the loop keeps serving
         self._run = build() if self._task is None else await asyncio.to_thread(build)
         self._t0 = perf_counter()
@@ -388,7 +359,7 @@ class PipelineService:
             self._ready.set()
 
         build = partial(serving_run, self.plan, inputs=inputs, outputs=outputs,
-                        on_error=self._on_error, on_drop=self._on_drop, drop_key="_rid",
+                        on_error=self._on_error, on_drop=self._on_drop, drop_key=REQUEST,
                         on_ready=installed, admission=door, address=self.address,
                         placement=self.placement)
         self._run = await asyncio.to_thread(build)  # connecting blocks: off the loop
@@ -396,13 +367,18 @@ class PipelineService:
 
     # -- requests -----------------------------------------------------------------------
     async def submit(self, record: dict, on_token: Callable[[str], Any] | None = None,
-                     cancel: Cancel | threading.Event | None = None) -> dict:
+                     cancel: Cancel | threading.Event | None = None, *,
+                     request: Request | None = None) -> dict:
         """Run one record through the pipeline; returns its output record.
 
-        record:   a JSON object (dict); ``_``-prefixed keys are reserved.
+        record:   a JSON object (dict) of user fields; the key ``_request`` is reserved.
         on_token: called on the caller's event loop with each generated text piece.
         cancel:   an event the caller sets to stop the work (a fresh one if None);
                   cancelling this coroutine sets it too.
+        request:  the request's control data (options, urgency, session, conversation:
+                  a ``Request`` the caller made; its cancel and sink are set here);
+                  after the answer its ``reply`` holds what the answering stage
+                  reported. None: a plain request.
         Raises ``RequestFailed`` (carrying the error record; admission rejections are
         status 429 with ``retry_after``), ``ServiceOverloaded``, ``ServiceUnavailable``
         or ``ServiceTimeout``.
@@ -412,11 +388,17 @@ class PipelineService:
                                f"{type(record).__name__}", status=400, code="invalid_record")
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        rid = next(self._ids)
-        cancel = cancel if cancel is not None else Cancel()
-        rec = {**record, "_rid": rid, "_cancel": cancel}
+        if REQUEST in record:
+            raise ServiceError(f"pipeline '{self.name}': the record field '{REQUEST}' is "
+                               "reserved for the request tailrace attaches; rename it",
+                               status=400, code="invalid_record")
+        req = request if request is not None else Request()
+        rid = req.rid
+        # one cancel concept: the caller's own event (if any) counts as set too
+        req.cancel = cancel if type(cancel) is Cancel else Cancel(cancel)
         if on_token is not None:
-            rec["_stream"] = _streamer(loop, on_token, cancel)
+            req.sink = _streamer(loop, on_token, req.cancel)
+        rec = {**record, REQUEST: req}
         with self._lock:
             if self._state != "running":
                 raise ServiceUnavailable(self._why_unavailable())
@@ -437,10 +419,12 @@ class PipelineService:
         except TimeoutError:
             raise ServiceTimeout(
                 f"pipeline '{self.name}': no output within {self.timeout_s:g} s (a stage "
-                "may have replaced the record without keeping '_rid')") from None
+                "may have replaced the record without keeping its '_request')") from None
         finally:
             if not fut.done() or fut.cancelled():
-                cancel.set()
+                req.cancel.set()
+                if cancel is not None and cancel is not req.cancel:
+                    cancel.set()
             with self._lock:
                 self._waiting.pop(rid, None)
 
@@ -453,7 +437,8 @@ class PipelineService:
         return f"pipeline '{self.name}' is stopping or stopped"
 
     def _waiter_of(self, record: Any) -> _Waiter | None:
-        rid = record.get("_rid") if isinstance(record, dict) else None
+        req = request_of(record)
+        rid = req.rid if req is not None else None
         with self._lock:
             waiter = self._waiting.pop(rid, None) if rid is not None else None
         if waiter is None:
@@ -480,7 +465,7 @@ class PipelineService:
     def _on_output(self, record: Any) -> None:
         waiter = self._waiter_of(record)
         if waiter is not None:
-            self._reply(waiter, _clean(record), None)
+            self._reply(waiter, strip(record), None)
 
     def _on_error(self, err: ErrorRecord) -> None:
         waiter = self._waiter_of(err.input)
@@ -494,7 +479,7 @@ class PipelineService:
                 self._reply(waiter, None, RecordDropped(
                     f"pipeline '{self.name}': stage '{stage}' dropped this record (a filter "
                     "said no, a flat_map made nothing of it, or the stage replaced it "
-                    "without keeping '_rid'); the pipeline has no answer for it"))
+                    "without keeping its '_request'); the pipeline has no answer for it"))
 
     def _fail_waiting(self, exc: ServiceError) -> None:
         with self._lock:
@@ -562,7 +547,7 @@ class _Feed(Feed):
     def _taken(self, record: Any) -> bool:
         with self.service._lock:
             self.service._queued -= 1
-        return not record["_cancel"].is_set()  # else its caller gave up before it entered
+        return not record[REQUEST].cancel.is_set()  # else its caller gave up before it entered
 
     async def __aiter__(self) -> Any:
         queue = self.service._queue

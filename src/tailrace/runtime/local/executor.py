@@ -20,6 +20,7 @@ from ...compiler import MAX_MICROBATCH, Plan, PlanStage
 from ...observability import Histogram, StageMeter
 from ...observability.tracing import STATE as TRACING
 from ...observability.tracing import stage_spans
+from ...request import REQUEST, Request, request_of, strip
 from ..ingress import input_failed, read, read_admitted
 from ..stage import StageWorker, sink_runtime, sink_target
 from .channel import Channel
@@ -80,8 +81,8 @@ class LocalRun:
         for o in s.ops:
             if o.op.kind == "sink":
                 target = sink_target(o, outputs)
-                if self.admission is not None:
-                    target = _without_ticket(target)
+                if self.admission is not None and self.on_drop is None:
+                    target = _user_fields(target)  # a batch run's sink: no request
                 rts.append(sink_runtime(target))
             else:
                 rts.append(o.op.build(o.params, o.contract))
@@ -115,7 +116,7 @@ class LocalRun:
             self.on_error(e)
 
     # -- admission: every ticket taken is given back exactly once -----------------------
-    # An admitted record carries its ticket in ``_admission``; ``tickets`` counts the
+    # An admitted record's request holds its ticket; ``tickets`` counts the
     # copies of it in flight (fan-out and flat_map children add, every stage's input
     # subtracts, its outputs add back). A record ends where its ticket stops appearing:
     # at a sink, as an error record, dropped by a filter, or replaced by a stage with a
@@ -124,7 +125,8 @@ class LocalRun:
         """Under admission: one stage call took ``batch`` and emitted ``ports``."""
         delta: dict[int, int] = {}
         for r in batch:
-            t = r.get("_admission") if isinstance(r, dict) else None
+            q = request_of(r)
+            t = q.ticket if q is not None else None
             if t is not None:
                 delta[id(t)] = delta.get(id(t), 0) - 1
         down = self.down[sid]
@@ -132,7 +134,8 @@ class LocalRun:
             k = len(down.get(port, ()))
             if k:
                 for r in records:
-                    t = r.get("_admission") if isinstance(r, dict) else None
+                    q = request_of(r)
+                    t = q.ticket if q is not None else None
                     if t is not None and id(t) in self.tickets:
                         delta[id(t)] = delta.get(id(t), 0) + k
         tickets = self.tickets
@@ -147,14 +150,19 @@ class LocalRun:
 
     async def _admitted(self, data: Any, down: list[Channel], meter: StageMeter) -> None:
         """Admission at the source (``ingress.read_admitted``); an admitted record enters
-        the plan carrying its ticket."""
+        the plan with its request holding its ticket (a batch run's record gets a
+        request here; a served one has its own)."""
         urgency = getattr(self.admission, "urgency", None)  # class + deadline, engines'
 
         async def send(x: Any, ticket: Any, born: float) -> None:
             self.tickets[id(ticket)] = [ticket, len(down)]
-            u = urgency(ticket) if urgency is not None else None
-            rec = [{**x, "_admission": ticket, "_urgent": u} if u is not None
-                   else {**x, "_admission": ticket}]
+            req = request_of(x)
+            if req is None:
+                req = Request()
+                x = {**x, REQUEST: req}
+            req.ticket = ticket
+            req.granted = urgency(ticket) if urgency is not None else None
+            rec = [x]
             for ch in down:
                 if not ch.put_nowait(rec, born):
                     await ch.put(rec, born)
@@ -224,7 +232,7 @@ class LocalRun:
         ch = self.channels[s.id]
         max_n, collect = x.max_batch, x.call == "collect"
         max_wait = x.max_wait_ms / 1000.0
-        strip = collect and w.rts[0].kind == "collect"  # a group ends its records' tickets
+        ends = collect and w.rts[0].kind == "collect"  # a group ends its records' tickets
         meter = w.meters[0]
         is_sink = s.ops[-1].op.kind == "sink"
         first_stage = s.id in self.first_stages
@@ -244,7 +252,7 @@ class LocalRun:
             meter.queue_wait.record((now - enq) * 1e6, n)
             if first_stage:
                 self.scheduling.record((now - born) * 1e6, n)
-            took = [_strip_ticket(r) for r in batch] if strip and self.tickets else batch
+            took = [strip(r) for r in batch] if ends and self.tickets else batch
             ports = await w.process(took, errors)
             if TRACING.tracer is not None:  # tracing off: this check is all it costs
                 stage_spans(TRACING.tracer, s, batch, ports, errors, enq, now, perf_counter())
@@ -292,24 +300,16 @@ async def collect_batch(ch: Channel, max_n: int, max_wait: float,
 
 
 def _not_a_dict(x: Any) -> BaseException | None:
-    """The ticket rides in the record: under admission a record must be a dict."""
+    """The record points at its request (and ticket): under admission it must be a
+    dict."""
     if isinstance(x, dict):
         return None
     return TypeError(f"admission needs records that are dicts (JSON objects) to carry their "
                      f"ticket; got {type(x).__name__}: wrap it, e.g. {{'value': x}}")
 
 
-def _strip_ticket(r: Any) -> Any:
-    """``r`` without its admission ticket and class (a copy: the same record may still
-    be in flight on another branch)."""
-    if isinstance(r, dict) and "_admission" in r:
-        return {k: v for k, v in r.items() if k not in ("_admission", "_urgent")}
-    return r
-
-
-def _without_ticket(target: Any) -> Any:
-    """A sink target that receives records without their admission ticket."""
-    strip = _strip_ticket
+def _user_fields(target: Any) -> Any:
+    """A sink target that receives records without the request admission gave them."""
     if isinstance(target, list):
         append = target.append
         return lambda r: append(strip(r))

@@ -11,7 +11,7 @@ Layout, one responsibility per module:
 - ``placement``: placement options and the pool of hosts.
 - ``ledger``: the driver's de-duplication by lineage (exactly once across replays).
 - ``driver``: sources, admission, sinks, the run's life cycle.
-- ``transient``: a served record's ``_cancel``/``_stream`` across actors.
+- ``served``: a served run's requests across actors (live in the driver, bound on hosts).
 
 Statistics are built by ``runtime/stats.py`` (per-actor meters in the local format).
 
@@ -57,8 +57,8 @@ def serving_run(plan: Plan, *, inputs: dict[str, Any], outputs: dict[str, Any],
     process connected to Ray; ``await run.execute()`` runs it until its source ends.
     Blocks while connecting (call it off the serving loop).
 
-    on_drop, drop_key: records that end unanswered; the request id field (``_rid``)
-                       their live ``_cancel``/``_stream`` travel by (``transient.py``).
+    on_drop, drop_key: records that end unanswered; the key of the request every record
+                       keeps (``REQUEST``; live in the driver: ``served.py``).
     on_ready:          called once every stage replica is installed.
     Other arguments as ``run_on_ray``; raises ``RayUnavailable``, ``PlanError``.
     """

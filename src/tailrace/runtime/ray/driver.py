@@ -16,8 +16,8 @@ the input size. A record's ticket is released exactly once, when its source batc
 acknowledged end to end (output, error record or drop alike) or the run ends.
 
 A served run (``drop_key``, ``PipelineService(runtime="ray")``) keeps each record's live
-``_cancel``/``_stream`` here by its request key and ships marks (``transient.py``):
-a cancelled caller's flag is pushed to the hosts, streamed pieces come back with the
+request here by its id while the record crosses actors as data (``served.py``): a
+cancelled caller's flag is pushed to the hosts, streamed pieces come back with the
 drains. A source batch acknowledged end to end whose record no output or error record
 answered was dropped by a stage (a filter, an empty flat_map): ``on_drop`` hears of it.
 """
@@ -40,6 +40,7 @@ from ...api.records import ErrorRecord
 from ...compiler import Plan, PlanOp, PlanStage
 from ...errors import PlanError
 from ...observability import Histogram, StageMeter
+from ...request import request_of
 from ..ingress import input_failed, read, read_admitted
 from ..stage import sink_runtime, sink_target, stage_meter, write_sink
 from ..stats import RayRunStats, build_stats
@@ -58,16 +59,13 @@ from .messages import (
     Route,
 )
 from .placement import HostHandle, StagePlacement, host_pool
-from .transient import detach, reattach
+from .served import ServedRequests
 
 #: Seconds between looks for cancelled callers in a served run.
 CANCEL_POLL_S = 0.05
 #: Seconds an install waits for a stage host that is restarting (a pooled host killed
 #: by an earlier run) before the run fails.
 INSTALL_WAIT_S = 30.0
-#: longest a served output waits for its streamed pieces (they ride another host's
-#: drains); past it the output goes anyway (pieces lost with a dead host never come)
-PIECES_WAIT_S = 2.0
 
 #: Most source records waiting for admission (or for credits right after it) at once,
 #: per source; fewer when the first edge's window is smaller. A served run's records
@@ -162,8 +160,8 @@ class RayRun:
     on_drop:    ``on_drop(stage ids, records)`` for source records that ended without an
                 output or error record (a served run: the caller is answered at once);
                 needs ``drop_key``.
-    drop_key:   with ``on_drop``: the field every record keeps (a request id); records'
-                live ``_cancel``/``_stream`` travel by it (see the module doc).
+    drop_key:   with ``on_drop``: the field every record keeps (its request, ``REQUEST``);
+                a served run's live requests stay here (see the module doc).
     on_ready:   called once every stage replica is installed (engines opened).
     """
 
@@ -179,12 +177,7 @@ class RayRun:
         self.on_drop = on_drop
         self.drop_key = drop_key
         self.on_ready = on_ready
-        self.held: dict[Any, tuple[Any, Any]] = {}  # request key -> (_cancel, _stream)
-        self.answered: set = set()  # request keys with an output or error record
-        self.cancels_sent: set = set()
-        self.streamed: dict[Any, int] = {}  # request key -> pieces handed to its caller
-        # request key -> (pieces its output waits for, [(sink, record, born, sent)])
-        self.parked: dict[Any, tuple[int, list]] = {}
+        self.served = ServedRequests(self._sink) if drop_key is not None else None
         ops = [o for s in plan.stages for o in s.ops if o.op.kind not in ("source", "sink")]
         self.droppers = ", ".join(o.id for o in ops if o.op.name in ("filter", "flat_map")
                                   ) or ", ".join(o.id for o in ops)  # named in a drop
@@ -258,7 +251,7 @@ class RayRun:
             for port, stage_ids in self.consumers[i].items():
                 routes[port] = tuple(self._route(c, assignment, holders) for c in stage_ids)
             spec = InstallSpec(self.run_id, i, self.stages[i], routes, i in self.first, env,
-                               path, self.drop_key)
+                               path, self.served is not None)
             ref = ray.put(spec)
             holders[i] = tuple([ref] for _ in range(s.replicas))
             self.spec_refs[i] = ref
@@ -319,8 +312,8 @@ class RayRun:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
                 drains = [tg.create_task(self._drain(h)) for h in self.hosts]
-                if self.drop_key is not None:
-                    drains.append(tg.create_task(self._watch_cancels()))
+                if self.served is not None:
+                    drains.append(tg.create_task(self._watch_cancels(self.served)))
                 if self.elastic:
                     drains.append(tg.create_task(self._autoscale()))
                 async with asyncio.TaskGroup() as sources:
@@ -341,8 +334,8 @@ class RayRun:
 
     async def _finish(self) -> None:
         """End the run on every host and keep the replicas' final meter snapshots."""
-        for rid in list(self.parked):  # their pieces had every chance to arrive
-            self._unpark(rid)
+        if self.served is not None:  # their pieces had every chance to arrive
+            self.served.unpark_all()
         for ref in [h.handle.finish.remote(self.run_id) for h in self.hosts]:
             try:
                 reports = await ref
@@ -382,7 +375,8 @@ class RayRun:
                 if type(e) is MeterReport:
                     self._report(e)
                 elif type(e) is Pieces:
-                    self._stream(e.pieces)
+                    if self.served is not None:
+                        self.served.pieces(e.pieces)
                 elif type(e) is Commit:
                     self._hand_over(self.ledger.commit(e))
                 else:
@@ -527,8 +521,8 @@ class RayRun:
             key = (i, seq)
             seq += 1
             acks: list = []
-            if self.drop_key is not None:
-                records = detach(records, self.drop_key, self.held)
+            if self.served is not None:
+                self.served.hold(records)
             await self._send(links, key, records, time.time(), acks)
             t = asyncio.ensure_future(self._settle(key, acks, None, records))
             pending.add(t)
@@ -567,25 +561,28 @@ class RayRun:
         run ends."""
         counter = count()
         gate = self.admission
-        # a served request carries its class and deadline to the engines (batch runs'
-        # records reach the caller's sinks: they get no transient field)
-        urgency = getattr(gate, "urgency", None) if self.drop_key is not None else None
+        # a served request carries its class and deadline to the engines
+        served = self.served
+        urgency = getattr(gate, "urgency", None) if served is not None else None
         k = (max(1, min([ADMISSION_WAITS] + [link.window.size for link in links]))
-             if self.drop_key is None else 1 << 20)
+             if served is None else 1 << 20)
 
         async def send(x: Any, ticket: Any, arrived: float) -> Any:
             key = (i, next(counter))
             acks: list = []
             born = time.time() - (perf_counter() - arrived)  # latency counts the wait
-            u = urgency(ticket) if urgency is not None else None
-            if u is not None:
-                x = {**x, "_urgent": u}
-            records = [x] if self.drop_key is None else detach([x], self.drop_key, self.held)
+            records = [x]
+            if served is not None:
+                req = request_of(x)
+                if req is not None and urgency is not None:
+                    req.granted = urgency(ticket)
+                served.hold(records)
             try:
                 await self._send(links, key, records, born, acks)
             except BaseException:
                 self.ledger.settle(key)
-                self._forget(records)
+                if served is not None:
+                    served.forget(records)
                 gate.done(ticket)
                 raise
             return self._settle(key, acks, ticket, records)
@@ -602,104 +599,42 @@ class RayRun:
         lineage, report its records nothing answered (served runs), free its ticket."""
         try:
             await gather_acks(acks)
-            if self.on_drop is not None:
-                k = self.drop_key
-                gone = [r for r in records
-                        if type(r) is dict and r.get(k) not in self.answered]
+            if self.on_drop is not None and self.served is not None:
+                gone = self.served.unanswered(records)
                 if gone:
                     self.on_drop(self.droppers, gone)
         finally:
             self.ledger.settle(key)
-            if self.drop_key is not None:
-                self._forget(records)
+            if self.served is not None:
+                self.served.forget(records)
             if ticket is not None:
                 self.admission.done(ticket)
 
-    # -- a served run's live fields (see the module doc) ----------------------------------
-    def _forget(self, records: list) -> None:
-        k = self.drop_key
-        for r in records:
-            if type(r) is dict:
-                rid = r.get(k)
-                self.answered.discard(rid)
-                self.cancels_sent.discard(rid)
-                if rid not in self.parked:  # else its stream lives until it is delivered
-                    self.held.pop(rid, None)
-                    self.streamed.pop(rid, None)
-
-    def _stream(self, pieces: dict) -> None:
-        """Streamed pieces from a host: to each caller's ``_stream``, in order, each
-        position once (a record replayed after an actor died streams its first pieces
-        again); an output that waited for them goes on once they are all in."""
-        for rid, (first, got) in pieces.items():
-            live = self.held.get(rid)
-            s = live[1] if live is not None else None
-            if s is not None:
-                had = self.streamed.get(rid, 0)
-                for piece in got[max(0, had + 1 - first):]:
-                    s(piece)
-                n = self.streamed[rid] = max(had, first + len(got) - 1)
-                waiting = self.parked.get(rid)
-                if waiting is not None and n >= waiting[0]:
-                    self._unpark(rid)
-
-    def _park(self, target: int, records: list, expected: dict, born: float,
-              sent: float) -> list:
-        """The records whose streamed pieces are all in; the others wait for them
-        (``_stream``), at most ``PIECES_WAIT_S``."""
-        k = self.drop_key
-        ready = []
-        for r in records:
-            rid = r.get(k) if type(r) is dict else None
-            n = expected.get(rid, 0)
-            if n <= self.streamed.get(rid, 0):
-                ready.append(r)
-                continue
-            self.parked.setdefault(rid, (n, []))[1].append((target, r, born, sent))
-            asyncio.get_running_loop().call_later(PIECES_WAIT_S, self._unpark, rid)
-        return ready
-
-    def _unpark(self, rid: Any) -> None:
-        waiting = self.parked.pop(rid, None)
-        if waiting is None:
-            return
-        for target, r, born, sent in waiting[1]:
-            self._sink(target, [r], born, sent)
-        if rid not in self.answered:  # settled meanwhile: forget it now
-            self.held.pop(rid, None)
-            self.streamed.pop(rid, None)
-
-    async def _watch_cancels(self) -> None:
+    async def _watch_cancels(self, served: ServedRequests) -> None:
         """Tell every host about callers that gave up (their records' flags get set)."""
         while True:
             await asyncio.sleep(CANCEL_POLL_S)
-            sent = self.cancels_sent
-            rids = [rid for rid, (c, _) in list(self.held.items())
-                    if c is not None and rid not in sent and c.is_set()]
+            rids = served.newly_cancelled()
             if rids:
-                sent.update(rids)
                 for h in self.hosts:
                     h.handle.cancel.remote(self.run_id, rids)
 
     # -- sinks and errors (in the driver) -------------------------------------------------
     def _hand_over(self, entries: list) -> None:
         """Entries the ledger let through: to the sinks and the error handler."""
-        k = self.drop_key
+        served = self.served
         for e in entries:
             if type(e) is Delivery:
                 records = e.records
-                if k is not None:
-                    expected = reattach(records, k, self.held)
-                    self.answered.update(r.get(k) for r in records if type(r) is dict)
+                if served is not None:
+                    expected = served.arrived(records)
                     if expected:
-                        records = self._park(e.target, records, expected, e.born, e.sent)
+                        records = served.ready(e.target, records, expected, e.born, e.sent)
                 if records:
                     self._sink(e.target, records, e.born, e.sent)
             elif type(e) is Failures:
-                if k is not None:
-                    inputs = [err.input for err in e.errors]
-                    reattach(inputs, k, self.held)
-                    self.answered.update(x.get(k) for x in inputs if type(x) is dict)
+                if served is not None:
+                    served.arrived([err.input for err in e.errors])
                 self._errors(e.errors)
             else:  # Unsendable: sink records that could not come back
                 sid = self.sinks[e.target].op_id

@@ -29,10 +29,12 @@ import weakref
 from functools import cache
 from typing import Any
 
-from ...control.admission import AdmissionRejected, AdmissionStatistics, Request, Ticket
+from ...control.admission import AdmissionRejected, AdmissionStatistics, Ticket
+from ...control.admission import Request as Asking
 from ...control.gate import AdmissionGate, approx_prompt_tokens
 from ...control.policies import make_policy
 from ...errors import TailraceError
+from ...request import REQUEST, Request, request_of
 from .connect import import_ray
 
 NAMESPACE = "tailrace"
@@ -78,7 +80,7 @@ class GateActor:
         if key in self.cancelled:
             self.cancelled.discard(key)
             return ("rejected", CANCELLED, 0.0, f"request {key!r}: its caller gave up")
-        fields = {"prompt_tokens": prompt_tokens, "_urgency": urgency}
+        fields = {"prompt_tokens": prompt_tokens, REQUEST: Request(asked=urgency)}
         task = asyncio.current_task()  # cancel() cancels it: the gate frees what it admitted
         assert task is not None
         self.pending[key] = task
@@ -221,10 +223,11 @@ class ClusterGate:
 
     async def admit(self, pipeline: str, record: Any) -> Ticket:
         """One round trip to the gate actor; raises ``AdmissionRejected`` (429) or
-        ``GateUnavailable`` (503). ``_urgency`` as in ``AdmissionGate.admit``."""
+        ``GateUnavailable`` (503). The urgency asked as in ``AdmissionGate.admit``."""
         arrival = time.monotonic()
         key = f"{self._owner}-{next(self._ids)}"
-        urgency = record.get("_urgency") if isinstance(record, dict) else None
+        asked = request_of(record)
+        urgency = asked.asked if asked is not None else None
         try:
             answer = await self.actor.admit.remote(key, pipeline, self.prompt_tokens(record),
                                                    urgency)
@@ -241,7 +244,7 @@ class ClusterGate:
             raise ValueError(answer[1])
         _, cost, deadline_in, seq = answer
         now = time.monotonic()
-        return Ticket(Request(key, pipeline, arrival=arrival), admitted_at=now, cost=cost,
+        return Ticket(Asking(key, pipeline, arrival=arrival), admitted_at=now, cost=cost,
                       deadline=now + deadline_in, seq=seq)
 
     def done(self, ticket: Ticket, service_seconds: float | None = None) -> None:

@@ -8,9 +8,9 @@ stage. Results for the driver's sinks, error records and meter snapshots go to t
 sink delivery is acknowledged to its producer when the driver's next ``drain`` says it
 has handled it. The actor restarts after a crash (``max_restarts=-1``); it then knows no
 stage replicas, answers ``NEED_INSTALL`` to pushes, and producers reinstall and replay.
-A served run's records carry marks for their caller's cancel flag and token callback;
-the host gives them live ones (``transient.py``): ``cancel`` sets the flags of requests
-whose callers gave up, and streamed pieces travel to the driver with the next drain.
+A served run's records point at their requests, which arrive as data; the host gives
+them live parts of its own (``served.py``): ``cancel`` sets the flags of requests whose
+callers gave up, and streamed pieces travel to the driver with the next drain.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from .messages import (
     Pieces,
     Unsendable,
 )
-from .transient import HostSide
+from .served import HostRequests
 
 #: Seconds between meter snapshots sent to the driver (what survives an actor crash).
 FLUSH_S = 0.2
@@ -61,7 +61,7 @@ class Outbox:
         self.wake = asyncio.Event()
         self.closed = False
         self.instances: dict[tuple[int, int], HostedWorker] = {}
-        self.side: HostSide | None = None  # a served run's live fields (first install)
+        self.requests: HostRequests | None = None  # a served run's (first install)
         # streamed pieces not yet drained: request key -> (first's position, pieces)
         self.pieces: dict[Any, tuple[int, list[str]]] = {}
         # elastic consumer stage -> (hosts, specs, active) of its replicas (``reroute``)
@@ -178,8 +178,8 @@ class StageHost:
             spec = await holder[0]  # an ObjectRef (reinstall by a producer)
         box = self._outbox(spec.run_id)
         if box is not None and (spec.index, replica) not in box.instances:
-            if spec.request_key is not None and box.side is None:
-                box.side = HostSide(spec.request_key, box.piece)
+            if spec.served and box.requests is None:
+                box.requests = HostRequests(box.piece)
             os.environ.update(spec.env)
             for p in spec.sys_path:
                 if p not in sys.path:
@@ -206,8 +206,8 @@ class StageHost:
         inst = box.instances.get((key[1], key[2]))
         if inst is None:
             return NEED_INSTALL
-        if box.side is not None:
-            box.side.attach(records)
+        if box.requests is not None:
+            box.requests.bind(records)
         await inst.push(batch_key, records, lin, born, order)
         return PUSH_OK
 
@@ -225,10 +225,10 @@ class StageHost:
 
     async def cancel(self, run_id: str, rids: list) -> None:
         """The callers of requests ``rids`` of a served run gave up: set their records'
-        ``_cancel`` flags here (a generation stops at its next token)."""
+        requests' cancel flags here (a generation stops at its next token)."""
         box = self.runs.get(run_id)
-        if box is not None and box.side is not None:
-            box.side.cancel(rids)
+        if box is not None and box.requests is not None:
+            box.requests.cancel(rids)
 
     async def reroute(self, run_id: str, target: int, hosts: tuple, specs: tuple,
                       active: tuple[bool, ...]) -> None:

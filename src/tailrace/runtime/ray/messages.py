@@ -65,8 +65,7 @@ class InstallSpec:
     first:    fed by a source: the stage measures scheduling delay.
     env:      ``TAILRACE_*`` environment of the driver (index and model locations).
     sys_path: the driver's import path, so dotted ``fn:`` paths resolve the same way.
-    request_key: a served run's request id field (``_rid``): records with live
-              ``_cancel``/``_stream`` marks get them by it (``transient.py``); None.
+    served:   a served run: the host binds its records' requests (``served.py``).
     """
 
     run_id: str
@@ -76,7 +75,7 @@ class InstallSpec:
     first: bool
     env: dict[str, str] = field(default_factory=dict)
     sys_path: tuple[str, ...] = ()
-    request_key: str | None = None
+    served: bool = False
 
 
 # -- host -> driver: the outbox, drained by the driver -----------------------------------
