@@ -12,14 +12,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "src" / "tailrace"
 
-BASE = {"errors", "registry", "api"}
+BASE = {"errors", "registry", "api", "request"}
 #: package -> the tailrace packages it may import (besides itself). Top to bottom:
 #: cli -> serving -> runtime -> compiler -> operators -> control/stores -> engines -> api.
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "registry": set(),
+    "request": set(),  # the typed request envelope: imports nothing of tailrace
     "api": {"errors"},
-    "observability": {"errors", "api"},
+    "observability": {"errors", "api", "request"},
     "engines": BASE,
     "stores": BASE | {"engines"},
     "control": BASE | {"engines"},  # admission only; tokens, never the pool's insides

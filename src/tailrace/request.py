@@ -40,7 +40,7 @@ class Cancel:
             a child of its request's signal, set when the attempt is abandoned.
     """
 
-    __slots__ = ("_set", "parent")
+    __slots__ = ("_set", "parent", "__weakref__")
 
     def __init__(self, parent: Any = None) -> None:
         self._set = False
@@ -103,6 +103,7 @@ class Request:
     session:  the session its engine calls stick to (prefix reuse), or None.
     messages: the conversation it carries (OpenAI chat), or None.
     tenant:   the tenant it was sent by, or None.
+    trace:    its request span's context (tracing on), or None.
     reply:    what the answering stage reports (``Reply``).
     streamed: pieces handed to ``sink`` so far.
     """
@@ -118,6 +119,7 @@ class Request:
     session: str | None = None
     messages: list | tuple | None = None
     tenant: str | None = None
+    trace: Any = None
     reply: Reply = field(default_factory=Reply)
     streamed: int = 0
 
@@ -156,11 +158,11 @@ class Request:
         # the live parts stay home: a cancel's state and whether it streams travel
         return (self.rid, self.cancel.is_set(), self.sink is not None, self.options,
                 self.answers, self.asked, self.granted, self.session, self.messages,
-                self.tenant, self.reply, self.streamed)
+                self.tenant, self.trace, self.reply, self.streamed)
 
     def __setstate__(self, state: tuple) -> None:
         (self.rid, cancelled, streams, self.options, self.answers, self.asked,
-         self.granted, self.session, self.messages, self.tenant, self.reply,
+         self.granted, self.session, self.messages, self.tenant, self.trace, self.reply,
          self.streamed) = state
         self.cancel = _cancel_of(cancelled)
         self.sink = _REMOTE_SINK if streams else None

@@ -14,6 +14,7 @@ import pytest
 
 import tailrace as tr
 from tailrace.control import AdmissionGate, make_policy
+from tailrace.request import request_of
 from tests.conftest import free_port, serve_proxies, wait_until
 
 # -- the middleware alone (no Ray) ---------------------------------------------------------
@@ -98,7 +99,8 @@ def test_a_failed_or_abandoned_request_gives_its_slot_back():
 async def hold(r):
     """Runs ``r['s']`` seconds unless its caller leaves."""
     for _ in range(int(r["s"] * 100)):
-        if r.get("_cancel") is not None and r["_cancel"].is_set():
+        req = request_of(r)
+        if req is not None and req.cancel.is_set():
             break
         await asyncio.sleep(0.01)
     return {**r, "done": True}

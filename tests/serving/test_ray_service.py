@@ -18,6 +18,7 @@ import pytest
 import tailrace as tr
 from tailrace.cli.main import main
 from tailrace.control import AdmissionGate, make_policy
+from tailrace.request import request_of
 from tailrace.runtime.ray import active_runs
 from tailrace.serving import PipelineService, ServingHub
 from tailrace.serving.errors import RecordDropped, RequestFailed
@@ -44,16 +45,16 @@ def not_five(r):
 
 
 def talk(r):
-    """Streams five pieces through the record's ``_stream``, then answers."""
+    """Streams five pieces through the record's request's sink, then answers."""
     for i in range(5):
-        r["_stream"](f"p{i}")
+        request_of(r).sink(f"p{i}")
     return {**r, "said": 5}
 
 
 async def spin(r):
     """A slow generation: runs until the record's caller cancels (or 120 s)."""
     for _ in range(12_000):
-        if r["_cancel"].is_set():
+        if request_of(r).cancel.is_set():
             return {**r, "stopped": True}
         await asyncio.sleep(0.01)
     return {**r, "stopped": False}
@@ -323,7 +324,8 @@ class Squatter:
 
 def show_urgency(r):
     """What the engine would get: the class and deadline admission gave the record."""
-    return {**r, "u": list(r["_urgent"]) if r.get("_urgent") else None}
+    granted = request_of(r).granted
+    return {**r, "u": list(granted) if granted else None}
 
 
 def test_a_served_request_carries_its_class_and_deadline_to_the_stages():

@@ -2,10 +2,11 @@
 
 Off (the default) it costs the runtime one attribute check per micro-batch
 (``STATE.tracer is None``) and imports no OpenTelemetry code. On, the serving layer opens a
-request span and tags the record with it (``attach_trace``: a transient ``_trace`` field
-holding the span's context), and after each micro-batch the runtime calls ``stage_spans``,
-which creates one span per tagged record: from its arrival in the stage's queue to the end
-of the operator call, with the queue wait as an attribute and an event where service began.
+request span and the record's request carries its context (``Request.trace``: the
+service sets it, ``attach_trace`` for a record of a batch run), and after each
+micro-batch the runtime calls ``stage_spans``, which creates one span per tagged record:
+from its arrival in the stage's queue to the end of the operator call, with the queue
+wait as an attribute and an event where service began.
 Generate stages follow the OpenTelemetry GenAI conventions (``gen_ai.*``: operation,
 provider, model, request parameters, usage tokens when the stage records ``usage``).
 
@@ -26,9 +27,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..errors import TailraceError
+from ..request import REQUEST, Request, request_of
 
-#: The field that carries a record's request span context through the plan.
-TRACE_FIELD = "_trace"
 ENV_ENDPOINT = "OTEL_EXPORTER_OTLP_ENDPOINT"
 
 
@@ -122,21 +122,40 @@ def request_span(name: str, attributes: dict[str, Any] | None = None) -> Iterato
         yield span
 
 
-def attach_trace(record: Any, pipeline: str | None = None) -> Any:
-    """A copy of a (dict) record about to enter ``pipeline``, tagged with the current
-    request span so its stage spans join that trace; the record itself when tracing is off,
-    no span is current or it is not a dict. The span gets ``tailrace.pipeline``."""
-    if STATE.tracer is None or not isinstance(record, dict):
-        return record
+def current_trace(pipeline: str | None = None) -> Any:
+    """The current request span's context for a request entering ``pipeline`` (the span
+    gets ``tailrace.pipeline``), or None: tracing off or no span current."""
+    if STATE.tracer is None:
+        return None
     from opentelemetry import trace
 
     span = trace.get_current_span()
     ctx = span.get_span_context()
     if not ctx.is_valid:
-        return record
+        return None
     if pipeline is not None:
         span.set_attribute("tailrace.pipeline", pipeline)
-    return {**record, TRACE_FIELD: ctx}
+    return ctx
+
+
+def attach_trace(record: Any, pipeline: str | None = None) -> Any:
+    """A (dict) record about to enter ``pipeline``, its request tagged with the current
+    request span so its stage spans join that trace (a copy with a request of its own if
+    it had none); the record itself when tracing is off, no span is current or it is not
+    a dict."""
+    ctx = current_trace(pipeline) if isinstance(record, dict) else None
+    if ctx is None:
+        return record
+    req = request_of(record)
+    if req is None:
+        return {**record, REQUEST: Request(trace=ctx)}
+    req.trace = ctx
+    return record
+
+
+def _trace_of(record: Any) -> Any:
+    req = request_of(record)
+    return req.trace if req is not None else None
 
 
 @dataclass(frozen=True)
@@ -183,7 +202,7 @@ def stage_spans(tracer: Any, stage: Any, batch: list, ports: dict, errors: list,
     just ran, given its outputs by port and its ``ErrorRecord``s; ``enqueued``, ``started``
     and ``ended`` are ``perf_counter()`` times (entered the queue, service began and ended).
     """
-    traced = [r for r in batch if type(r) is dict and TRACE_FIELD in r]
+    traced = [(r, ctx) for r in batch if (ctx := _trace_of(r)) is not None]
     if not traced:
         return
     from opentelemetry import trace
@@ -195,18 +214,16 @@ def stage_spans(tracer: Any, stage: Any, batch: list, ports: dict, errors: list,
         return wall - int((now - t) * 1e9)
 
     info = _stage_info(stage)
-    failed = {id(e.input.get(TRACE_FIELD)): e for e in errors
-              if type(e.input) is dict and TRACE_FIELD in e.input}
+    failed = {id(ctx): e for e in errors if (ctx := _trace_of(e.input)) is not None}
     outputs: dict[int, dict] = {}
     if info.usage_field is not None:
         for records in ports.values():
             for r in records:
-                if type(r) is dict and TRACE_FIELD in r:
-                    outputs[id(r[TRACE_FIELD])] = r
+                if (ctx := _trace_of(r)) is not None:
+                    outputs[id(ctx)] = r
     wait_us, svc_us = (started - enqueued) * 1e6, (ended - started) * 1e6
     t_enq, t_start, t_end = ns(enqueued), ns(started), ns(ended)
-    for r in traced:
-        ctx = r[TRACE_FIELD]
+    for _, ctx in traced:
         span = tracer.start_span(info.name, trace.set_span_in_context(NonRecordingSpan(ctx)),
                                  attributes=info.attributes, start_time=t_enq)
         span.set_attribute("tailrace.queue_wait_us", wait_us)

@@ -33,7 +33,7 @@ from .common import (
     non_negative,
 )
 from .core import per_record
-from .registry import OpDef, OpRuntime, Param, register
+from .registry import Answers, OpDef, OpRuntime, Param, register
 
 
 def template_fields(template: str) -> tuple[str, ...]:
@@ -423,4 +423,8 @@ register(OpDef(
      Param("usage", (str,), want="a field for {prompt_tokens, completion_tokens}")),
     batchable=True, blocking=True,
     fields=lambda p: (prompt_reads(p), (p["output"],) + ((p["usage"],) if p.get("usage") else ())),
-    prepare=_prepare_generate, doc="generate text with an LLM engine"))
+    prepare=_prepare_generate, doc="generate text with an LLM engine",
+    answers=Answers(output_tokens=lambda p: int(p["max_tokens"]),
+                    max_tokens=lambda p: int(p["max_tokens"]),
+                    usage_field=lambda p: p.get("usage"),
+                    enforces=lambda p: enforced_by(p["_engine"]))))

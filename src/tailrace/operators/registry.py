@@ -70,6 +70,28 @@ class LinkContext:
 
 
 @dataclass(frozen=True)
+class Answers:
+    """What serving needs to know about an operator that can answer a chat or completion
+    request (it generates the request's text); serving asks these, never the name.
+
+    Each takes the stage's compiled params.
+    output_tokens: most tokens the stage may generate for one record (all its engine
+                   calls: a cascade's levels, a tool conversation's rounds).
+    max_tokens:    the ceiling of one answer (a request's ``max_tokens`` is cut to it).
+    engine:        the engine spec that counts its text's tokens (None: estimate).
+    usage_field:   the record field it writes its own usage to, or None.
+    enforces:      the ``response_format`` types its engine enforces.
+    """
+
+    output_tokens: Callable[[dict[str, Any]], int]
+    max_tokens: Callable[[dict[str, Any]], int]
+    engine: Callable[[dict[str, Any]], Any] = field(default=lambda p: p.get("_engine"))
+    usage_field: Callable[[dict[str, Any]], str | None] = field(default=lambda p: None)
+    enforces: Callable[[dict[str, Any]], frozenset[str]] = field(
+        default=lambda p: frozenset())
+
+
+@dataclass(frozen=True)
 class OpDef:
     """The definition of an operator, as the compiler sees it."""
 
@@ -89,6 +111,8 @@ class OpDef:
     prepare: Callable[[dict[str, Any], LinkContext], dict[str, Any]] | None = None
     # (params) -> most records per call; None: the ``max_batch`` param if there is one
     max_batch: Callable[[dict[str, Any]], int | None] | None = None
+    # it can answer a served chat/completion request: what serving needs (None: cannot)
+    answers: Answers | None = None
 
 
 _REGISTRY: dict[str, OpDef] = {}

@@ -53,7 +53,7 @@ from .llm import (
     template_fields,
     with_urgency,
 )
-from .registry import LinkContext, OpDef, OpRuntime, Param, register
+from .registry import Answers, LinkContext, OpDef, OpRuntime, Param, register
 
 _LOGPROBS = "logprobs" in {f.name for f in fields(GenerationRequest)}
 _OPTION_KEYS = {"prompt", "system", "stop", "max_tokens"}
@@ -221,6 +221,20 @@ def _cancelled(record: Any) -> bool:
     return c is not None and c.is_set()
 
 
+def _ceiling(params: dict) -> int:
+    """The most tokens one engine's answer may have: the largest ``max_tokens`` of the
+    stage and its ``per_engine`` settings."""
+    return max([int(params.get("max_tokens") or 0)] + [
+        int(o["max_tokens"]) for o in (params.get("per_engine") or {}).values()
+        if isinstance(o, dict) and o.get("max_tokens")])
+
+
+def _counting_engine(params: dict) -> Any:
+    """The engine whose tokenizer counts an answer: the default, or the cascade's last."""
+    name = params.get("default") or (params.get("cascade") or [""])[-1]
+    return (params.get("_engines") or {}).get(name)
+
+
 def _build_route(params: dict, contract: Any) -> OpRuntime:
     specs = params["_engines"]
     targets = {n: _Target(n, s, params) for n, s in specs.items()}
@@ -382,4 +396,6 @@ register(OpDef(
      count_param("max_batch", 8)),
     batchable=True, blocking=True, fusable=False,
     fields=lambda p: (prompt_reads(p), (p["output"], p["route"], p["cost"])),
-    prepare=_prepare_route, doc="choose an engine per request by rule or cascade"))
+    prepare=_prepare_route, doc="choose an engine per request by rule or cascade",
+    answers=Answers(output_tokens=lambda p: _ceiling(p) * max(1, len(p.get("cascade") or ())),
+                    max_tokens=_ceiling, engine=_counting_engine)))

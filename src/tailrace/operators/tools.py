@@ -55,7 +55,7 @@ from .llm import (
     request_options,
     stream_of,
 )
-from .registry import LinkContext, OpDef, OpRuntime, Param, register, resolve
+from .registry import Answers, LinkContext, OpDef, OpRuntime, Param, register, resolve
 from .tool_schema import ToolError, check_schema, parse_json_call, validate
 
 __all__ = ["ToolError", "check_schema", "parse_json_call", "validate"]
@@ -426,4 +426,6 @@ register(OpDef(
      count_param("max_batch", 8)),
     batchable=True, blocking=True, fusable=False,
     fields=lambda p: (prompt_reads(p), (p["output"], p["calls"])),
-    prepare=_prepare_tool_call, doc="let a model call registered tools, then answer"))
+    prepare=_prepare_tool_call, doc="let a model call registered tools, then answer",
+    answers=Answers(output_tokens=lambda p: int(p["max_tokens"]) * (int(p["max_rounds"]) + 1),
+                    max_tokens=lambda p: int(p["max_tokens"]))))

@@ -9,8 +9,8 @@
 - with an API key, ``/metrics`` (unless ``metrics_public``) and the dashboard need it
   (``security.py``: the bearer header, or ``/dashboard?key=KEY`` once and a cookie);
 - a middleware for ``/v1/*`` that times each request (``tailrace_http_*`` metrics) and,
-  while tracing is on, opens its server span; submitted records are then tagged with
-  it (``attach_trace``) so the runtime's stage spans join the request's trace.
+  while tracing is on, opens its server span; ``PipelineService.submit`` puts its
+  context in the request (``Request.trace``) so the stage spans join that trace.
 
 Tracing turns on here if ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set (or earlier through
 ``configure_tracing``). Everything here reads statistics snapshots; nothing runs per record.
@@ -35,7 +35,7 @@ from ..observability.prometheus import (
     merged,
 )
 from ..observability.tracing import STATE as TRACING
-from ..observability.tracing import attach_trace, configure_tracing, request_span
+from ..observability.tracing import configure_tracing, request_span
 from ..observability.tracing import enabled as tracing_enabled
 from .security import COOKIE, KeyCheck
 
@@ -289,21 +289,6 @@ class ObserveMiddleware:
                     span.set_status(Status(StatusCode.ERROR, f"HTTP {status[0]}"))
 
 
-def _trace_submissions(service: Any) -> None:
-    """Make ``service.submit`` tag records with the current request span (tracing on)."""
-    submit = service.submit
-    if getattr(submit, "_tailrace_traced", False):
-        return
-
-    async def traced_submit(record: Any, *args: Any, **kwargs: Any) -> Any:
-        if TRACING.tracer is not None:
-            record = attach_trace(record, service.name)
-        return await submit(record, *args, **kwargs)
-
-    traced_submit._tailrace_traced = True  # type: ignore[attr-defined]
-    service.submit = traced_submit
-
-
 # -- mounting ------------------------------------------------------------------------------
 
 def metrics_text(registry: Any) -> bytes:
@@ -390,5 +375,3 @@ def install_observability(app: Any, hub: Any, keys: KeyCheck | None = None) -> N
     app.add_route("/dashboard/static/{name}", static, methods=["GET"],
                   include_in_schema=False)
     app.add_middleware(ObserveMiddleware, meter=meter)
-    for service in list(hub.services.values()):
-        _trace_submissions(service)

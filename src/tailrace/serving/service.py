@@ -44,6 +44,8 @@ from ..compiler import Plan, compile_pipeline
 from ..control.gate import settle
 from ..errors import PlanError
 from ..observability import RunStats
+from ..observability.tracing import STATE as TRACING
+from ..observability.tracing import current_trace
 from ..request import REQUEST, Cancel, Request, request_of, strip
 from ..runtime.ingress import Feed
 from .errors import (
@@ -398,6 +400,8 @@ class PipelineService:
         req.cancel = cancel if type(cancel) is Cancel else Cancel(cancel)
         if on_token is not None:
             req.sink = _streamer(loop, on_token, req.cancel)
+        if TRACING.tracer is not None:  # its stage spans join the current request span
+            req.trace = current_trace(self.name)
         rec = {**record, REQUEST: req}
         with self._lock:
             if self._state != "running":
