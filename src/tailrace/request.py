@@ -149,6 +149,13 @@ class Request:
             self.reply.finish = finish  # in place: an attempt's copy shares the reply
             self.reply.usage = usage
 
+    def fork(self) -> Request:
+        """A request of its own (new id, empty reply) that shares this one's cancel and
+        asks the same: one of several records a client request sends together."""
+        return Request(cancel=self.cancel, sink=self.sink, options=self.options,
+                       answers=self.answers, asked=self.asked, session=self.session,
+                       messages=self.messages, tenant=self.tenant, trace=self.trace)
+
     def bind(self, cancel: Cancel, sink: Callable[[str], Any] | None) -> None:
         """Give a request that crossed a process its live parts (the receiving side's)."""
         self.cancel = cancel

@@ -33,7 +33,8 @@ class Chatty:
         self.n = n
         self.sent = 0
 
-    async def submit(self, record: dict, on_token, cancel: threading.Event) -> dict:
+    async def submit(self, record: dict, on_token, cancel: threading.Event, *,
+                     request=None) -> dict:
         for i in range(self.n):
             if cancel.is_set():
                 break

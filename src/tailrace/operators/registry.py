@@ -81,6 +81,8 @@ class Answers:
     engine:        the engine spec that counts its text's tokens (None: estimate).
     usage_field:   the record field it writes its own usage to, or None.
     enforces:      the ``response_format`` types its engine enforces.
+    pieces:        most text pieces one attempt streams (None: ``max_tokens``, a piece
+                   per token).
     """
 
     output_tokens: Callable[[dict[str, Any]], int]
@@ -89,6 +91,11 @@ class Answers:
     usage_field: Callable[[dict[str, Any]], str | None] = field(default=lambda p: None)
     enforces: Callable[[dict[str, Any]], frozenset[str]] = field(
         default=lambda p: frozenset())
+    pieces: Callable[[dict[str, Any]], int] | None = None
+
+    def stream_pieces(self, params: dict[str, Any]) -> int:
+        """Most text pieces one attempt of the stage streams."""
+        return (self.pieces or self.max_tokens)(params)
 
 
 @dataclass(frozen=True)

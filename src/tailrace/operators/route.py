@@ -398,4 +398,6 @@ register(OpDef(
     fields=lambda p: (prompt_reads(p), (p["output"], p["route"], p["cost"])),
     prepare=_prepare_route, doc="choose an engine per request by rule or cascade",
     answers=Answers(output_tokens=lambda p: _ceiling(p) * max(1, len(p.get("cascade") or ())),
-                    max_tokens=_ceiling, engine=_counting_engine)))
+                    max_tokens=_ceiling, engine=_counting_engine,
+                    # a cascade level's kept answer goes whole: one piece more
+                    pieces=lambda p: 1 + _ceiling(p))))

@@ -9,8 +9,10 @@ ending ``data: [DONE]``), ``POST /v1/embeddings`` (a pipeline's embed stage's en
 and deadline for admission (body fields or ``X-Tailrace-*`` headers) are checked
 against its pipeline's ``serve:`` bounds (``urgency.py``).
 Errors use OpenAI's ``{"error": {"message", "type", "code"}}``. A client that
-disconnects cancels its work: the record's ``_cancel`` event is set and the answering
-stage (generate, route or tool_call) frees its engine sequence at the next token.
+disconnects cancels its work: its request's cancel (``tailrace/request.py``) is set and
+the answering stage frees its engine sequence at the next token. Everything a request
+carries besides its input text (options, urgency, session, conversation, tenant) goes in
+its ``Request``; the answering stage's reply comes back in it.
 
 The app does not start or stop the hub; its owner does (``tailrace serve``, tests).
 """
@@ -30,6 +32,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engines.tokens import approx_tokens
+from ..request import Request as Envelope
 from .embeddings import (
     accepts,
     embed_spec,
@@ -41,11 +44,11 @@ from .embeddings import (
 from .errors import RequestFailed, ServiceError, ServiceUnavailable
 from .hub import ServingHub
 from .openai_wire import (
-    ANSWERING,
     SSE_DONE,
     Binding,
     WireError,
     WireRequest,
+    answering_ops,
     bind,
     chunk,
     completion_body,
@@ -53,10 +56,10 @@ from .openai_wire import (
     dumps,
     error_body,
     finish_reason,
-    options_record,
     output_tokens,
     parse_chat,
     parse_completion,
+    request_options,
     retry_headers,
     sse,
     usage_of,
@@ -153,16 +156,6 @@ def _quiet(task: asyncio.Future) -> None:
         task.exception()  # retrieved: no "exception was never retrieved" warning
 
 
-def _stage_tokens(o: Any) -> int:
-    """Most pieces one attempt of a stage streams: its ``max_tokens`` (a route's largest,
-    over ``per_engine``, plus the one piece a cascade level sends whole)."""
-    n = int(o.params.get("max_tokens") or 0)
-    if o.op.name == "route":
-        n = 1 + max([n] + [int(x.get("max_tokens") or 0) for x in
-                           (o.params.get("per_engine") or {}).values()])
-    return n
-
-
 def piece_budget(plan: Any) -> int:
     """Most text pieces one request may stream: twice the token budget of the plan's
     generate, route and tool_call stages (``max_tokens`` per attempt, ``1 + retries``
@@ -171,8 +164,8 @@ def piece_budget(plan: Any) -> int:
 
     plan: the compiled plan.
     """
-    tokens = sum(_stage_tokens(o) * (1 + o.contract.retries) for s in plan.stages
-                 for o in s.ops if o.op.name in ANSWERING)
+    tokens = sum(o.op.answers.stream_pieces(o.params) * (1 + o.contract.retries)
+                 for o in answering_ops(plan))
     return 2 * tokens + 16
 
 
@@ -183,16 +176,17 @@ class _Relay:
     while the client reads slower than the engine writes, and a conforming pipeline
     sends fewer than ``piece_budget`` pieces in all, so only an engine writing past its
     ``max_tokens`` to a slow client can fill it. A piece past the bound stops the
-    generation (the record's ``_cancel``) and the stream ends with an error event.
+    generation (the request's cancel) and the stream ends with an error event.
     """
 
-    def __init__(self, service: PipelineService, record: dict, budget: int) -> None:
+    def __init__(self, service: PipelineService, record: dict, budget: int,
+                 env: Envelope | None = None) -> None:
         self.pieces: asyncio.Queue = asyncio.Queue(maxsize=budget + 1)  # +1: _END
         self.budget = budget
         self.overflowed = False
         self.cancel = Cancel()
         self.task = asyncio.ensure_future(
-            service.submit(record, on_token=self._piece, cancel=self.cancel))
+            service.submit(record, on_token=self._piece, cancel=self.cancel, request=env))
         self.task.add_done_callback(_quiet)
         self.task.add_done_callback(lambda _: self.pieces.put_nowait(_END))
 
@@ -396,34 +390,32 @@ def create_app(hub: ServingHub) -> FastAPI:
         if b.problem is not None:
             raise WireError(b.problem, code="pipeline_not_chat")
         record: dict[Any, Any] = {b.input_field: req.text}
-        if req.messages is not None:
-            record["_messages"] = list(req.messages)
-        record["_options"] = options_record(b, req, req.model)
-        urgent = urgency(serves[req.model], req.model, body, request.headers)
-        if urgent is not None:
-            record["_urgency"] = urgent
-        session = session_of(body, request.headers)
-        if session is not None:  # engine pools route the session's requests together
-            record["_session"] = session
+        # engine pools route a session's requests together (``session``)
+        env = Envelope(options=request_options(b, req, req.model), answers=b.answer_field,
+                       asked=urgency(serves[req.model], req.model, body, request.headers),
+                       session=session_of(body, request.headers),
+                       messages=list(req.messages) if req.messages is not None else None,
+                       tenant=tenant.name if tenant is not None else None)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if req.prompts:
             who(req.model, record, body, request, tenant, "".join(req.prompts),
                 len(req.prompts))
-            return await _several(request, service, b, req, record, rid, created)
+            return await _several(request, service, b, req, record, env, rid, created)
         who(req.model, record, body, request, tenant, req.text)
         if req.stream:
-            return await _stream_openai(request, service, b, req, record, rid, created,
-                                        redact)
+            return await _stream_openai(request, service, b, req, record, env, rid,
+                                        created, redact)
         cancel = Cancel()
         try:
-            out = await _unless_gone(request, service.submit(record, cancel=cancel), cancel)
+            out = await _unless_gone(
+                request, service.submit(record, cancel=cancel, request=env), cancel)
         except _ClientGone:
             return Response(status_code=499)
         answer = _answer(b, out)
-        usage = usage_of(b, out, req.text, answer)
+        usage = usage_of(b, out, env.reply, req.text, answer)
         return _json(completion_body(req, rid, created, answer,
-                                     finish_reason(b, usage, out), usage))
+                                     finish_reason(b, usage, env.reply), usage))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -443,20 +435,19 @@ def create_app(hub: ServingHub) -> FastAPI:
         if bad:
             raise WireError(f"record fields starting with '_' are reserved (transient); "
                             f"got {', '.join(bad)}", code="reserved_field")
-        urgent = urgency(serves[service.name], service.name, None, request.headers)
+        env = Envelope(asked=urgency(serves[service.name], service.name, None,
+                                     request.headers),
+                       session=session_of(None, request.headers),
+                       tenant=tenant.name if tenant is not None else None)
         if tenant is not None or serves[service.name] is not None:
             who(service.name, record, dict(record), request, tenant,
                 dumps(record).decode() if tenant is not None else "")
-        if urgent is not None:
-            record["_urgency"] = urgent
-        session = session_of(None, request.headers)
-        if session is not None:
-            record["_session"] = session
         if stream:
-            return await _stream_runs(request, service, record, redact)
+            return await _stream_runs(request, service, record, env, redact)
         cancel = Cancel()
         try:
-            out = await _unless_gone(request, service.submit(record, cancel=cancel), cancel)
+            out = await _unless_gone(
+                request, service.submit(record, cancel=cancel, request=env), cancel)
         except _ClientGone:
             return Response(status_code=499)
         return _json(out)
@@ -470,15 +461,18 @@ def create_app(hub: ServingHub) -> FastAPI:
 
 
 async def _several(request: Request, service: PipelineService, b: Binding,
-                   req: WireRequest, record: dict, rid: str, created: int) -> Response:
+                   req: WireRequest, record: dict, env: Envelope, rid: str,
+                   created: int) -> Response:
     """A completion request with a list of prompts: one record per prompt, submitted
     together (they share the pipeline's micro-batches); the first failure fails the
     request and cancels the others' work."""
     cancel = Cancel()
     records = [{**record, b.input_field: p} for p in req.prompts]
+    envs = [env.fork() for _ in records]
 
     async def every() -> list[dict]:
-        tasks = [asyncio.ensure_future(service.submit(r, cancel=cancel)) for r in records]
+        tasks = [asyncio.ensure_future(service.submit(r, cancel=cancel, request=e))
+                 for r, e in zip(records, envs, strict=True)]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:
@@ -493,10 +487,10 @@ async def _several(request: Request, service: PipelineService, b: Binding,
     except _ClientGone:
         return Response(status_code=499)
     answers = []
-    for p, out in zip(req.prompts, outs, strict=True):
+    for p, out, e in zip(req.prompts, outs, envs, strict=True):
         answer = _answer(b, out)
-        usage = usage_of(b, out, p, answer)
-        answers.append((answer, finish_reason(b, usage, out), usage))
+        usage = usage_of(b, out, e.reply, p, answer)
+        answers.append((answer, finish_reason(b, usage, e.reply), usage))
     return _json(completions_body(req, rid, created, answers))
 
 
@@ -523,12 +517,12 @@ def _answer(b: Binding, out: dict) -> str:
     return answer
 
 
-async def _stream(request: Request, service: PipelineService, record: dict,
+async def _stream(request: Request, service: PipelineService, record: dict, env: Envelope,
                   events: Callable[[_Relay, Any], AsyncIterator[bytes]]) -> Response:
     """Stream ``events(relay, first piece)`` as server-sent events, then ``[DONE]``. A
     failure before the first piece gets its own HTTP status; a client that goes away
     stops the generation for it."""
-    relay = _Relay(service, record, piece_budget(service.plan))
+    relay = _Relay(service, record, piece_budget(service.plan), env)
     try:
         first = await relay.first(request)
     except _ClientGone:
@@ -549,8 +543,8 @@ async def _stream(request: Request, service: PipelineService, record: dict,
 
 
 async def _stream_openai(request: Request, service: PipelineService, b: Binding,
-                         req: WireRequest, record: dict, rid: str, created: int,
-                         redact: Redactor) -> Response:
+                         req: WireRequest, record: dict, env: Envelope, rid: str,
+                         created: int, redact: Redactor) -> Response:
     async def events(relay: _Relay, first: Any) -> AsyncIterator[bytes]:
         if req.chat:
             yield chunk(req, rid, created, "", role=True)
@@ -569,17 +563,17 @@ async def _stream_openai(request: Request, service: PipelineService, b: Binding,
             # pieces that had not arrived when the output did (on Ray, the pieces and the
             # output reach the driver from different actors): the rest of the answer
             yield chunk(req, rid, created, answer[len(streamed):])
-        usage = usage_of(b, out, req.text, answer)
+        usage = usage_of(b, out, env.reply, req.text, answer)
         yield chunk(req, rid, created, None if req.chat else "",
-                    finish_reason(b, usage, out))
+                    finish_reason(b, usage, env.reply))
         if req.include_usage:
             yield chunk(req, rid, created, None, usage=usage)
 
-    return await _stream(request, service, record, events)
+    return await _stream(request, service, record, env, events)
 
 
 async def _stream_runs(request: Request, service: PipelineService, record: dict,
-                       redact: Redactor) -> Response:
+                       env: Envelope, redact: Redactor) -> Response:
     async def events(relay: _Relay, first: Any) -> AsyncIterator[bytes]:
         async for text in relay.texts(first):
             yield sse({"token": text})
@@ -591,4 +585,4 @@ async def _stream_runs(request: Request, service: PipelineService, record: dict,
                 body["error"]["stage"] = e.record.stage
             yield sse(body)
 
-    return await _stream(request, service, record, events)
+    return await _stream(request, service, record, env, events)

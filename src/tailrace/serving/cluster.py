@@ -17,7 +17,9 @@ call (``HubActor.submit``); a streamed request is a Ray streaming generator
 (``HubActor.stream``) that yields the text pieces gathered since its last yield, in
 order, then the outcome, with Ray's generator back-pressure (``STREAM_WINDOW``). A
 client that disconnects cancels its replica's call: Ray cancels the hub's coroutine,
-whose ``submit`` sets the record's ``_cancel``, and the engine stops the sequence.
+whose ``submit`` sets the request's cancel, and the engine stops the sequence. The
+request crosses as its data (``tailrace/request.py``); its reply comes back with the
+output.
 Errors cross as values (``ServiceError`` pickles with its status, code and record).
 
 Each ingress replica bounds the requests it holds (``max_outstanding`` ``/v1/*``
@@ -49,13 +51,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from ..api.records import ErrorRecord
+from ..request import Request
 from .errors import ServiceError, ServiceUnavailable
 from .hub import ServingHub
 from .service import Cancel, PipelineService
@@ -184,21 +185,23 @@ class HubActor:
                        else f"{type(s.failure).__name__}: {s.failure}")
                 for name, s in self.hub.services.items()}
 
-    async def submit(self, name: str, record: dict) -> tuple[bool, Any]:
-        """Run one record; ``(True, output)`` or ``(False, ServiceError)``."""
+    async def submit(self, name: str, record: dict, request: Request) -> tuple[bool, Any]:
+        """Run one record of ``request`` (which arrived as data: its live parts are
+        this actor's); ``(True, (output, reply))`` or ``(False, ServiceError)``."""
         try:
-            return True, await self.hub.services[name].submit(record)
+            out = await self.hub.services[name].submit(record, request=request)
+            return True, (out, request.reply)
         except ServiceError as e:
-            return False, _sendable(e)
+            return False, e
 
-    async def stream(self, name: str, record: dict) -> Any:
+    async def stream(self, name: str, record: dict, request: Request) -> Any:
         """A streaming generator: ``(None, text)`` for the pieces produced since the last
-        yield, then ``(True, output)`` or ``(False, ServiceError)``. Closed early (the
-        caller cancelled or died), it stops the generation."""
+        yield, then ``(True, (output, reply))`` or ``(False, ServiceError)``. Closed
+        early (the caller cancelled or died), it stops the generation."""
         pieces: asyncio.Queue = asyncio.Queue()
         cancel = Cancel()
-        task = asyncio.ensure_future(
-            self.hub.services[name].submit(record, on_token=pieces.put_nowait, cancel=cancel))
+        task = asyncio.ensure_future(self.hub.services[name].submit(
+            record, on_token=pieces.put_nowait, cancel=cancel, request=request))
         try:
             while True:
                 getter = asyncio.ensure_future(pieces.get())
@@ -213,9 +216,9 @@ class HubActor:
                 if task.done() and pieces.empty():
                     break
             try:
-                yield True, task.result()
+                yield True, (task.result(), request.reply)
             except ServiceError as e:
-                yield False, _sendable(e)
+                yield False, e
         finally:
             if not task.done():  # the caller left: nothing keeps generating for it
                 cancel.set()
@@ -242,17 +245,6 @@ class HubActor:
         await self.hub.aclose(timeout)
 
 
-def _sendable(e: ServiceError) -> ServiceError:
-    """``e`` fit to cross to a replica: an error record's input without its transient
-    fields (a live ``_cancel`` or ``_stream`` of this process cannot be pickled; the
-    client never sees them)."""
-    record = getattr(e, "record", None)
-    if isinstance(record, ErrorRecord) and isinstance(record.input, dict):
-        clean = {k: v for k, v in record.input.items() if not k.startswith("_")}
-        e.record = dataclasses.replace(record, input=clean)  # type: ignore[attr-defined]
-    return e
-
-
 class RemoteService:
     """An ingress replica's handle on one pipeline of the hub actor; what ``create_app``
     needs of a ``PipelineService`` (``submit``, ``ready``, ``stats``, ...)."""
@@ -276,33 +268,38 @@ class RemoteService:
         return None if why is None else ServiceUnavailable(why)
 
     async def submit(self, record: dict, on_token: Callable[[str], Any] | None = None,
-                     cancel: Cancel | threading.Event | None = None) -> dict:
-        """As ``PipelineService.submit``, through the hub actor."""
+                     cancel: Cancel | threading.Event | None = None, *,
+                     request: Request | None = None) -> dict:
+        """As ``PipelineService.submit``, through the hub actor: the request crosses as
+        its data (``tailrace/request.py``), its reply comes back into it."""
         from ray.exceptions import RayError
 
         actor = self.link.actor
+        req = request if request is not None else Request()
         try:
             if on_token is None:
-                ref = actor.submit.remote(self.name, record)
+                ref = actor.submit.remote(self.name, record, req)
                 try:
                     ok, value = await ref
                 except asyncio.CancelledError:
                     _cancel(ref)
                     raise
             else:
-                ok, value = await self._stream(actor, record, on_token, cancel)
+                ok, value = await self._stream(actor, record, req, on_token, cancel)
         except RayError as e:
             raise ServiceUnavailable(f"pipeline '{self.name}': the hub actor failed "
                                      f"({type(e).__name__}); this request is lost") from None
         if not ok:
             raise value
-        return value
+        out, req.reply = value
+        return out
 
-    async def _stream(self, actor: Any, record: dict, on_token: Callable[[str], Any],
+    async def _stream(self, actor: Any, record: dict, req: Request,
+                      on_token: Callable[[str], Any],
                       cancel: Cancel | threading.Event | None) -> tuple[bool, Any]:
         gen = actor.stream.options(num_returns="streaming",
                                    _generator_backpressure_num_objects=STREAM_WINDOW
-                                   ).remote(self.name, record)
+                                   ).remote(self.name, record, req)
         finished = False
         try:
             async for ref in gen:

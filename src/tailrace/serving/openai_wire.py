@@ -1,26 +1,27 @@
 """The OpenAI wire format: request parsing, response and SSE chunk shaping, error bodies.
 
-How a pipeline answers an OpenAI request (``Binding``):
+How a pipeline answers an OpenAI request (``Binding``); the request's control data
+travels in its ``Request`` (``tailrace/request.py``), never in the record:
 
 - the request's text (the last ``user`` message, or the ``prompt``) becomes the input
   record ``{FIELD: text}``; FIELD is the first of the source's declared ``fields:``,
   else the first field the first stage reads;
-- a chat request's whole conversation (text only) goes in the transient field
-  ``_messages``, which a generate stage with ``messages: _messages`` answers;
-- the answering stage is the last ``generate``, ``route`` or ``tool_call`` stage before
-  the sink (``answering_stage``: parallel candidates, or an earlier one writing the same
-  output field, are a ``problem``: 400 ``pipeline_not_chat``);
+- a chat request's whole conversation (text only) goes in ``Request.messages``, which
+  a generate stage with ``messages: _messages`` answers;
+- the answering stage is the last stage whose operator declares it can answer
+  (``OpDef.answers``: generate, route, tool_call) before the sink
+  (``answering_stage``: parallel candidates, or an earlier one writing the same output
+  field, are a ``problem``: 400 ``pipeline_not_chat``);
 - the sampling options the request sets (``max_tokens``/``max_completion_tokens``,
   ``temperature``, ``top_p``, ``stop``, ``seed``, ``presence_penalty``,
-  ``frequency_penalty``) go in the transient field ``_options`` ``for`` the answering
-  stage (its output field), which applies them within its YAML limits (its
-  ``max_tokens`` is the ceiling; options it lists under ``frozen:`` are a 400 here);
-  only that stage streams tokens to the request;
+  ``frequency_penalty``) go in ``Request.options`` for the answering stage
+  (``Request.answers``: its output field), which applies them within its YAML limits
+  (its ``max_tokens`` is the ceiling; options it lists under ``frozen:`` are a 400
+  here); only that stage streams tokens to the request;
 - ``priority`` and ``deadline_ms`` (or their ``X-Tailrace-*`` headers) go to admission
-  in the transient field ``_urgency``, within the pipeline's ``serve:`` bounds
-  (``urgency.py``);
+  in ``Request.asked``, within the pipeline's ``serve:`` bounds (``urgency.py``);
 - a chat request's ``response_format`` (``json_object``, ``json_schema``) goes in
-  ``_options`` too, checked here (a malformed one, or an invalid JSON Schema, is a 400
+  ``Request.options`` too, checked here (a malformed one, or an invalid JSON Schema, is a 400
   naming the field); a 400 too when the answering stage is not a generate stage whose
   engine can enforce it;
 - fields tailrace cannot honour (``n > 1``, ``logprobs``, ``tools``, ``logit_bias``,
@@ -28,12 +29,12 @@ How a pipeline answers an OpenAI request (``Binding``):
   naming the field; ``IGNORED`` fields are accepted and ignored by design
   (docs/serving.md, "Request fields", lists every field);
 - the answer is the ``output`` field of that stage; usage is what the stage reports in
-  ``_usage`` (the engine's counts, summed over every call it made: tool rounds, cascade
-  levels), else its ``usage:`` field, else the engine's tokenizer counts the text and
-  the answer;
+  ``Request.reply`` (the engine's counts, summed over every call it made: tool rounds,
+  cascade levels), else its ``usage:`` field, else the engine's tokenizer counts the
+  text and the answer;
 - ``finish_reason`` is the engine's (``stop``, ``length``, ``cancelled``) as the stage
-  reports it in ``_finish``; only without a report is it inferred (``"length"`` when
-  the answer used all of ``max_tokens``, else ``"stop"``).
+  reports it in ``Request.reply``; only without a report is it inferred (``"length"``
+  when the answer used all of ``max_tokens``, else ``"stop"``).
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..compiler import Plan
-from ..engines.structured import check_enforceable, check_response_format, enforced_by
+from ..engines.structured import check_enforceable, check_response_format
 from ..errors import EngineError
+from ..request import Reply
 
 #: The ``error.type`` OpenAI clients expect for each HTTP status.
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
@@ -372,32 +374,20 @@ def parse_completion(body: dict) -> WireRequest:
 
 
 # -- pipelines as models ---------------------------------------------------------------
-#: the operators that can answer an OpenAI request (they generate its text)
-ANSWERING = ("generate", "route", "tool_call")
+def answering_ops(plan: Plan) -> list:
+    """The plan's operators that can answer an OpenAI request (they generate its text:
+    their ``OpDef.answers`` says what serving needs of them)."""
+    return [o for s in plan.stages for o in s.ops if o.op.answers is not None]
 
 
 def output_tokens(plan: Plan) -> int:
-    """Most tokens the plan's model stages generate for one record (one attempt each):
-    a generate stage's ``max_tokens``; a route's largest (over ``per_engine``), times
-    the levels of its cascade; a tool_call's times ``max_rounds + 1`` rounds. Tenants'
-    token reservations and the admission cost model use it.
+    """Most tokens the plan's model stages generate for one record (one attempt each,
+    as each operator declares: ``Answers.output_tokens``). Tenants' token reservations
+    and the admission cost model use it.
 
     plan: the compiled plan.
     """
-    total = 0
-    for s in plan.stages:
-        for o in s.ops:
-            if o.op.name not in ANSWERING:
-                continue
-            n = int(o.params.get("max_tokens") or 0)
-            if o.op.name == "route":
-                n = max([n] + [int(x.get("max_tokens") or 0) for x in
-                               (o.params.get("per_engine") or {}).values()])
-                n *= max(1, len(o.params.get("cascade") or ()))
-            elif o.op.name == "tool_call":
-                n *= int(o.params.get("max_rounds") or 0) + 1
-            total += n
-    return total
+    return sum(o.op.answers.output_tokens(o.params) for o in answering_ops(plan))
 
 
 @dataclass(frozen=True)
@@ -463,7 +453,7 @@ def answering_stage(plan: Plan) -> tuple[Any, str | None]:
     ops = [o for s in plan.stages for o in s.ops]
     reach = _downstream(ops)
     sinks = {o.id for o in ops if o.op.kind == "sink"}
-    cands = [o for o in ops if o.op.name in ANSWERING
+    cands = [o for o in ops if o.op.answers is not None
              and (not sinks or reach[o.id] & sinks)]
     if not cands:
         return None, (f"pipeline '{plan.name}' has no generate, route or tool_call stage to "
@@ -506,25 +496,16 @@ def bind(plan: Plan) -> Binding:
                    "source: {fields: [question]}")
     if gen is None:
         return Binding(field, None, None, 0, None, problem)
-    p = gen.params
-    engine = p.get("_engine")
-    max_tokens = int(p.get("max_tokens") or 0)
-    if gen.op.name == "route":
-        engines = p.get("_engines") or {}
-        engine = engines.get(p.get("default") or (p.get("cascade") or [""])[-1])
-        max_tokens = max([max_tokens] + [int(o["max_tokens"]) for o in
-                                         (p.get("per_engine") or {}).values()
-                                         if isinstance(o, dict) and o.get("max_tokens")])
-    return Binding(field, p["output"], p.get("usage") if gen.op.name == "generate" else None,
-                   max_tokens, engine, problem, frozenset(p.get("frozen") or ()), gen.id,
-                   gen.op.name,
-                   enforced_by(engine) if gen.op.name == "generate" else frozenset())
+    p, ans = gen.params, gen.op.answers
+    return Binding(field, p["output"], ans.usage_field(p), ans.max_tokens(p), ans.engine(p),
+                   problem, frozenset(p.get("frozen") or ()), gen.id, gen.op.name,
+                   ans.enforces(p))
 
 
-def options_record(b: Binding, req: WireRequest, name: str) -> dict[str, Any]:
-    """The transient ``_options`` field for a request: its sampling options, ``for`` the
-    answering stage (its output field); 400 naming an option the pipeline froze, or a
-    ``response_format`` its engine cannot enforce (or whose schema it cannot).
+def request_options(b: Binding, req: WireRequest, name: str) -> dict[str, Any]:
+    """A request's sampling options for the answering stage (``Request.options``); 400
+    naming an option the pipeline froze, or a ``response_format`` its engine cannot
+    enforce (or whose schema it cannot).
 
     b:    the pipeline's binding.
     req:  the parsed request.
@@ -547,7 +528,7 @@ def options_record(b: Binding, req: WireRequest, name: str) -> dict[str, Any]:
             check_enforceable(b.engine, fmt)
         except EngineError as e:  # e.g. a schema llama.cpp cannot turn into a grammar
             raise WireError(str(e), code="unsupported_schema") from None
-    return {"for": b.answer_field, **req.options}
+    return dict(req.options)
 
 
 def _count(engine: Any, text: str) -> int:
@@ -561,15 +542,17 @@ def _count(engine: Any, text: str) -> int:
         return approx_tokens(text) if text else 0
 
 
-def usage_of(b: Binding, record: dict, text: str, answer: str) -> dict[str, Any]:
+def usage_of(b: Binding, record: dict, reply: Reply, text: str,
+             answer: str) -> dict[str, Any]:
     """Prompt/completion/total tokens of one answer (see the module docstring).
 
     b:      the pipeline's binding.
     record: the output record.
+    reply:  what the answering stage reported (``Request.reply``).
     text:   the request's input text.
     answer: the answer text.
     """
-    u = record.get("_usage")
+    u = reply.usage
     if not isinstance(u, dict):
         u = record.get(b.usage_field) if b.usage_field else None
     if isinstance(u, dict) and isinstance(u.get("prompt_tokens"), int) \
@@ -584,16 +567,16 @@ def usage_of(b: Binding, record: dict, text: str, answer: str) -> dict[str, Any]
     return usage
 
 
-def finish_reason(b: Binding, usage: dict[str, Any], record: dict | None = None) -> str:
+def finish_reason(b: Binding, usage: dict[str, Any], reply: Reply | None = None) -> str:
     """The engine's finish reason (``stop``, ``length``, ``cancelled``) as the answering
-    stage reported it in the record's ``_finish``; without one, ``"length"`` when the
-    answer used all of ``max_tokens``, else ``"stop"``.
+    stage reported it (``Reply.finish``); without one, ``"length"`` when the answer used
+    all of ``max_tokens``, else ``"stop"``.
 
     b:      the pipeline's binding.
     usage:  the answer's usage.
-    record: the output record.
+    reply:  what the answering stage reported.
     """
-    reported = record.get("_finish") if record is not None else None
+    reported = reply.finish if reply is not None else None
     if isinstance(reported, str):
         return reported
     return "length" if b.max_tokens and usage["completion_tokens"] >= b.max_tokens \
