@@ -266,7 +266,7 @@ def request_options(base: dict[str, Any], opts: dict | None,
     to its.
 
     base:   the stage's settings.
-    opts:   the request's ``_options`` for this stage (``answering``), or None.
+    opts:   the request's options for this stage (``answering``), or None.
     frozen: the options the stage keeps from requests.
     """
     if opts is None:

@@ -446,7 +446,7 @@ def _build_select(params: dict, contract: Any) -> OpRuntime:
             if not isinstance(r, dict):
                 errors.append((r, FieldError(f"select needs JSON objects, got "
                                              f"{type(r).__name__}")))
-            elif keep is not None:  # transient fields (_stream, _admission) stay
+            elif keep is not None:  # the record's request (``_request``) stays
                 out.append({k: v for k, v in r.items() if k in keep or k.startswith("_")})
             else:
                 out.append({k: v for k, v in r.items() if k not in drop})
