@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module", autouse=True)
 def eager_autoscaling():
     """Elastic stages scale within these short runs (defaults: 1 s up, 10 s down)."""
-    from tailrace.runtime.ray import driver
+    from tailrace.runtime.ray import autoscale as driver  # the scaling constants live there
 
     saved = driver.SCALE_TICK_S, driver.SCALE_UP_S, driver.SCALE_DOWN_S
     driver.SCALE_TICK_S, driver.SCALE_UP_S, driver.SCALE_DOWN_S = 0.02, 0.02, 0.1

@@ -13,7 +13,7 @@ import pytest
 
 import tailrace as tr
 from tailrace.errors import PlanError
-from tailrace.runtime.ray import active_runs, driver
+from tailrace.runtime.ray import active_runs, autoscale
 
 
 def slow(x):
@@ -33,8 +33,8 @@ def plus(x):
 @pytest.fixture
 def quick(monkeypatch):
     """Scale decisions in fractions of a second (the defaults are 1 s up, 10 s down)."""
-    monkeypatch.setattr(driver, "SCALE_UP_S", 0.2)
-    monkeypatch.setattr(driver, "SCALE_DOWN_S", 0.5)
+    monkeypatch.setattr(autoscale, "SCALE_UP_S", 0.2)
+    monkeypatch.setattr(autoscale, "SCALE_DOWN_S", 0.5)
 
 
 @contextmanager
@@ -189,16 +189,16 @@ def test_a_replica_waiting_for_placement_holds_up_no_other_stage(ray_session, qu
     """A scale-out that waits (its actor pending until the Ray autoscaler adds a node:
     here it never comes) neither stops the other elastic stages from scaling nor the run
     from ending."""
-    orig = driver.RayRun._scale_out
+    orig = autoscale.Elastic.scale_out
     pending: list = []
 
     async def placing(self, i):
-        if self.plan.stages[i].id == "first":
+        if self.run.plan.stages[i].id == "first":
             pending.append(i)
             await asyncio.sleep(1000)  # never placed
         await orig(self, i)
 
-    monkeypatch.setattr(driver.RayRun, "_scale_out", placing)
+    monkeypatch.setattr(autoscale.Elastic, "scale_out", placing)
     p = tr.Pipeline("elastic-two")
     p.source(range(600)).map(slow, id="first", replicas={"min": 1, "max": 2}, queue=64) \
         .map(slower, id="second", replicas={"min": 1, "max": 2}, queue=64).sink(got := [])

@@ -44,6 +44,7 @@ from ...request import request_of
 from ..ingress import input_failed, read, read_admitted
 from ..stage import sink_runtime, sink_target, stage_meter, write_sink
 from ..stats import RayRunStats, build_stats
+from .autoscale import Elastic
 from .credits import Link, cause, gather_acks, ray_errors
 from .ledger import Ledger
 from .messages import (
@@ -73,17 +74,6 @@ INSTALL_WAIT_S = 30.0
 #: the gate at once, so it queues or rejects them by its own bounds, never a feed
 #: queue in front of it (under overload a 429 would otherwise wait for its turn).
 ADMISSION_WAITS = 64
-
-#: Seconds between autoscaling looks at an elastic stage (``replicas: {min, max}``).
-SCALE_TICK_S = 0.25
-#: An elastic stage gains a replica once, for this long, every replica that takes new
-#: pushes has input queued (and is not itself waiting for its consumers' credits), or
-#: it is a first stage, all its replicas are busy and requests wait at admission.
-SCALE_UP_S = 1.0
-#: It loses one (the replica stops taking new pushes) once one of them has been idle
-#: (empty queue, nothing running) for this long.
-SCALE_DOWN_S = 10.0
-
 
 def chunk_size(s: PlanStage) -> int:
     """Records per push into stage ``s`` (its ``Execution``'s)."""
@@ -215,17 +205,9 @@ class RayRun:
         self.assignment: dict[tuple[int, int], HostHandle] = {}
         self.incarnations: dict[int, str] = {}  # id(host) -> incarnation seen
         self.replica_incarnations: dict[tuple[int, int], set[str]] = {}
-        # elastic stages (see ``_autoscale``): their replicas' hosts, install specs and
-        # whether each takes new pushes; the latest report of each replica
-        self.elastic = [i for i in self.host_stages if plan.stages[i].elastic]
-        self.spec_refs: dict[int, Any] = {}
-        self.replica_hosts: dict[int, list] = {}
-        self.replica_specs: dict[int, list] = {}
-        self.active: dict[int, list[bool]] = {}
-        self.latest: dict[tuple[int, int], MeterReport] = {}
-        self.scale_events: list[tuple[float, str, int]] = []  # (time, stage id, replicas)
-        self._tg: asyncio.TaskGroup | None = None
-        self._steps: dict[int, asyncio.Task] = {}  # elastic stage -> its scale-out
+        self.spec_refs: dict[int, Any] = {}  # stage -> its install spec (an ObjectRef)
+        self.elastic = Elastic(self)  # elastic stages' replicas and scaling
+        self.tg: asyncio.TaskGroup | None = None  # the run's tasks (``execute``)
 
     # -- placement and installation -------------------------------------------------------
     def _route(self, consumer: int, assignment: dict, holders: dict) -> Route:
@@ -255,11 +237,7 @@ class RayRun:
             ref = ray.put(spec)
             holders[i] = tuple([ref] for _ in range(s.replicas))
             self.spec_refs[i] = ref
-        for i in self.elastic:
-            self.replica_hosts[i] = [assignment[(i, r)].handle
-                                     for r in range(self.plan.stages[i].replicas)]
-            self.replica_specs[i] = list(holders[i])
-            self.active[i] = [True] * self.plan.stages[i].replicas
+        self.elastic.installed(assignment, holders)
         for i in self.source_meters:
             self.source_links[i] = [
                 Link(self._route(c, assignment, holders), self.run_id, self._deliver,
@@ -298,9 +276,9 @@ class RayRun:
             for o in self.plan.stages[i].ops:
                 if o.op.kind != "sink":
                     stages.setdefault(o.id, []).append((h.name, h.node))
-        active = {self.plan.stages[i].id: sum(a) for i, a in self.active.items()}
+        active = {self.plan.stages[i].id: sum(a) for i, a in self.elastic.active.items()}
         return {"pipeline": self.plan.name, "run_id": self.run_id, "stages": stages,
-                "active_replicas": active, "scale_events": list(self.scale_events)}
+                "active_replicas": active, "scale_events": list(self.elastic.events)}
 
     async def execute(self) -> None:
         finished = False
@@ -310,19 +288,19 @@ class RayRun:
             if self.on_ready is not None:
                 self.on_ready()
             async with asyncio.TaskGroup() as tg:
-                self._tg = tg
-                drains = [tg.create_task(self._drain(h)) for h in self.hosts]
+                self.tg = tg
+                drains = [tg.create_task(self.drain(h)) for h in self.hosts]
                 if self.served is not None:
                     drains.append(tg.create_task(self._watch_cancels(self.served)))
-                if self.elastic:
-                    drains.append(tg.create_task(self._autoscale()))
+                if self.elastic.stages:
+                    drains.append(tg.create_task(self.elastic.scale()))
                 async with asyncio.TaskGroup() as sources:
                     for i in self.source_meters:
                         sources.create_task(self._source(i))
                 # every source batch is acknowledged end to end: all records are out
                 await self._finish()
                 finished = True
-                for t in drains + list(self._steps.values()):  # only meter snapshots
+                for t in drains + list(self.elastic.steps.values()):  # only meter snapshots
                     t.cancel()  # may be left, and finish had them
         except BaseExceptionGroup as eg:
             raise cause(eg.exceptions[0]) from None
@@ -345,7 +323,7 @@ class RayRun:
                 self._report(rep, final=True)
 
     def _report(self, rep: MeterReport, final: bool = False) -> None:
-        self.latest[(rep.stage, rep.replica)] = rep
+        self.elastic.latest[(rep.stage, rep.replica)] = rep
         key = (rep.stage, rep.replica, rep.incarnation)
         self.replica_incarnations.setdefault(key[:2], set()).add(rep.incarnation)
         if final:
@@ -354,7 +332,7 @@ class RayRun:
             return
         self.reports[key] = rep
 
-    async def _drain(self, host: HostHandle) -> None:
+    async def drain(self, host: HostHandle) -> None:
         ack = 0
         delay = 0.02
         while True:
@@ -369,7 +347,7 @@ class RayRun:
             if d.incarnation != self.incarnations.get(id(host)):
                 if id(host) in self.incarnations:
                     self.actor_restarts += 1
-                    self._reroute_host(host)  # it forgot how elastic stages scaled
+                    self.elastic.reroute_host(host)  # it forgot how elastic stages scaled
                 self.incarnations[id(host)] = d.incarnation
             for e in d.entries:
                 if type(e) is MeterReport:
@@ -384,125 +362,6 @@ class RayRun:
             ack = d.last_seq
             if d.closed:
                 return
-
-    # -- autoscaling of elastic stages --------------------------------------------------
-    async def _autoscale(self) -> None:
-        """Scale each elastic stage between its bounds on load (see ``SCALE_UP_S``,
-        ``SCALE_DOWN_S``): one replica at a time, then wait for its effect."""
-        loop = asyncio.get_running_loop()
-        up: dict[int, float | None] = dict.fromkeys(self.elastic)
-        down: dict[int, float | None] = dict.fromkeys(self.elastic)
-        while True:
-            await asyncio.sleep(SCALE_TICK_S)
-            waiting, admitted = await self._admission_backlog()
-            now = loop.time()
-            for i in self.elastic:
-                busy, idle = self._load(i, waiting, admitted)
-                t_up = up[i] = (up[i] or now) if busy else None
-                t_down = down[i] = (down[i] or now) if idle else None
-                step = self._steps.get(i)
-                if step is not None and not step.done():  # a replica is being placed
-                    continue
-                if t_up is not None and now - t_up >= SCALE_UP_S \
-                        and sum(self.active[i]) < self.plan.stages[i].max_replicas:
-                    up[i] = down[i] = None
-                    # in the background: a replica waiting for resources (the Ray
-                    # autoscaler adding a node) must not stop the other stages' scaling
-                    assert self._tg is not None
-                    self._steps[i] = self._tg.create_task(self._scale_out(i))
-                elif t_down is not None and now - t_down >= SCALE_DOWN_S \
-                        and sum(self.active[i]) > self.plan.stages[i].replicas:
-                    up[i] = down[i] = None
-                    await self._scale_in(i)
-
-    async def _admission_backlog(self) -> tuple[int, int]:
-        """Requests waiting at the admission gate now, and admitted ones (0, 0 without a
-        gate)."""
-        if self.admission is None:
-            return 0, 0
-        try:
-            st = await asyncio.to_thread(self.admission.statistics)
-            return int(st.queued), int(st.in_flight)
-        except Exception:  # noqa: BLE001 - a gate without figures (or gone): no signal
-            return 0, 0
-
-    def _load(self, i: int, waiting: int, admitted: int) -> tuple[bool, bool]:
-        """``(busy, idle)`` of elastic stage ``i`` from its replicas' latest reports
-        and the gate's backlog (it counts when more requests are admitted than the stage
-        has replicas: with fewer, another replica would have nothing to do)."""
-        got = [self.latest.get((i, r)) for r, a in enumerate(self.active[i]) if a]
-        reps = [rep for rep in got if rep is not None]
-        if len(reps) < len(got):  # a new replica has not reported yet
-            return False, False
-        busy = all(rep.depth > 0 and not rep.blocked for rep in reps) or (
-            waiting > 0 and admitted > len(reps) and i in self.first
-            and all(rep.running and not rep.blocked for rep in reps))
-        idle = any(rep.depth == 0 and not rep.running for rep in reps)
-        return busy, idle
-
-    async def _scale_out(self, i: int) -> None:
-        """One more replica for stage ``i``: a retired one takes pushes again, or a new
-        one is installed on a host of the pool (created and placed by Ray if needed)."""
-        active = self.active[i]
-        if False in active:
-            active[active.index(False)] = True
-        else:
-            r = len(active)
-            pl = self.placements.get(i, StagePlacement())
-            host = await asyncio.to_thread(host_pool().add, i, r, pl, self.assignment)
-            holder = [self.spec_refs[i]]
-            try:
-                done = await host.handle.install.remote(holder, r)
-            except Exception:  # noqa: BLE001 - not placed or failed: try again later
-                return
-            known = any(h is host for h in self.hosts)
-            self.assignment[(i, r)] = host
-            host.node = done.node
-            self.replica_incarnations.setdefault((i, r), set()).add(done.replica)
-            self.replica_hosts[i].append(host.handle)
-            self.replica_specs[i].append(holder)
-            active.append(True)
-            if not known:
-                self.incarnations[id(host)] = done.incarnation
-                self.hosts.append(host)
-                assert self._tg is not None
-                self._tg.create_task(self._drain(host))
-            # its links to elastic consumers must know how they scaled
-            await asyncio.gather(*[host.handle.reroute.remote(self.run_id, j, *self._routes(j))
-                                   for j in self.elastic if j != i], return_exceptions=True)
-        await self._reroute(i)
-
-    async def _scale_in(self, i: int) -> None:
-        """One replica fewer for stage ``i``: its idle replica with the highest index
-        stops taking new pushes (it finishes what it holds; its actor stays)."""
-        active = self.active[i]
-        for r in reversed(range(len(active))):
-            rep = self.latest.get((i, r))
-            if active[r] and rep is not None and rep.depth == 0 and not rep.running:
-                active[r] = False
-                break
-        await self._reroute(i)
-
-    def _routes(self, i: int) -> tuple[tuple, tuple, tuple[bool, ...]]:
-        return tuple(self.replica_hosts[i]), tuple(self.replica_specs[i]), tuple(self.active[i])
-
-    async def _reroute(self, i: int) -> None:
-        """Tell every producer of stage ``i`` how it is scaled now."""
-        routes = self._routes(i)
-        self.scale_events.append((time.time(), self.plan.stages[i].id, sum(routes[2])))
-        for links in self.source_links.values():
-            for link in links:
-                if link.route.target == i:
-                    link.reroute(*routes)
-        producers = {id(h): h for (j, _), h in self.assignment.items()
-                     if any(i in c for c in self.consumers[j].values())}
-        await asyncio.gather(*[h.handle.reroute.remote(self.run_id, i, *routes)
-                               for h in producers.values()], return_exceptions=True)
-
-    def _reroute_host(self, host: HostHandle) -> None:
-        """A restarted host: send it how every elastic stage is scaled now."""
-        for i in self.elastic:
-            host.handle.reroute.remote(self.run_id, i, *self._routes(i))
 
     # -- sources --------------------------------------------------------------------------
     async def _source(self, i: int) -> None:
@@ -692,4 +551,4 @@ class RayRun:
             totals=(self.records_in, self.records_out, self.errors), wall=wall,
             latency=self.latency, scheduling=self.scheduling, interrupted=interrupted,
             actor_restarts=self.actor_restarts, duplicates=self.ledger.dropped,
-            incarnations=self.replica_incarnations, scale_events=tuple(self.scale_events))
+            incarnations=self.replica_incarnations, scale_events=tuple(self.elastic.events))
