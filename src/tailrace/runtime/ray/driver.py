@@ -25,20 +25,16 @@ answered was dropped by a stage (a filter, an empty flat_map): ``on_drop`` hears
 from __future__ import annotations
 
 import asyncio
-import os
 import pickle
-import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import replace
 from itertools import count
 from time import perf_counter
 from typing import Any
 
 from ...api.records import ErrorRecord
-from ...compiler import Plan, PlanOp, PlanStage
-from ...errors import PlanError
+from ...compiler import Plan
 from ...observability import Histogram, StageMeter
 from ...request import request_of
 from ..ingress import input_failed, read, read_admitted
@@ -46,6 +42,7 @@ from ..stage import sink_runtime, sink_target, stage_meter, write_sink
 from ..stats import RayRunStats, build_stats
 from .autoscale import Elastic
 from .credits import Link, cause, gather_acks, ray_errors
+from .install import install, preflight
 from .ledger import Ledger
 from .messages import (
     BatchKey,
@@ -53,20 +50,15 @@ from .messages import (
     Delivery,
     Drained,
     Failures,
-    InstallSpec,
     Lineage,
     MeterReport,
     Pieces,
-    Route,
 )
-from .placement import HostHandle, StagePlacement, host_pool
+from .placement import HostHandle, StagePlacement
 from .served import ServedRequests
 
 #: Seconds between looks for cancelled callers in a served run.
 CANCEL_POLL_S = 0.05
-#: Seconds an install waits for a stage host that is restarting (a pooled host killed
-#: by an earlier run) before the run fails.
-INSTALL_WAIT_S = 30.0
 
 #: Most source records waiting for admission (or for credits right after it) at once,
 #: per source; fewer when the first edge's window is smaller. A served run's records
@@ -74,52 +66,6 @@ INSTALL_WAIT_S = 30.0
 #: the gate at once, so it queues or rejects them by its own bounds, never a feed
 #: queue in front of it (under overload a 429 would otherwise wait for its turn).
 ADMISSION_WAITS = 64
-
-def chunk_size(s: PlanStage) -> int:
-    """Records per push into stage ``s`` (its ``Execution``'s)."""
-    assert s.execution is not None, "a source has no pushes into it"
-    return s.execution.push
-
-
-def shipped(stage: PlanStage) -> PlanStage:
-    """The stage as sent to a host: sink targets (the caller's lists/writers) removed.
-
-    stage: the compiled stage.
-    """
-    def strip(o: PlanOp) -> PlanOp:
-        if o.op.kind != "sink":
-            return o
-        return replace(o, params={**o.params, "target": None},
-                       spec=replace(o.spec, params={**o.spec.params, "target": None}))
-
-    return replace(stage, ops=tuple(strip(o) for o in stage.ops))
-
-
-def preflight(plan: Plan, host_stages: list[int]) -> dict[int, PlanStage]:
-    """Serialise every operator that will run in an actor; a failure is a ``PlanError``
-    naming the stage, raised before any actor starts. Returns the stages to ship.
-
-    plan:        the compiled plan.
-    host_stages: indexes of the stages that run in actors.
-    """
-    from ray import cloudpickle
-
-    out = {}
-    for i in host_stages:
-        st = shipped(plan.stages[i])
-        for o in st.ops:
-            try:
-                cloudpickle.dumps(o)
-            except Exception as e:  # noqa: BLE001 - any pickling failure
-                reason = str(e).splitlines()[0] if str(e) else ""
-                raise PlanError(
-                    f"cannot be sent to a Ray actor: pickling its operator failed "
-                    f"({type(e).__name__}: {reason}); define functions and operators at "
-                    "module level and create locks, files and clients inside them instead "
-                    "of capturing them (or use the local runtime)", stage=o.id) from None
-        out[i] = st
-    return out
-
 
 #: Runs in progress in this process, by run id (``active_runs()`` reads it).
 ACTIVE: dict[str, RayRun] = {}
@@ -199,7 +145,7 @@ class RayRun:
                                       queued=j == 0, first=i in self.first)
         self.host_stages = [i for i, s in enumerate(plan.stages)
                             if i not in sources and any(o.op.kind != "sink" for o in s.ops)]
-        self.stages = preflight(plan, self.host_stages)
+        self.stages = preflight(plan, self.host_stages)  # shipped stages, checked
         self.source_links: dict[int, list[Link]] = {}
         self.hosts: list[HostHandle] = []
         self.assignment: dict[tuple[int, int], HostHandle] = {}
@@ -208,63 +154,6 @@ class RayRun:
         self.spec_refs: dict[int, Any] = {}  # stage -> its install spec (an ObjectRef)
         self.elastic = Elastic(self)  # elastic stages' replicas and scaling
         self.tg: asyncio.TaskGroup | None = None  # the run's tasks (``execute``)
-
-    # -- placement and installation -------------------------------------------------------
-    def _route(self, consumer: int, assignment: dict, holders: dict) -> Route:
-        s = self.plan.stages[consumer]
-        if consumer not in self.host_stages:  # a sink the driver runs
-            return Route(consumer, True, (), (), s.queue, chunk_size(s), s.id)
-        hosts = tuple(assignment[(consumer, r)].handle for r in range(s.replicas))
-        return Route(consumer, False, hosts, holders[consumer], s.queue, chunk_size(s), s.id)
-
-    async def _install(self) -> None:
-        import ray
-
-        assignment = host_pool().assign(self.plan, self.host_stages, self.placements)
-        self.assignment = assignment
-        env = {k: v for k, v in os.environ.items() if k.startswith("TAILRACE_")}
-        path = tuple(p for p in sys.path if p and os.path.isdir(p))
-        holders: dict[int, tuple[list, ...]] = {}
-        for i in reversed(self.host_stages):  # consumers first: routes name their specs
-            s = self.plan.stages[i]
-            routes: dict[str | None, tuple[Route, ...]] = {}
-            if s.ops[-1].op.kind == "sink":
-                routes[None] = (Route(i, True, (), (), s.queue, chunk_size(s), s.id),)
-            for port, stage_ids in self.consumers[i].items():
-                routes[port] = tuple(self._route(c, assignment, holders) for c in stage_ids)
-            spec = InstallSpec(self.run_id, i, self.stages[i], routes, i in self.first, env,
-                               path, self.served is not None)
-            ref = ray.put(spec)
-            holders[i] = tuple([ref] for _ in range(s.replicas))
-            self.spec_refs[i] = ref
-        self.elastic.installed(assignment, holders)
-        for i in self.source_meters:
-            self.source_links[i] = [
-                Link(self._route(c, assignment, holders), self.run_id, self._deliver,
-                     self._unsendable) for c in self.consumers[i].get(None, [])]
-        seen: dict[int, HostHandle] = {}
-        for h in assignment.values():
-            seen.setdefault(id(h), h)
-        self.hosts = list(seen.values())
-        calls = [(i, r, h.handle.install.remote(list(holders[i][r]), r))
-                 for (i, r), h in assignment.items()]
-        for i, r, ref in calls:
-            h = assignment[(i, r)]
-            deadline = time.monotonic() + INSTALL_WAIT_S
-            while True:
-                try:
-                    done = await ref
-                    break
-                except ray_errors() as e:  # a pooled host still restarting (killed earlier)
-                    if time.monotonic() > deadline:
-                        raise cause(e) from None
-                    await asyncio.sleep(0.1)
-                    ref = h.handle.install.remote(list(holders[i][r]), r)
-                except Exception as e:  # noqa: BLE001 - building the stage failed on the host
-                    raise cause(e) from None
-            h.node = done.node
-            self.incarnations[id(h)] = done.incarnation
-            self.replica_incarnations.setdefault((i, r), set()).add(done.replica)
 
     # -- the run --------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
@@ -284,7 +173,7 @@ class RayRun:
         finished = False
         ACTIVE[self.run_id] = self
         try:
-            await self._install()
+            await install(self)
             if self.on_ready is not None:
                 self.on_ready()
             async with asyncio.TaskGroup() as tg:
@@ -515,7 +404,7 @@ class RayRun:
         self.records_out += ok
         self.latency.record(max(0.0, time.time() - born) * 1e6, ok)
 
-    def _deliver(self, target: int, key: BatchKey, records: list, lin: Lineage,
+    def deliver(self, target: int, key: BatchKey, records: list, lin: Lineage,
                  born: float) -> asyncio.Future:
         """A source feeding a sink directly: no actor in between."""
         self._hand_over(self.ledger.offer(Delivery(target, key, records, lin, born,
@@ -529,7 +418,7 @@ class RayRun:
             self.errors += 1
             self.on_error(err)
 
-    def _unsendable(self, key: BatchKey, records: list, lin: Lineage,
+    def unsendable(self, key: BatchKey, records: list, lin: Lineage,
                     exc: BaseException) -> None:
         sid = self.plan.stages[key[0]].ops[0].id
         self._hand_over(self.ledger.offer(Failures(key[0], key, [
