@@ -175,3 +175,22 @@ def test_strip_and_cancel_children():
     own = Cancel().child()
     own.set()
     assert own.is_set() and not own.parent.is_set()
+
+
+def test_requests_made_in_different_processes_may_share_an_id_and_both_get_answers():
+    """Found by the served-cluster overload test: two ingress replicas number their
+    requests alike; the service routes answers by an id of its own."""
+    p = tr.Pipeline("ids")
+    p.source(fields=["q"]).map(lambda r: {**r, "a": r["q"] * 2}).sink()
+    svc = PipelineService(p).start()
+    try:
+        assert svc.wait_ready(30)
+
+        async def main():
+            return await asyncio.gather(*(svc.submit({"q": i}, request=Request(rid=1))
+                                          for i in range(20)))
+
+        got = asyncio.run(main())
+    finally:
+        svc.stop()
+    assert [r["a"] for r in got] == [2 * i for i in range(20)]

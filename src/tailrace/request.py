@@ -89,7 +89,8 @@ class Reply:
 class Request:
     """One request's control data (see the module docstring).
 
-    rid:      its id (answers are routed back by it; equal ids are the same request).
+    rid:      its id (equal ids are the same request); the service that takes it gives
+              it one of its own (answers are routed back by it).
     cancel:   its stop signal (one ``Cancel``; set when the caller gives up).
     sink:     ``sink(piece)`` for each text piece the answering stage generates, or None.
     options:  the request's own generation options (temperature, max_tokens, ...) for

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import threading
 from collections.abc import Callable
 from dataclasses import replace as dataclass_replace
@@ -180,6 +181,7 @@ class PipelineService:
         self.address = address
         self.placement = placement
         self.unrouted = 0  # outputs/error records with no waiting caller (late, extra)
+        self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._waiting: dict[int, _Waiter] = {}
         self._state = "new"  # new -> running -> stopping -> stopped | failed
@@ -378,7 +380,7 @@ class PipelineService:
         cancel:   an event the caller sets to stop the work (a fresh one if None);
                   cancelling this coroutine sets it too.
         request:  the request's control data (options, urgency, session, conversation:
-                  a ``Request`` the caller made; its cancel and sink are set here);
+                  a ``Request`` the caller made; its id, cancel and sink are set here);
                   after the answer its ``reply`` holds what the answering stage
                   reported. None: a plain request.
         Raises ``RequestFailed`` (carrying the error record; admission rejections are
@@ -395,7 +397,9 @@ class PipelineService:
                                "reserved for the request tailrace attaches; rename it",
                                status=400, code="invalid_record")
         req = request if request is not None else Request()
-        rid = req.rid
+        # this service's own id: requests made elsewhere (several ingress replicas in
+        # front of one hub) may share ids, answers are routed by this one
+        rid = req.rid = next(self._ids)
         # one cancel concept: the caller's own event (if any) counts as set too
         req.cancel = cancel if type(cancel) is Cancel else Cancel(cancel)
         if on_token is not None:
