@@ -1,0 +1,340 @@
+"""Binding a compiled pipeline to the OpenAI API: which record field a request's text
+fills, which stage answers, how many tokens it may spend, what usage and finish reason
+its answer reports. ``openai_wire.py`` parses requests and shapes responses; this module
+is the part that reads a plan (its operators and their params), so the wire format knows
+nothing of pipelines.
+
+How a pipeline answers an OpenAI request (``Binding``):
+
+- the request's text (the last ``user`` message, or the ``prompt``) becomes the input
+  record ``{FIELD: text}``; FIELD is the first of the source's declared ``fields:``,
+  else the first field the first stage reads;
+- a chat request's whole conversation (text only) goes in the transient field
+  ``_messages``, which a generate stage with ``messages: _messages`` answers;
+- the answering stage is the last ``generate``, ``route`` or ``tool_call`` stage before
+  the sink (``answering_stage``: parallel candidates, or an earlier one writing the same
+  output field, are a ``problem``: 400 ``pipeline_not_chat``);
+- the sampling options the request sets go in the transient field ``_options`` ``for``
+  the answering stage (its output field), which applies them within its YAML limits
+  (its ``max_tokens`` is the ceiling; options it lists under ``frozen:`` are a 400
+  here, ``options_record``); only that stage streams tokens to the request; a
+  ``response_format`` is a 400 too when the answering stage is not a generate stage
+  whose engine can enforce it;
+- the answer is the ``output`` field of that stage (``answer_of``); usage is what the
+  stage reports in ``_usage`` (the engine's counts, summed over every call it made: tool
+  rounds, cascade levels), else its ``usage:`` field, else the engine's tokenizer counts
+  the text and the answer (``usage_of``);
+- ``finish_reason`` is the engine's (``stop``, ``length``, ``cancelled``) as the stage
+  reports it in ``_finish``; only without a report is it inferred (``"length"`` when
+  the answer used all of ``max_tokens``, else ``"stop"``).
+
+Token budgets read from the plan: ``output_tokens`` (tenants' reservations, the
+admission cost model) and ``piece_budget`` (the bound on a streamed request's pieces).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..compiler import Plan
+from ..engines.structured import check_enforceable, enforced_by
+from ..errors import EngineError
+from .embeddings import embed_spec
+from .errors import ServiceError
+from .openai_wire import OPTION_FIELDS, WireError, WireRequest
+
+#: the operators that can answer an OpenAI request (they generate its text)
+ANSWERING = ("generate", "route", "tool_call")
+
+
+def output_tokens(plan: Plan) -> int:
+    """Most tokens the plan's model stages generate for one record (one attempt each):
+    a generate stage's ``max_tokens``; a route's largest (over ``per_engine``), times
+    the levels of its cascade; a tool_call's times ``max_rounds + 1`` rounds. Tenants'
+    token reservations and the admission cost model use it.
+
+    plan: the compiled plan.
+    """
+    total = 0
+    for s in plan.stages:
+        for o in s.ops:
+            if o.op.name not in ANSWERING:
+                continue
+            n = int(o.params.get("max_tokens") or 0)
+            if o.op.name == "route":
+                n = max([n] + [int(x.get("max_tokens") or 0) for x in
+                               (o.params.get("per_engine") or {}).values()])
+                n *= max(1, len(o.params.get("cascade") or ()))
+            elif o.op.name == "tool_call":
+                n *= int(o.params.get("max_rounds") or 0) + 1
+            total += n
+    return total
+
+
+@dataclass(frozen=True)
+class Binding:
+    """Which record fields an OpenAI request maps to for one pipeline.
+
+    input_field:  the field that receives the request's text (None: not usable).
+    answer_field: the answering stage's output field (None: no answering stage).
+    usage_field:  that stage's ``usage`` field, if it declares one (generate).
+    max_tokens:   that stage's ``max_tokens`` (route: its largest, over ``per_engine``).
+    engine:       that stage's engine spec (for counting tokens; route: the default or
+                  the cascade's last engine).
+    problem:      why the pipeline cannot answer chat/completion requests, or None.
+    frozen:       the options that stage's ``frozen:`` keeps from requests.
+    stage:        the answering stage's id (None: none).
+    kind:         its operator: ``generate``, ``route`` or ``tool_call`` (None: none).
+    response_formats: the ``response_format`` types that stage enforces (a generate
+                  stage's engine's; none for route and tool_call).
+    """
+
+    input_field: str | None
+    answer_field: str | None
+    usage_field: str | None
+    max_tokens: int
+    engine: Any
+    problem: str | None
+    frozen: frozenset[str] = frozenset()
+    stage: str | None = None
+    kind: str | None = None
+    response_formats: frozenset[str] = frozenset()
+
+
+def _downstream(ops: list) -> dict[str, set[str]]:
+    """Each op id -> the ids of every op after it (through any branch port)."""
+    after: dict[str, set[str]] = {o.id: set() for o in ops}
+    for o in ops:
+        for ref in o.spec.upstream:
+            after.setdefault(ref.split(".")[0], set()).add(o.id)
+    reach: dict[str, set[str]] = {}
+
+    def walk(i: str) -> set[str]:
+        if i not in reach:
+            reach[i] = set()
+            for d in after.get(i, ()):
+                reach[i] |= {d} | walk(d)
+        return reach[i]
+
+    for o in ops:
+        walk(o.id)
+    return reach
+
+
+def answering_stage(plan: Plan) -> tuple[Any, str | None]:
+    """The op that answers OpenAI requests, or ``(None, why not)``.
+
+    It is the last ``generate``, ``route`` or ``tool_call`` stage before the sink: of
+    those from which the sink can be reached, the one no other is downstream of. Two
+    such stages on parallel branches (a fan-out), or an earlier one writing the same
+    output field (the request's options would reach both), make it ambiguous.
+
+    plan: the compiled pipeline.
+    """
+    ops = [o for s in plan.stages for o in s.ops]
+    reach = _downstream(ops)
+    sinks = {o.id for o in ops if o.op.kind == "sink"}
+    cands = [o for o in ops if o.op.name in ANSWERING
+             and (not sinks or reach[o.id] & sinks)]
+    if not cands:
+        return None, (f"pipeline '{plan.name}' has no generate, route or tool_call stage to "
+                      f"answer with; send records to POST /v1/pipelines/{plan.name}/runs "
+                      "instead")
+    last = [o for o in cands if not any(c.id in reach[o.id] for c in cands)]
+    if len(last) > 1:
+        names = ", ".join(f"'{o.id}' ({o.op.name})" for o in last)
+        return None, (f"pipeline '{plan.name}': stages {names} are on parallel branches, so "
+                      "which one answers is ambiguous; join them into one stage that answers "
+                      "(e.g. a generate after the merge)")
+    ans = last[0]
+    same = [o.id for o in cands if o is not ans and o.params.get("output")
+            == ans.params["output"]]
+    if same:
+        return None, (f"pipeline '{plan.name}': stages '{same[0]}' and '{ans.id}' both write "
+                      f"field '{ans.params['output']}', so the request's options would reach "
+                      f"both; give the answering stage '{ans.id}' its own output field")
+    return ans, None
+
+
+def bind(plan: Plan) -> Binding:
+    """Work out a pipeline's ``Binding`` from its compiled plan (``answering_stage``
+    chooses the stage that answers).
+
+    plan: the compiled pipeline.
+    """
+    ops = [o for s in plan.stages for o in s.ops]
+    field = None
+    source = next(o for o in ops if o.op.kind == "source")
+    if source.params.get("fields"):
+        field = source.params["fields"][0]
+    else:
+        first = next((o for o in ops if source.id in o.spec.upstream), None)
+        reads = first.op.fields(first.params)[0] if first is not None else None
+        field = reads[0] if reads else None
+    gen, problem = answering_stage(plan)
+    if field is None:
+        problem = (f"pipeline '{plan.name}' has no text input field: declare it, like "
+                   "source: {fields: [question]}")
+    if gen is None:
+        return Binding(field, None, None, 0, None, problem)
+    p = gen.params
+    engine = p.get("_engine")
+    max_tokens = int(p.get("max_tokens") or 0)
+    if gen.op.name == "route":
+        engines = p.get("_engines") or {}
+        engine = engines.get(p.get("default") or (p.get("cascade") or [""])[-1])
+        max_tokens = max([max_tokens] + [int(o["max_tokens"]) for o in
+                                         (p.get("per_engine") or {}).values()
+                                         if isinstance(o, dict) and o.get("max_tokens")])
+    return Binding(field, p["output"], p.get("usage") if gen.op.name == "generate" else None,
+                   max_tokens, engine, problem, frozenset(p.get("frozen") or ()), gen.id,
+                   gen.op.name,
+                   enforced_by(engine) if gen.op.name == "generate" else frozenset())
+
+
+def options_record(b: Binding, req: WireRequest, name: str) -> dict[str, Any]:
+    """The transient ``_options`` field for a request: its sampling options, ``for`` the
+    answering stage (its output field); 400 naming an option the pipeline froze, or a
+    ``response_format`` its engine cannot enforce (or whose schema it cannot).
+
+    b:    the pipeline's binding.
+    req:  the parsed request.
+    name: the pipeline's name (for the message).
+    """
+    for k in req.options:
+        if k in b.frozen:
+            asked = "max_tokens/max_completion_tokens" if k == "max_tokens" else k
+            raise WireError(f"'{asked}' is fixed by pipeline '{name}' (its answering stage "
+                            f"'{b.stage}' lists it under frozen:); leave it out of the request",
+                            code="frozen_parameter")
+    fmt = req.options.get("response_format")
+    if fmt is not None and fmt["type"] not in b.response_formats:
+        raise WireError(f"'response_format' ({fmt['type']}) cannot be enforced by pipeline "
+                        f"'{name}': its answering stage '{b.stage}' ({b.kind}) has no JSON "
+                        "constraint (generate stages on llama_cpp and openai engines do)",
+                        code="unsupported_response_format")
+    if fmt is not None:
+        try:
+            check_enforceable(b.engine, fmt)
+        except EngineError as e:  # e.g. a schema llama.cpp cannot turn into a grammar
+            raise WireError(str(e), code="unsupported_schema") from None
+    return {"for": b.answer_field, **req.options}
+
+
+def _count(engine: Any, text: str) -> int:
+    from ..engines import open_engine
+    from ..engines.tokens import approx_tokens
+
+    try:
+        eng = open_engine(engine)
+        return max(0, eng.count_tokens(text) - eng.count_tokens(""))
+    except Exception:  # noqa: BLE001 - no tokenizer at hand: the shared estimate
+        return approx_tokens(text) if text else 0
+
+
+def usage_of(b: Binding, record: dict, text: str, answer: str) -> dict[str, Any]:
+    """Prompt/completion/total tokens of one answer (see the module docstring).
+
+    b:      the pipeline's binding.
+    record: the output record.
+    text:   the request's input text.
+    answer: the answer text.
+    """
+    u = record.get("_usage")
+    if not isinstance(u, dict):
+        u = record.get(b.usage_field) if b.usage_field else None
+    if isinstance(u, dict) and isinstance(u.get("prompt_tokens"), int) \
+            and isinstance(u.get("completion_tokens"), int):
+        p, c = u["prompt_tokens"], u["completion_tokens"]
+    else:
+        p, c = _count(b.engine, text), _count(b.engine, answer)
+    usage: dict[str, Any] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    cached = u.get("cached_tokens") if isinstance(u, dict) else None
+    if isinstance(cached, int) and cached > 0:  # OpenAI's field for prompt-cache hits
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
+
+
+def finish_reason(b: Binding, usage: dict[str, Any], record: dict | None = None) -> str:
+    """The engine's finish reason (``stop``, ``length``, ``cancelled``) as the answering
+    stage reported it in the record's ``_finish``; without one, ``"length"`` when the
+    answer used all of ``max_tokens``, else ``"stop"``.
+
+    b:      the pipeline's binding.
+    usage:  the answer's usage.
+    record: the output record.
+    """
+    reported = record.get("_finish") if record is not None else None
+    if isinstance(reported, str):
+        return reported
+    return "length" if b.max_tokens and usage["completion_tokens"] >= b.max_tokens \
+        else "stop"
+
+
+def answer_of(b: Binding, out: dict) -> str:
+    """The answer text in an output record (the answering stage's output field); a
+    ``ServiceError`` when a later stage dropped or replaced it.
+
+    b:   the pipeline's binding.
+    out: the output record.
+    """
+    answer = out.get(b.answer_field) if b.answer_field else None
+    if not isinstance(answer, str):
+        raise ServiceError(f"the output record has no text field '{b.answer_field}' (a later "
+                           "stage dropped or replaced it)", code="no_answer")
+    return answer
+
+
+def _stage_tokens(o: Any) -> int:
+    """Most pieces one attempt of a stage streams: its ``max_tokens`` (a route's largest,
+    over ``per_engine``, plus the one piece a cascade level sends whole)."""
+    n = int(o.params.get("max_tokens") or 0)
+    if o.op.name == "route":
+        n = 1 + max([n] + [int(x.get("max_tokens") or 0) for x in
+                           (o.params.get("per_engine") or {}).values()])
+    return n
+
+
+def piece_budget(plan: Plan) -> int:
+    """Most text pieces one request may stream: twice the token budget of the plan's
+    generate, route and tool_call stages (``max_tokens`` per attempt, ``1 + retries``
+    attempts), since an engine sends a piece per token (the slack covers servers that
+    split a token's text).
+
+    plan: the compiled plan.
+    """
+    tokens = sum(_stage_tokens(o) * (1 + o.contract.retries) for s in plan.stages
+                 for o in s.ops if o.op.name in ANSWERING)
+    return 2 * tokens + 16
+
+
+def accepts(plan: Plan, b: Binding) -> dict[str, Any]:
+    """What ``GET /v1/models`` says a pipeline accepts: its ``endpoints``, the
+    ``input_field`` requests fill, the ``answering_stage`` (id and kind) or why none
+    answers (``not_chat``) and, where it has one, the answering stage's ``max_tokens``
+    ceiling (and every generate stage's, by id), the sampling ``options`` a request may
+    set and those the stage keeps ``frozen``.
+
+    plan: the compiled pipeline.
+    b:    its OpenAI binding.
+    """
+    endpoints = ["chat.completions", "completions"] if b.problem is None else []
+    if embed_spec(plan) is not None:
+        endpoints.append("embeddings")
+    endpoints.append("pipelines.runs")
+    out: dict[str, Any] = {"endpoints": endpoints, "input_field": b.input_field}
+    if b.problem is not None:
+        out["not_chat"] = b.problem  # why chat.completions and completions are refused
+    elif b.stage is not None:
+        out["answering_stage"] = {"id": b.stage, "kind": b.kind}
+    gens = {o.id: int(o.params["max_tokens"]) for s in plan.stages for o in s.ops
+            if o.op.name == "generate" and o.params.get("max_tokens")}
+    if b.answer_field is not None and b.max_tokens:
+        out["max_tokens"] = b.max_tokens
+    if b.problem is None:
+        out["options"] = [k for k in OPTION_FIELDS if k not in b.frozen]
+        out["frozen"] = sorted(b.frozen)
+    if gens:
+        out["generate_max_tokens"] = gens
+    return out
