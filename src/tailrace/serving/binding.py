@@ -1,32 +1,21 @@
-"""Binding a compiled pipeline to the OpenAI API: which record field a request's text
-fills, which stage answers, how many tokens it may spend, what usage and finish reason
-its answer reports. ``openai_wire.py`` parses requests and shapes responses; this module
-is the part that reads a plan (its operators and their params), so the wire format knows
-nothing of pipelines.
+"""Binding a compiled pipeline to the OpenAI API: the part of serving that reads a plan
+(its operators and their params), so ``openai_wire.py`` knows only the wire format.
 
 How a pipeline answers an OpenAI request (``Binding``):
 
-- the request's text (the last ``user`` message, or the ``prompt``) becomes the input
-  record ``{FIELD: text}``; FIELD is the first of the source's declared ``fields:``,
-  else the first field the first stage reads;
-- a chat request's whole conversation (text only) goes in the transient field
-  ``_messages``, which a generate stage with ``messages: _messages`` answers;
+- the request's text becomes the input record ``{FIELD: text}``; FIELD is the first of
+  the source's declared ``fields:``, else the first field the first stage reads;
 - the answering stage is the last ``generate``, ``route`` or ``tool_call`` stage before
-  the sink (``answering_stage``: parallel candidates, or an earlier one writing the same
+  the sink (``answering_stage``; parallel candidates, or an earlier one writing the same
   output field, are a ``problem``: 400 ``pipeline_not_chat``);
-- the sampling options the request sets go in the transient field ``_options`` ``for``
-  the answering stage (its output field), which applies them within its YAML limits
-  (its ``max_tokens`` is the ceiling; options it lists under ``frozen:`` are a 400
-  here, ``options_record``); only that stage streams tokens to the request; a
-  ``response_format`` is a 400 too when the answering stage is not a generate stage
-  whose engine can enforce it;
-- the answer is the ``output`` field of that stage (``answer_of``); usage is what the
-  stage reports in ``_usage`` (the engine's counts, summed over every call it made: tool
-  rounds, cascade levels), else its ``usage:`` field, else the engine's tokenizer counts
-  the text and the answer (``usage_of``);
-- ``finish_reason`` is the engine's (``stop``, ``length``, ``cancelled``) as the stage
-  reports it in ``_finish``; only without a report is it inferred (``"length"`` when
-  the answer used all of ``max_tokens``, else ``"stop"``).
+- the request's options go in the transient ``_options`` ``for`` that stage (its output
+  field), which applies them within its YAML limits; options it lists under ``frozen:``,
+  or a ``response_format`` its engine cannot enforce, are a 400 (``options_record``); a
+  chat request's conversation goes in ``_messages`` (``messages: _messages``);
+- the answer is that stage's ``output`` field (``answer_of``); usage is what the stage
+  reports in ``_usage`` (summed over tool rounds and cascade levels), else its
+  ``usage:`` field, else the engine's tokenizer counts (``usage_of``); the finish
+  reason is the stage's ``_finish``, else inferred from ``max_tokens``.
 
 Token budgets read from the plan: ``output_tokens`` (tenants' reservations, the
 admission cost model) and ``piece_budget`` (the bound on a streamed request's pieces).
@@ -48,6 +37,15 @@ from .openai_wire import OPTION_FIELDS, WireError, WireRequest
 ANSWERING = ("generate", "route", "tool_call")
 
 
+def _max_tokens(o: Any) -> int:
+    """A stage's ``max_tokens`` (a route's largest, over ``per_engine``)."""
+    n = int(o.params.get("max_tokens") or 0)
+    if o.op.name == "route":
+        n = max([n] + [int(x.get("max_tokens") or 0) for x in
+                       (o.params.get("per_engine") or {}).values()])
+    return n
+
+
 def output_tokens(plan: Plan) -> int:
     """Most tokens the plan's model stages generate for one record (one attempt each):
     a generate stage's ``max_tokens``; a route's largest (over ``per_engine``), times
@@ -57,18 +55,13 @@ def output_tokens(plan: Plan) -> int:
     plan: the compiled plan.
     """
     total = 0
-    for s in plan.stages:
-        for o in s.ops:
-            if o.op.name not in ANSWERING:
-                continue
-            n = int(o.params.get("max_tokens") or 0)
-            if o.op.name == "route":
-                n = max([n] + [int(x.get("max_tokens") or 0) for x in
-                               (o.params.get("per_engine") or {}).values()])
-                n *= max(1, len(o.params.get("cascade") or ()))
-            elif o.op.name == "tool_call":
-                n *= int(o.params.get("max_rounds") or 0) + 1
-            total += n
+    for o in (o for s in plan.stages for o in s.ops if o.op.name in ANSWERING):
+        n = _max_tokens(o)
+        if o.op.name == "route":
+            n *= max(1, len(o.params.get("cascade") or ()))
+        elif o.op.name == "tool_call":
+            n *= int(o.params.get("max_rounds") or 0) + 1
+        total += n
     return total
 
 
@@ -180,15 +173,10 @@ def bind(plan: Plan) -> Binding:
         return Binding(field, None, None, 0, None, problem)
     p = gen.params
     engine = p.get("_engine")
-    max_tokens = int(p.get("max_tokens") or 0)
     if gen.op.name == "route":
-        engines = p.get("_engines") or {}
-        engine = engines.get(p.get("default") or (p.get("cascade") or [""])[-1])
-        max_tokens = max([max_tokens] + [int(o["max_tokens"]) for o in
-                                         (p.get("per_engine") or {}).values()
-                                         if isinstance(o, dict) and o.get("max_tokens")])
+        engine = (p.get("_engines") or {}).get(p.get("default") or (p.get("cascade") or [""])[-1])
     return Binding(field, p["output"], p.get("usage") if gen.op.name == "generate" else None,
-                   max_tokens, engine, problem, frozenset(p.get("frozen") or ()), gen.id,
+                   _max_tokens(gen), engine, problem, frozenset(p.get("frozen") or ()), gen.id,
                    gen.op.name,
                    enforced_by(engine) if gen.op.name == "generate" else frozenset())
 
@@ -286,26 +274,17 @@ def answer_of(b: Binding, out: dict) -> str:
     return answer
 
 
-def _stage_tokens(o: Any) -> int:
-    """Most pieces one attempt of a stage streams: its ``max_tokens`` (a route's largest,
-    over ``per_engine``, plus the one piece a cascade level sends whole)."""
-    n = int(o.params.get("max_tokens") or 0)
-    if o.op.name == "route":
-        n = 1 + max([n] + [int(x.get("max_tokens") or 0) for x in
-                           (o.params.get("per_engine") or {}).values()])
-    return n
-
-
 def piece_budget(plan: Plan) -> int:
     """Most text pieces one request may stream: twice the token budget of the plan's
     generate, route and tool_call stages (``max_tokens`` per attempt, ``1 + retries``
     attempts), since an engine sends a piece per token (the slack covers servers that
-    split a token's text).
+    split a token's text). A route attempt may stream one piece more: a cascade level
+    sends its answer whole.
 
     plan: the compiled plan.
     """
-    tokens = sum(_stage_tokens(o) * (1 + o.contract.retries) for s in plan.stages
-                 for o in s.ops if o.op.name in ANSWERING)
+    tokens = sum((_max_tokens(o) + (o.op.name == "route")) * (1 + o.contract.retries)
+                 for s in plan.stages for o in s.ops if o.op.name in ANSWERING)
     return 2 * tokens + 16
 
 
