@@ -20,7 +20,7 @@ import tailrace as tr
 from tailrace.compiler import compile_pipeline
 from tailrace.engines import Generation, GenerationRequest
 from tailrace.serving import PipelineService, ServingHub
-from tailrace.serving.openai_wire import bind
+from tailrace.serving.binding import bind
 from tests.serving import fakes
 from tests.serving.server import running
 
@@ -337,7 +337,7 @@ def test_the_answering_stage_is_the_last_before_the_sink():
 def test_token_reservations_count_every_model_stage():
     """Tenants' token reservations and the admission cost model: a generate's
     max_tokens, a cascade's at every level, a tool_call's at every round."""
-    from tailrace.serving.openai_wire import output_tokens
+    from tailrace.serving.binding import output_tokens
 
     assert output_tokens(compile_pipeline(routed())) == 12
     assert output_tokens(compile_pipeline(cascade())) == 12 + 2 * 12

@@ -1,5 +1,5 @@
 """Every queue on a served record's path has a bound, and each bound holds when the
-consumer stalls: the streamed pieces of a request (``app._Relay``) and the engine
+consumer stalls: the streamed pieces of a request (``relay.Relay``) and the engine
 pool's event queue (``engines/pool/pool.py``). The service's feed: ``test_service.py``."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import tailrace as tr
 from tailrace.engines import GenerationRequest
 from tailrace.engines.pool import EnginePool
 from tailrace.serving import ServiceError
-from tailrace.serving.app import _END, _Relay, piece_budget
+from tailrace.serving.binding import piece_budget
+from tailrace.serving.relay import END, Relay
 from tests.serving import fakes
 
 
@@ -47,17 +48,17 @@ def test_streamed_pieces_wait_within_their_bound_for_a_stalled_client():
     service = Chatty(1000)
 
     async def main():
-        relay = _Relay(service, {}, budget=20)  # type: ignore[arg-type]
+        relay = Relay(service, {}, budget=20)  # type: ignore[arg-type]
         await relay.task
-        await asyncio.sleep(0)  # the _END callback
+        await asyncio.sleep(0)  # the END callback
         return relay
 
     relay = asyncio.run(main())
-    assert relay.pieces.qsize() == 21  # 20 pieces and _END: nobody read any
+    assert relay.pieces.qsize() == 21  # 20 pieces and END: nobody read any
     assert relay.overflowed and relay.cancel.is_set()
     assert service.sent == 21  # the piece past the bound stopped the generation
     items = [relay.pieces.get_nowait() for _ in range(21)]
-    assert items[:20] == [f"w{i} " for i in range(20)] and items[20] is _END
+    assert items[:20] == [f"w{i} " for i in range(20)] and items[20] is END
     with pytest.raises(ServiceError, match="more than 20 streamed text pieces waited") as ei:
         relay.result()
     assert ei.value.code == "stream_overflow"
@@ -67,7 +68,7 @@ def test_a_conforming_stream_never_reaches_its_bound():
     service = Chatty(50)
 
     async def main():
-        relay = _Relay(service, {}, budget=50)  # type: ignore[arg-type]
+        relay = Relay(service, {}, budget=50)  # type: ignore[arg-type]
         await relay.task
         return relay
 

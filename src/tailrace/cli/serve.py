@@ -103,7 +103,7 @@ def build_gate(policy: str, plans: list[Any], max_in_flight: int,
     --admission`` uses it too."""
     from ..control import PipelineSLO, make_policy
     from ..control.gate import AdmissionGate
-    from ..serving.openai_wire import output_tokens
+    from ..serving.binding import output_tokens
 
     slos: dict[str, Any] = {}
     max_tokens: dict[str, int] = {}

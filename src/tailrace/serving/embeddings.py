@@ -1,5 +1,4 @@
-"""``POST /v1/embeddings`` over a served pipeline's embedding engine, and what
-``GET /v1/models`` says each pipeline accepts.
+"""``POST /v1/embeddings`` over a served pipeline's embedding engine.
 
 ``model`` names a served pipeline with an ``embed`` stage; the request's texts go to
 that stage's engine (the first ``embed`` stage in plan order), opened as the stage
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..compiler import Plan
-from .openai_wire import OPTION_FIELDS, Binding, WireError
+from .openai_wire import WireError
 
 #: most texts one embeddings request may carry (OpenAI's own limit).
 MAX_INPUTS = 2048
@@ -174,34 +173,3 @@ def embeddings_body(req: EmbeddingRequest, vecs: Any, tokens: int) -> dict[str, 
         data.append({"object": "embedding", "index": i, "embedding": emb})
     return {"object": "list", "data": data, "model": req.model,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
-
-
-def accepts(plan: Plan, b: Binding) -> dict[str, Any]:
-    """What ``GET /v1/models`` says a pipeline accepts: its ``endpoints``, the
-    ``input_field`` requests fill, the ``answering_stage`` (id and kind) or why none
-    answers (``not_chat``) and, where it has one, the answering stage's ``max_tokens``
-    ceiling (and every generate stage's, by id), the sampling ``options`` a request may
-    set and those the stage keeps ``frozen``.
-
-    plan: the compiled pipeline.
-    b:    its OpenAI binding.
-    """
-    endpoints = ["chat.completions", "completions"] if b.problem is None else []
-    if embed_spec(plan) is not None:
-        endpoints.append("embeddings")
-    endpoints.append("pipelines.runs")
-    out: dict[str, Any] = {"endpoints": endpoints, "input_field": b.input_field}
-    if b.problem is not None:
-        out["not_chat"] = b.problem  # why chat.completions and completions are refused
-    elif b.stage is not None:
-        out["answering_stage"] = {"id": b.stage, "kind": b.kind}
-    gens = {o.id: int(o.params["max_tokens"]) for s in plan.stages for o in s.ops
-            if o.op.name == "generate" and o.params.get("max_tokens")}
-    if b.answer_field is not None and b.max_tokens:
-        out["max_tokens"] = b.max_tokens
-    if b.problem is None:
-        out["options"] = [k for k in OPTION_FIELDS if k not in b.frozen]
-        out["frozen"] = sorted(b.frozen)
-    if gens:
-        out["generate_max_tokens"] = gens
-    return out

@@ -1,40 +1,21 @@
 """The OpenAI wire format: request parsing, response and SSE chunk shaping, error bodies.
 
-How a pipeline answers an OpenAI request (``Binding``); the request's control data
-travels in its ``Request`` (``tailrace/request.py``), never in the record:
+What a request says, parsed (``WireRequest``):
 
-- the request's text (the last ``user`` message, or the ``prompt``) becomes the input
-  record ``{FIELD: text}``; FIELD is the first of the source's declared ``fields:``,
-  else the first field the first stage reads;
-- a chat request's whole conversation (text only) goes in ``Request.messages``, which
-  a generate stage with ``messages: _messages`` answers;
-- the answering stage is the last stage whose operator declares it can answer
-  (``OpDef.answers``: generate, route, tool_call) before the sink
-  (``answering_stage``: parallel candidates, or an earlier one writing the same output
-  field, are a ``problem``: 400 ``pipeline_not_chat``);
-- the sampling options the request sets (``max_tokens``/``max_completion_tokens``,
+- its text: the last ``user`` message (chat: the whole conversation too, text only), or
+  the ``prompt`` (a list of prompts: each its own record and choice);
+- the sampling options it sets (``max_tokens``/``max_completion_tokens``,
   ``temperature``, ``top_p``, ``stop``, ``seed``, ``presence_penalty``,
-  ``frequency_penalty``) go in ``Request.options`` for the answering stage
-  (``Request.answers``: its output field), which applies them within its YAML limits
-  (its ``max_tokens`` is the ceiling; options it lists under ``frozen:`` are a 400
-  here); only that stage streams tokens to the request;
-- ``priority`` and ``deadline_ms`` (or their ``X-Tailrace-*`` headers) go to admission
-  in ``Request.asked``, within the pipeline's ``serve:`` bounds (``urgency.py``);
-- a chat request's ``response_format`` (``json_object``, ``json_schema``) goes in
-  ``Request.options`` too, checked here (a malformed one, or an invalid JSON Schema, is a 400
-  naming the field); a 400 too when the answering stage is not a generate stage whose
-  engine can enforce it;
+  ``frequency_penalty``) and a chat request's ``response_format`` (``json_object``,
+  ``json_schema``: a malformed one, or an invalid JSON Schema, is a 400 naming the
+  field); ``priority`` and ``deadline_ms`` are admission's (``urgency.py``);
 - fields tailrace cannot honour (``n > 1``, ``logprobs``, ``tools``, ``logit_bias``,
-  image or audio parts, unknown fields) are a 400
-  naming the field; ``IGNORED`` fields are accepted and ignored by design
-  (docs/serving.md, "Request fields", lists every field);
-- the answer is the ``output`` field of that stage; usage is what the stage reports in
-  ``Request.reply`` (the engine's counts, summed over every call it made: tool rounds,
-  cascade levels), else its ``usage:`` field, else the engine's tokenizer counts the
-  text and the answer;
-- ``finish_reason`` is the engine's (``stop``, ``length``, ``cancelled``) as the stage
-  reports it in ``Request.reply``; only without a report is it inferred (``"length"``
-  when the answer used all of ``max_tokens``, else ``"stop"``).
+  image or audio parts, unknown fields) are a 400 naming the field; ``IGNORED`` fields
+  are accepted and ignored by design (docs/serving.md, "Request fields", lists every
+  field).
+
+How a pipeline answers a parsed request (which field, which stage, usage, finish reason)
+is ``binding.py``'s: this module knows nothing of plans or operators.
 """
 
 from __future__ import annotations
@@ -44,10 +25,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..compiler import Plan
-from ..engines.structured import check_enforceable, check_response_format
-from ..errors import EngineError
-from ..request import Reply
+from ..engines.structured import check_response_format
 
 #: The ``error.type`` OpenAI clients expect for each HTTP status.
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
@@ -371,216 +349,6 @@ def parse_completion(body: dict) -> WireRequest:
                         code="invalid_prompt")
     return WireRequest(model, prompt, stream, include_usage, chat=False,
                        options=_options(body, False), prompts=prompts)
-
-
-# -- pipelines as models ---------------------------------------------------------------
-def answering_ops(plan: Plan) -> list:
-    """The plan's operators that can answer an OpenAI request (they generate its text:
-    their ``OpDef.answers`` says what serving needs of them)."""
-    return [o for s in plan.stages for o in s.ops if o.op.answers is not None]
-
-
-def output_tokens(plan: Plan) -> int:
-    """Most tokens the plan's model stages generate for one record (one attempt each,
-    as each operator declares: ``Answers.output_tokens``). Tenants' token reservations
-    and the admission cost model use it.
-
-    plan: the compiled plan.
-    """
-    return sum(o.op.answers.output_tokens(o.params) for o in answering_ops(plan))
-
-
-@dataclass(frozen=True)
-class Binding:
-    """Which record fields an OpenAI request maps to for one pipeline.
-
-    input_field:  the field that receives the request's text (None: not usable).
-    answer_field: the answering stage's output field (None: no answering stage).
-    usage_field:  that stage's ``usage`` field, if it declares one (generate).
-    max_tokens:   that stage's ``max_tokens`` (route: its largest, over ``per_engine``).
-    engine:       that stage's engine spec (for counting tokens; route: the default or
-                  the cascade's last engine).
-    problem:      why the pipeline cannot answer chat/completion requests, or None.
-    frozen:       the options that stage's ``frozen:`` keeps from requests.
-    stage:        the answering stage's id (None: none).
-    kind:         its operator: ``generate``, ``route`` or ``tool_call`` (None: none).
-    response_formats: the ``response_format`` types that stage enforces (a generate
-                  stage's engine's; none for route and tool_call).
-    """
-
-    input_field: str | None
-    answer_field: str | None
-    usage_field: str | None
-    max_tokens: int
-    engine: Any
-    problem: str | None
-    frozen: frozenset[str] = frozenset()
-    stage: str | None = None
-    kind: str | None = None
-    response_formats: frozenset[str] = frozenset()
-
-
-def _downstream(ops: list) -> dict[str, set[str]]:
-    """Each op id -> the ids of every op after it (through any branch port)."""
-    after: dict[str, set[str]] = {o.id: set() for o in ops}
-    for o in ops:
-        for ref in o.spec.upstream:
-            after.setdefault(ref.split(".")[0], set()).add(o.id)
-    reach: dict[str, set[str]] = {}
-
-    def walk(i: str) -> set[str]:
-        if i not in reach:
-            reach[i] = set()
-            for d in after.get(i, ()):
-                reach[i] |= {d} | walk(d)
-        return reach[i]
-
-    for o in ops:
-        walk(o.id)
-    return reach
-
-
-def answering_stage(plan: Plan) -> tuple[Any, str | None]:
-    """The op that answers OpenAI requests, or ``(None, why not)``.
-
-    It is the last ``generate``, ``route`` or ``tool_call`` stage before the sink: of
-    those from which the sink can be reached, the one no other is downstream of. Two
-    such stages on parallel branches (a fan-out), or an earlier one writing the same
-    output field (the request's options would reach both), make it ambiguous.
-
-    plan: the compiled pipeline.
-    """
-    ops = [o for s in plan.stages for o in s.ops]
-    reach = _downstream(ops)
-    sinks = {o.id for o in ops if o.op.kind == "sink"}
-    cands = [o for o in ops if o.op.answers is not None
-             and (not sinks or reach[o.id] & sinks)]
-    if not cands:
-        return None, (f"pipeline '{plan.name}' has no generate, route or tool_call stage to "
-                      f"answer with; send records to POST /v1/pipelines/{plan.name}/runs "
-                      "instead")
-    last = [o for o in cands if not any(c.id in reach[o.id] for c in cands)]
-    if len(last) > 1:
-        names = ", ".join(f"'{o.id}' ({o.op.name})" for o in last)
-        return None, (f"pipeline '{plan.name}': stages {names} are on parallel branches, so "
-                      "which one answers is ambiguous; join them into one stage that answers "
-                      "(e.g. a generate after the merge)")
-    ans = last[0]
-    same = [o.id for o in cands if o is not ans and o.params.get("output")
-            == ans.params["output"]]
-    if same:
-        return None, (f"pipeline '{plan.name}': stages '{same[0]}' and '{ans.id}' both write "
-                      f"field '{ans.params['output']}', so the request's options would reach "
-                      f"both; give the answering stage '{ans.id}' its own output field")
-    return ans, None
-
-
-def bind(plan: Plan) -> Binding:
-    """Work out a pipeline's ``Binding`` from its compiled plan (``answering_stage``
-    chooses the stage that answers).
-
-    plan: the compiled pipeline.
-    """
-    ops = [o for s in plan.stages for o in s.ops]
-    field = None
-    source = next(o for o in ops if o.op.kind == "source")
-    if source.params.get("fields"):
-        field = source.params["fields"][0]
-    else:
-        first = next((o for o in ops if source.id in o.spec.upstream), None)
-        reads = first.op.fields(first.params)[0] if first is not None else None
-        field = reads[0] if reads else None
-    gen, problem = answering_stage(plan)
-    if field is None:
-        problem = (f"pipeline '{plan.name}' has no text input field: declare it, like "
-                   "source: {fields: [question]}")
-    if gen is None:
-        return Binding(field, None, None, 0, None, problem)
-    p, ans = gen.params, gen.op.answers
-    return Binding(field, p["output"], ans.usage_field(p), ans.max_tokens(p), ans.engine(p),
-                   problem, frozenset(p.get("frozen") or ()), gen.id, gen.op.name,
-                   ans.enforces(p))
-
-
-def request_options(b: Binding, req: WireRequest, name: str) -> dict[str, Any]:
-    """A request's sampling options for the answering stage (``Request.options``); 400
-    naming an option the pipeline froze, or a ``response_format`` its engine cannot
-    enforce (or whose schema it cannot).
-
-    b:    the pipeline's binding.
-    req:  the parsed request.
-    name: the pipeline's name (for the message).
-    """
-    for k in req.options:
-        if k in b.frozen:
-            asked = "max_tokens/max_completion_tokens" if k == "max_tokens" else k
-            raise WireError(f"'{asked}' is fixed by pipeline '{name}' (its answering stage "
-                            f"'{b.stage}' lists it under frozen:); leave it out of the request",
-                            code="frozen_parameter")
-    fmt = req.options.get("response_format")
-    if fmt is not None and fmt["type"] not in b.response_formats:
-        raise WireError(f"'response_format' ({fmt['type']}) cannot be enforced by pipeline "
-                        f"'{name}': its answering stage '{b.stage}' ({b.kind}) has no JSON "
-                        "constraint (generate stages on llama_cpp and openai engines do)",
-                        code="unsupported_response_format")
-    if fmt is not None:
-        try:
-            check_enforceable(b.engine, fmt)
-        except EngineError as e:  # e.g. a schema llama.cpp cannot turn into a grammar
-            raise WireError(str(e), code="unsupported_schema") from None
-    return dict(req.options)
-
-
-def _count(engine: Any, text: str) -> int:
-    from ..engines import open_engine
-    from ..engines.tokens import approx_tokens
-
-    try:
-        eng = open_engine(engine)
-        return max(0, eng.count_tokens(text) - eng.count_tokens(""))
-    except Exception:  # noqa: BLE001 - no tokenizer at hand: the shared estimate
-        return approx_tokens(text) if text else 0
-
-
-def usage_of(b: Binding, record: dict, reply: Reply, text: str,
-             answer: str) -> dict[str, Any]:
-    """Prompt/completion/total tokens of one answer (see the module docstring).
-
-    b:      the pipeline's binding.
-    record: the output record.
-    reply:  what the answering stage reported (``Request.reply``).
-    text:   the request's input text.
-    answer: the answer text.
-    """
-    u = reply.usage
-    if not isinstance(u, dict):
-        u = record.get(b.usage_field) if b.usage_field else None
-    if isinstance(u, dict) and isinstance(u.get("prompt_tokens"), int) \
-            and isinstance(u.get("completion_tokens"), int):
-        p, c = u["prompt_tokens"], u["completion_tokens"]
-    else:
-        p, c = _count(b.engine, text), _count(b.engine, answer)
-    usage: dict[str, Any] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-    cached = u.get("cached_tokens") if isinstance(u, dict) else None
-    if isinstance(cached, int) and cached > 0:  # OpenAI's field for prompt-cache hits
-        usage["prompt_tokens_details"] = {"cached_tokens": cached}
-    return usage
-
-
-def finish_reason(b: Binding, usage: dict[str, Any], reply: Reply | None = None) -> str:
-    """The engine's finish reason (``stop``, ``length``, ``cancelled``) as the answering
-    stage reported it (``Reply.finish``); without one, ``"length"`` when the answer used
-    all of ``max_tokens``, else ``"stop"``.
-
-    b:      the pipeline's binding.
-    usage:  the answer's usage.
-    reply:  what the answering stage reported.
-    """
-    reported = reply.finish if reply is not None else None
-    if isinstance(reported, str):
-        return reported
-    return "length" if b.max_tokens and usage["completion_tokens"] >= b.max_tokens \
-        else "stop"
 
 
 # -- responses ---------------------------------------------------------------------------

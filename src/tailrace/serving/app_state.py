@@ -1,0 +1,112 @@
+"""What the HTTP app knows of its hub, worked out once when the app is made.
+
+``AppState.of(hub)`` reads every served plan one time (its OpenAI binding, embed
+engine, ``serve:`` spec, token reservation, stream bound) so a request handler only
+looks names up; the handlers (``handlers.py``) take the state as their first argument
+and keep nothing else between requests.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from .binding import Binding, accepts, bind, output_tokens, piece_budget
+from .embeddings import embed_spec, engine_specs
+from .hub import ServingHub
+from .openai_wire import WireError
+from .security import KeyCheck, Redactor, hub_redactor
+from .service import PipelineService
+from .tenants import Tenant
+from .urgency import bounds
+
+
+@dataclass(frozen=True, slots=True)
+class AppState:
+    """One app's view of its hub (read-only after ``of``).
+
+    hub:         the served hub (services, gate, limits).
+    bindings:    pipeline -> its OpenAI binding.
+    meta:        pipeline -> what ``GET /v1/models`` says it accepts.
+    embed_specs: pipeline -> its embed stage's engine spec (None: no embed stage).
+    engines:     embedding engine name -> spec, for engines served by their own name.
+    serves:      pipeline -> its ``serve:`` spec (None: none).
+    reserve:     pipeline -> output tokens one record may spend (tenants' reservations).
+    pieces:      pipeline -> most text pieces one streamed request may wait with.
+    limit:       largest request body, in bytes.
+    started:     Unix seconds the app was made (the models' ``created``).
+    tenants:     the hub's ``TenantKeys``, or None.
+    keys:        the API-key check.
+    redact:      scrubs secrets out of error text.
+    """
+
+    hub: ServingHub
+    bindings: dict[str, Binding]
+    meta: dict[str, dict[str, Any]]
+    embed_specs: dict[str, dict | None]
+    engines: dict[str, dict]
+    serves: dict[str, Any]
+    reserve: dict[str, int]
+    pieces: dict[str, int]
+    limit: int
+    started: int
+    tenants: Any
+    keys: KeyCheck
+    redact: Redactor
+
+    @classmethod
+    def of(cls, hub: ServingHub) -> AppState:
+        """The state of an app serving ``hub``'s pipelines.
+
+        hub: the services, shared gate, API key and body limit.
+        """
+        plans = {name: s.plan for name, s in hub.services.items()}
+        bindings = {name: bind(plan) for name, plan in plans.items()}
+        serves = {name: getattr(getattr(plan, "pipeline", None), "serve", None)
+                  for name, plan in plans.items()}
+        tenants: Any = getattr(hub, "tenants", None)
+        return cls(
+            hub=hub, bindings=bindings,
+            meta={name: {**accepts(plan, bindings[name]), **bounds(serves[name])}
+                  for name, plan in plans.items()},
+            embed_specs={name: embed_spec(plan) for name, plan in plans.items()},
+            engines={name: spec for name, spec in engine_specs(list(plans.values())).items()
+                     if name not in hub.services},
+            serves=serves,
+            reserve={name: output_tokens(plan) for name, plan in plans.items()},
+            pieces={name: piece_budget(plan) for name, plan in plans.items()},
+            limit=hub.max_body_bytes, started=int(time.time()), tenants=tenants,
+            keys=KeyCheck(hub.api_key, metrics_public=hub.metrics_public,
+                          operator_only=tenants is not None),
+            redact=hub_redactor(hub))
+
+    def service(self, name: str) -> PipelineService:
+        """The service of pipeline ``name``; 404 naming the served ones."""
+        service = self.hub.services.get(name)
+        if service is None:
+            served = ", ".join(sorted(self.hub.services)) or "none"
+            raise WireError(f"pipeline '{name}' is not served here; served: {served}",
+                            status=404, code="model_not_found")
+        return service
+
+    def tenant_of(self, request: Request) -> Tenant | None:
+        """The caller's tenant (a ``--keys-file`` key), None for the hub's own key or no
+        key; 401 when a key is needed and missing or wrong."""
+        if self.tenants is not None:
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            bearer = scheme.lower() == "bearer" and bool(token)
+            tenant = self.tenants.tenant_of(token) if bearer else None
+            if tenant is not None:
+                return tenant
+            if not self.keys.enabled:
+                if not bearer:
+                    raise WireError("missing API key: send the header 'Authorization: "
+                                    "Bearer KEY'", status=401, code="missing_api_key")
+                raise WireError("invalid API key", status=401, code="invalid_api_key")
+        refused = self.keys.bearer(request.headers)
+        if refused is not None:
+            raise refused
+        return None

@@ -1,0 +1,332 @@
+"""The HTTP request handlers: each takes the app's state (``AppState``) and the request.
+
+``request_record`` is the one place an HTTP request becomes what its pipeline runs: the
+record (user fields and the pipeline's ``serve:`` fields) and its typed ``Request``
+(``tailrace/request.py``: options, urgency, session, conversation, tenant);
+the handlers parse (``openai_wire.py``, ``embeddings.py``), bind (``binding.py``),
+submit through ``relay.py`` (disconnects, streams) and shape the response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from ..engines.tokens import approx_tokens
+from ..request import Request as Envelope
+from .app_state import AppState
+from .binding import Binding, answer_of, finish_reason, request_options, usage_of
+from .embeddings import embed_texts, embeddings_body, parse_embeddings
+from .errors import RequestFailed, ServiceError, ServiceUnavailable
+from .openai_wire import (
+    WireError,
+    WireRequest,
+    chunk,
+    completion_body,
+    completions_body,
+    dumps,
+    error_body,
+    parse_chat,
+    parse_completion,
+    sse,
+)
+from .relay import ClientGone, Relay, sse_response, unless_gone
+from .security import Redactor
+from .service import Cancel, PipelineService
+from .sessions import session_of
+from .tenants import Tenant, request_fields
+from .urgency import urgency
+
+
+def json_response(obj: Any, status: int = 200) -> Response:
+    return Response(dumps(obj), status_code=status, media_type="application/json")
+
+
+async def read_json(request: Request, limit: int) -> dict:
+    """The request body as a JSON object; 413 over ``limit`` bytes, 400 if malformed."""
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > limit:
+        raise WireError(f"request body is {int(size)} bytes; the limit is {limit} bytes",
+                        status=413, code="request_too_large")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise WireError(f"request body exceeds the limit of {limit} bytes",
+                            status=413, code="request_too_large")
+    if not body:
+        raise WireError("request body is empty; send a JSON object", code="empty_body")
+    try:
+        obj = json.loads(body)
+    except ValueError as e:
+        raise WireError(f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise WireError(f"request body must be a JSON object, got {type(obj).__name__}",
+                        code="invalid_body")
+    return obj
+
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off", ""}
+
+
+def flag(request: Request, name: str) -> bool:
+    """A boolean query parameter (``?stream=true``); 400 for a value that is not one."""
+    raw = request.query_params.get(name)
+    if raw is None or raw.lower() in _FALSE:
+        return False
+    if raw.lower() in _TRUE:
+        return True
+    raise WireError(f"{request.url.path}: query.{name}: not a boolean ({raw!r}); use true or "
+                    "false", code="invalid_parameter")
+
+
+def request_record(state: AppState, name: str, fields: dict[Any, Any], request: Request,
+                   tenant: Tenant | None, *, body: dict | None = None, text: str = "",
+                   n: int = 1, options: dict[str, Any] | None = None,
+                   answers: str | None = None,
+                   messages: tuple[dict[str, str], ...] | None = None,
+                   ) -> tuple[dict[Any, Any], Envelope]:
+    """What an HTTP request submits to pipeline ``name``: the record, ``fields``
+    (updated in place) with the pipeline's ``serve:`` fields (the tenant's last: the
+    caller cannot choose it), and its ``Request``: the conversation, the sampling
+    options for the answering stage, the priority and deadline asked (``urgency.py``),
+    the session (``sessions.py``) and the tenant. Checks them (400 naming a bad one),
+    then charges the tenant's limits (429 over them).
+
+    state:    the app's state.
+    name:     the pipeline.
+    fields:   the user fields: ``{input_field: text}`` (OpenAI), or the ``/runs`` body.
+    request:  the HTTP request (its headers).
+    tenant:   the caller's tenant, or None.
+    body:     the OpenAI request's JSON object; None for ``/runs``, whose body is the
+              record (priority, deadline and session then come from headers only).
+    text:     the texts the tenant is charged for.
+    n:        records the request makes (each reserves the pipeline's output tokens).
+    options:  the options of ``request_options`` (OpenAI requests).
+    answers:  the answering stage's output field (OpenAI requests).
+    messages: the chat conversation.
+    """
+    serve = state.serves[name]
+    headers = request.headers
+    urgent = urgency(serve, name, body, headers)
+    session = session_of(body, headers)
+    if serve is not None:
+        fields.update(request_fields(serve, fields if body is None else body, headers))
+    if tenant is not None:
+        if serve is not None and serve.tenant:
+            fields[serve.tenant] = tenant.name
+        state.tenants.admit(tenant, approx_tokens(text) + n * state.reserve[name])
+    # engine pools route a session's requests together (``session``)
+    return fields, Envelope(options=options, answers=answers, asked=urgent, session=session,
+                            messages=list(messages) if messages is not None else None,
+                            tenant=tenant.name if tenant is not None else None)
+
+
+async def _submit(request: Request, service: PipelineService, record: dict,
+                  env: Envelope) -> Any:
+    """The output record; ``ClientGone`` when the client left first (its work cancelled)."""
+    cancel = Cancel()
+    return await unless_gone(request, service.submit(record, cancel=cancel, request=env),
+                             cancel)
+
+
+# -- routes ------------------------------------------------------------------------------
+async def healthz(state: AppState, request: Request) -> Response:
+    return json_response({"status": "ok"})
+
+
+async def readyz(state: AppState, request: Request) -> Response:
+    pipes = {}
+    for name, s in state.hub.services.items():
+        f = s.failure
+        pipes[name] = {"ready": s.ready, "error": state.redact(f"{type(f).__name__}: {f}")
+                       if f is not None else None}
+    ready = all(p["ready"] for p in pipes.values())
+    return json_response({"ready": ready, "pipelines": pipes}, 200 if ready else 503)
+
+
+async def models(state: AppState, request: Request) -> Response:
+    state.tenant_of(request)  # no limits: listing models costs nothing
+    return json_response({"object": "list", "data": [
+        {"id": name, "object": "model", "created": state.started, "owned_by": "tailrace",
+         "metadata": state.meta[name]} for name in state.hub.services] + [
+        {"id": name, "object": "model", "created": state.started, "owned_by": "tailrace",
+         "metadata": {"endpoints": ["embeddings"], "engine": spec.get("model")}}
+        for name, spec in state.engines.items()]})
+
+
+async def embeddings(state: AppState, request: Request) -> Response:
+    tenant = state.tenant_of(request)
+    body = await read_json(request, state.limit)
+    req = parse_embeddings(body)
+    spec = state.engines.get(req.model)
+    if spec is None:
+        service = state.service(req.model)
+    if tenant is not None:
+        state.tenants.admit(tenant, approx_tokens(dumps(body.get("input")).decode()))
+    if spec is None:
+        spec = state.embed_specs[req.model]
+        if spec is None:
+            raise WireError(f"pipeline '{req.model}' has no embed stage to embed with; "
+                            "serve one with an embed stage for /v1/embeddings",
+                            code="pipeline_not_embedding")
+        if not service.ready:
+            raise ServiceUnavailable(f"pipeline '{req.model}' is not running (loading, "
+                                     "stopped or failed; GET /readyz says which)")
+    try:
+        vecs, tokens = await asyncio.to_thread(embed_texts, spec, req)
+    except (WireError, ServiceError):
+        raise
+    except Exception as e:  # noqa: BLE001 - the engine failed: a 500 naming it
+        raise ServiceError(f"embedding engine '{spec.get('_name', 'engine')}': "
+                           f"{type(e).__name__}: {e}", code="embedding_failed") from None
+    return json_response(embeddings_body(req, vecs, tokens))
+
+
+async def chat_completions(state: AppState, request: Request) -> Response:
+    return await _openai(state, request, True)
+
+
+async def completions(state: AppState, request: Request) -> Response:
+    return await _openai(state, request, False)
+
+
+async def _openai(state: AppState, request: Request, chat: bool) -> Response:
+    tenant = state.tenant_of(request)
+    body = await read_json(request, state.limit)
+    req = parse_chat(body) if chat else parse_completion(body)
+    service = state.service(req.model)
+    b = state.bindings[req.model]
+    if b.problem is not None:
+        raise WireError(b.problem, code="pipeline_not_chat")
+    record, env = request_record(
+        state, req.model, {b.input_field: req.text}, request, tenant, body=body,
+        text="".join(req.prompts) if req.prompts else req.text, n=len(req.prompts) or 1,
+        options=request_options(b, req, req.model), answers=b.answer_field,
+        messages=req.messages)
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    created = int(time.time())
+    if req.prompts:
+        return await _several(request, service, b, req, record, env, rid, created)
+    if req.stream:
+        return await _stream_openai(request, service, state.pieces[req.model], b, req,
+                                    record, env, rid, created, state.redact)
+    try:
+        out = await _submit(request, service, record, env)
+    except ClientGone:
+        return Response(status_code=499)
+    answer = answer_of(b, out)
+    usage = usage_of(b, out, env.reply, req.text, answer)
+    return json_response(completion_body(req, rid, created, answer,
+                                         finish_reason(b, usage, env.reply), usage))
+
+
+async def runs(state: AppState, request: Request) -> Response:
+    # a plain Starlette route: no dependency solving per request (the hot path)
+    tenant = state.tenant_of(request)
+    service = state.service(request.path_params["name"])
+    stream = flag(request, "stream")
+    record = await read_json(request, state.limit)
+    bad = [k for k in record if k.startswith("_")]
+    if bad:
+        raise WireError(f"record fields starting with '_' are reserved (transient); "
+                        f"got {', '.join(bad)}", code="reserved_field")
+    record, env = request_record(state, service.name, record, request, tenant,
+                                 text=dumps(record).decode() if tenant is not None else "")
+    if stream:
+        return await _stream_runs(request, service, state.pieces[service.name], record,
+                                  env, state.redact)
+    try:
+        out = await _submit(request, service, record, env)
+    except ClientGone:
+        return Response(status_code=499)
+    return json_response(out)
+
+
+# -- answers -----------------------------------------------------------------------------
+async def _several(request: Request, service: PipelineService, b: Binding,
+                   req: WireRequest, record: dict, env: Envelope, rid: str,
+                   created: int) -> Response:
+    """A completion request with a list of prompts: one record (and request) per prompt,
+    submitted together (they share the pipeline's micro-batches); the first failure
+    fails the request and cancels the others' work."""
+    cancel = Cancel()
+    records = [{**record, b.input_field: p} for p in req.prompts]
+    envs = [env.fork() for _ in records]
+
+    async def every() -> list[dict]:
+        tasks = [asyncio.ensure_future(service.submit(r, cancel=cancel, request=e))
+                 for r, e in zip(records, envs, strict=True)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            cancel.set()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    try:
+        outs = await unless_gone(request, every(), cancel)
+    except ClientGone:
+        return Response(status_code=499)
+    answers = []
+    for p, out, e in zip(req.prompts, outs, envs, strict=True):
+        answer = answer_of(b, out)
+        usage = usage_of(b, out, e.reply, p, answer)
+        answers.append((answer, finish_reason(b, usage, e.reply), usage))
+    return json_response(completions_body(req, rid, created, answers))
+
+
+async def _stream_openai(request: Request, service: PipelineService, budget: int,
+                         b: Binding, req: WireRequest, record: dict, env: Envelope,
+                         rid: str, created: int, redact: Redactor) -> Response:
+    async def events(relay: Relay, first: Any) -> AsyncIterator[bytes]:
+        if req.chat:
+            yield chunk(req, rid, created, "", role=True)
+        sent: list[str] = []
+        async for text in relay.texts(first):
+            sent.append(text)
+            yield chunk(req, rid, created, text)
+        try:
+            out = relay.result()
+            answer = answer_of(b, out)
+        except ServiceError as e:
+            yield sse(error_body(redact(str(e)), e.status, e.code))
+            return
+        streamed = "".join(sent)
+        if len(answer) > len(streamed) and answer.startswith(streamed):
+            # pieces that had not arrived when the output did (on Ray, the pieces and the
+            # output reach the driver from different actors): the rest of the answer
+            yield chunk(req, rid, created, answer[len(streamed):])
+        usage = usage_of(b, out, env.reply, req.text, answer)
+        yield chunk(req, rid, created, None if req.chat else "",
+                    finish_reason(b, usage, env.reply))
+        if req.include_usage:
+            yield chunk(req, rid, created, None, usage=usage)
+
+    return await sse_response(request, service, record, budget, events, env)
+
+
+async def _stream_runs(request: Request, service: PipelineService, budget: int,
+                       record: dict, env: Envelope, redact: Redactor) -> Response:
+    async def events(relay: Relay, first: Any) -> AsyncIterator[bytes]:
+        async for text in relay.texts(first):
+            yield sse({"token": text})
+        try:
+            yield sse({"output": relay.result()})
+        except ServiceError as e:
+            body = error_body(redact(str(e)), e.status, e.code)
+            if isinstance(e, RequestFailed):
+                body["error"]["stage"] = e.record.stage
+            yield sse(body)
+
+    return await sse_response(request, service, record, budget, events, env)

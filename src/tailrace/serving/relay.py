@@ -1,0 +1,180 @@
+"""A submitted request seen from its HTTP client: the client may leave, and a streamed
+answer's pieces wait for it within a bound.
+
+``unless_gone`` awaits a submission and, when the client disconnects first, sets the
+request's cancel (the answering stage frees its engine sequence at the next token) and
+raises ``ClientGone`` (the handler answers 499). ``Relay`` carries one streamed
+request's text pieces to the client on a bounded queue; ``sse_response`` turns its
+events into a ``text/event-stream`` response ending ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from ..request import Request as Envelope
+from .errors import ServiceError
+from .openai_wire import SSE_DONE
+from .service import Cancel, PipelineService
+
+END = object()  # end of a request's token stream
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_gone(request: Request, call: Any, cancel: Cancel) -> Any:
+    """Await ``call`` in this task; if the client disconnects first, set ``cancel``, stop
+    the call and raise ``ClientGone``. One watcher task per request, nothing more: the
+    call itself runs inline (no task, no ``asyncio.wait``)."""
+    task = asyncio.current_task()
+    assert task is not None
+    gone: list[bool] = []
+
+    def left(watcher: asyncio.Future) -> None:
+        if not watcher.cancelled() and watcher.exception() is None:
+            gone.append(True)
+            cancel.set()
+            task.cancel()  # the call stops where it waits
+
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    watcher.add_done_callback(left)
+    try:
+        return await call
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        task.uncancel()
+        raise ClientGone from None
+    finally:
+        watcher.remove_done_callback(left)
+        watcher.cancel()
+
+
+def _quiet(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: no "exception was never retrieved" warning
+
+
+class Relay:
+    """One submitted request whose text pieces arrive on a queue, then ``END``.
+
+    The queue holds at most ``budget`` pieces (plus ``END``): pieces wait there only
+    while the client reads slower than the engine writes, and a conforming pipeline
+    sends fewer than ``piece_budget`` pieces in all, so only an engine writing past its
+    ``max_tokens`` to a slow client can fill it. A piece past the bound stops the
+    generation (the request's cancel) and the stream ends with an error event.
+    """
+
+    def __init__(self, service: PipelineService, record: dict, budget: int,
+                 env: Envelope | None = None) -> None:
+        self.pieces: asyncio.Queue = asyncio.Queue(maxsize=budget + 1)  # +1: END
+        self.budget = budget
+        self.overflowed = False
+        self.cancel = Cancel()
+        self.task = asyncio.ensure_future(
+            service.submit(record, on_token=self._piece, cancel=self.cancel, request=env))
+        self.task.add_done_callback(_quiet)
+        self.task.add_done_callback(lambda _: self.pieces.put_nowait(END))
+
+    def _piece(self, piece: str) -> None:
+        if self.overflowed:
+            return
+        if self.pieces.qsize() >= self.budget:
+            self.overflowed = True
+            self.cancel.set()  # the engine stops this sequence at its next token
+            return
+        self.pieces.put_nowait(piece)
+
+    def result(self) -> Any:
+        """The output record; raises the request's ``ServiceError``, or one saying the
+        stream was cut at its bound."""
+        out = self.task.result()
+        if self.overflowed:
+            raise ServiceError(f"more than {self.budget} streamed text pieces waited for "
+                               "the client (twice the generate stages' max_tokens: the engine "
+                               "wrote past max_tokens); the stream was cut",
+                               code="stream_overflow")
+        return out
+
+    async def first(self, request: Request) -> Any:
+        """The first piece (or ``END``); a failure before any piece raises, so it gets
+        its own HTTP status instead of an error inside a 200 stream."""
+        try:
+            item = await unless_gone(request, self.pieces.get(), self.cancel)
+        except ClientGone:
+            self.abandon()
+            raise
+        if item is END and self.task.exception() is not None:
+            raise self.task.exception()  # type: ignore[misc]
+        return item
+
+    async def texts(self, first: Any) -> AsyncIterator[str]:
+        """Pieces as they come, joined when several are already waiting."""
+        item = first
+        while item is not END:
+            parts = [item]
+            item = None
+            while not self.pieces.empty():
+                nxt = self.pieces.get_nowait()
+                if nxt is END:
+                    item = END
+                    break
+                parts.append(nxt)
+            yield "".join(parts)
+            if item is None:
+                item = await self.pieces.get()
+
+    def abandon(self) -> None:
+        if not self.task.done():
+            self.cancel.set()
+            self.task.cancel()
+
+
+async def sse_response(request: Request, service: PipelineService, record: dict,
+                       budget: int, events: Callable[[Relay, Any], AsyncIterator[bytes]],
+                       env: Envelope | None = None) -> Response:
+    """Submit ``record`` and stream ``events(relay, first piece)`` as server-sent events,
+    then ``[DONE]``. A failure before the first piece gets its own HTTP status; a client
+    that goes away stops the generation for it.
+
+    request: the HTTP request (watched for a disconnect).
+    service: the pipeline's service.
+    record:  the record to submit.
+    budget:  most pieces that may wait for the client (``piece_budget``).
+    events:  the SSE events of the relay, from its first piece.
+    env:     the record's request (its options, urgency, session...; its reply once
+             answered).
+    """
+    relay = Relay(service, record, budget, env)
+    try:
+        first = await relay.first(request)
+    except ClientGone:
+        return Response(status_code=499)
+
+    async def guarded() -> AsyncIterator[bytes]:
+        finished = False
+        try:
+            async for event in events(relay, first):
+                yield event
+            yield SSE_DONE
+            finished = True
+        finally:
+            if not finished:
+                relay.abandon()
+
+    return StreamingResponse(guarded(), media_type="text/event-stream", headers=_SSE_HEADERS)
