@@ -3,7 +3,10 @@
 ``BACKENDS`` maps a spec's ``backend:`` to its engine class (imported only when an engine
 is created); ``MODELS`` lists the models that ship inside PyPI packages, found on disk
 without importing them (``package_dir``). ``create_engine`` makes a new engine from a
-spec; the shared, cached ones come from ``opener.open_engine``.
+spec; the shared, cached ones come from ``opener.open_engine``. What an engine can do is
+read from its class without opening it (``engine_class``): the constraints it enforces
+(``structured.enforced_by``), whether it batches concurrent calls itself
+(``batches_continuously``).
 """
 
 from __future__ import annotations
@@ -43,6 +46,29 @@ def create_engine(spec: dict[str, Any], base_url: str | None = None) -> Any:
     if base_url is not None:
         options["base_url"] = base_url
     return getattr(importlib.import_module(module), cls)(**options)
+
+
+def engine_class(spec: Any) -> Any:
+    """The engine class of ``spec`` (a pool's too), imported but not opened; None if
+    unknown."""
+    if not isinstance(spec, dict):
+        return None
+    try:
+        module, cls, _ = backend(spec.get("backend"))
+        return getattr(importlib.import_module(module), cls)
+    except Exception:  # noqa: BLE001 - an unknown or broken backend declares nothing
+        return None
+
+
+def batches_continuously(spec: Any, kind: str) -> bool:
+    """Whether the engine of ``spec`` merges concurrent ``kind`` calls itself (its class's
+    ``continuous_batching``: llama.cpp's decode loop, a remote server's scheduler): it is
+    then the one batcher of those calls, and nothing in front of it waits to fill a batch
+    (docs/design.md, "One batcher per engine kind").
+
+    spec: an engine spec (a pool's too); kind: ``"generate"`` or ``"embed"``.
+    """
+    return kind in getattr(engine_class(spec), "continuous_batching", ())
 
 
 def home() -> Path:

@@ -89,6 +89,10 @@ class OpDef:
     prepare: Callable[[dict[str, Any], LinkContext], dict[str, Any]] | None = None
     # (params) -> most records per call; None: the ``max_batch`` param if there is one
     max_batch: Callable[[dict[str, Any]], int | None] | None = None
+    # (params) -> the engine it calls batches concurrent calls itself (llama.cpp, a remote
+    # server): it is their one batcher, so a ``batch`` contract sets the most records per
+    # call and never waits for more (docs/design.md, "One batcher per engine kind")
+    engine_batches: Callable[[dict[str, Any]], bool] | None = None
 
 
 _REGISTRY: dict[str, OpDef] = {}
