@@ -3,10 +3,7 @@
 ``BACKENDS`` maps a spec's ``backend:`` to its engine class (imported only when an engine
 is created); ``MODELS`` lists the models that ship inside PyPI packages, found on disk
 without importing them (``package_dir``). ``create_engine`` makes a new engine from a
-spec; the shared, cached ones come from ``opener.open_engine``. What an engine can do is
-read from its class without opening it (``engine_class``): the constraints it enforces
-(``structured.enforced_by``), whether it batches concurrent calls itself
-(``batches_continuously``).
+spec; the shared, cached ones come from ``opener.open_engine``.
 """
 
 from __future__ import annotations
@@ -61,13 +58,9 @@ def engine_class(spec: Any) -> Any:
 
 
 def batches_continuously(spec: Any, kind: str) -> bool:
-    """Whether the engine of ``spec`` merges concurrent ``kind`` calls itself (its class's
-    ``continuous_batching``: llama.cpp's decode loop, a remote server's scheduler): it is
-    then the one batcher of those calls, and nothing in front of it waits to fill a batch
-    (docs/design.md, "One batcher per engine kind").
-
-    spec: an engine spec (a pool's too); kind: ``"generate"`` or ``"embed"``.
-    """
+    """Whether the engine of ``spec`` (a pool's too) merges concurrent ``kind`` calls
+    itself (its class's ``continuous_batching``), so nothing in front of it waits to fill a
+    batch (docs/design.md, "One batcher per engine kind")."""
     return kind in getattr(engine_class(spec), "continuous_batching", ())
 
 

@@ -5,9 +5,7 @@ loop thread. Callers on any thread call ``generate``/``embed``; their requests b
 of a ``Batcher`` (batching.py), so calls from different callers share engine calls; each
 batch goes to the replica the dispatch policy (dispatch.py) picks, and the results are split
 back to each caller. The loop only orchestrates; policy lives in those two objects. An
-engine that batches its calls itself (llama.cpp generation, a remote server) is their one
-batcher: the pool's window is then 0, so a request goes out as soon as a replica can take
-it, and only requests already waiting together (most urgent class first) share a call.
+engine that batches its calls itself (llama.cpp, a remote server) gets them with no window.
 
 Failure: a replica process that dies takes its in-flight batches with it; they are retried
 on another healthy replica (at most ``max_retries`` times, then ``EngineError`` to the
@@ -93,9 +91,7 @@ class EnginePool:
                           ``round_robin``).
         max_batch_size:   the most requests in one engine call.
         max_wait_ms:      the longest a request waits for others to share its engine call
-                          (default 2; 0 where the engine batches these calls itself,
-                          ``batches_continuously``: llama.cpp and remote servers' generation
-                          are sent as they come, only what waits together shares a call).
+                          (default 2; 0 for an engine that batches them itself).
         max_batch_tokens: the most predicted tokens in one engine call (None: no budget).
         max_retries:      times a failed batch is retried on another replica.
         health_timeout_s: seconds a replica has to become healthy (at start and on restart).
@@ -122,8 +118,7 @@ class EnginePool:
                               f"got {isolation!r}")
         kinds = backend(spec.get("backend"), where)[2]
         self.kind = str(spec.get("kind") or kinds[0])
-        # one batcher per engine kind: an engine that merges concurrent calls itself gets
-        # them without a batch window (docs/design.md, "One batcher per engine kind")
+        # one batcher per engine kind (docs/design.md): none here for one that batches itself
         continuous = batches_continuously(spec, self.kind)
         if max_wait_ms is None:
             max_wait_ms = 0.0 if continuous else 2.0
