@@ -105,6 +105,43 @@ def test_each_stage_gets_one_execution_record():
     assert "runs: collect inline batch<=5 wait=7ms push=5" in text
 
 
+class BatchOwn:
+    """A generation engine (never opened here) that merges concurrent calls itself."""
+
+    continuous_batching = frozenset({"generate"})
+
+
+class BatchNot:
+    """A generation engine (never opened here) that leaves batching to its callers."""
+
+
+def test_a_batch_contract_over_an_engine_that_batches_itself_does_not_wait(monkeypatch,
+                                                                          tmp_path):
+    """One batcher per engine kind: the engine's continuous batching, not the stage's
+    window; an engine that does not batch keeps the window it was given."""
+    from tailrace.engines import BACKENDS
+
+    for name in ("BatchOwn", "BatchNot"):
+        monkeypatch.setitem(BACKENDS, name, (__name__, name, ("generate",)))
+    (tmp_path / "m.bin").write_bytes(b"")
+    path = str(tmp_path / "m.bin")
+    wait = {"max_size": 8, "max_wait_ms": 5}
+    for backend, want in (("BatchOwn", 0.0), ("BatchNot", 5.0)):
+        p = tr.Pipeline("g", engines={"llm": {"backend": backend, "path": path},
+                                      "big": {"backend": "BatchOwn", "path": path}})
+        s = p.source(fields=["q"])
+        s = s.apply("generate", id="gen", engine="llm", input="q", batch=wait)
+        s = s.apply("tool_call", id="tools", engine="llm", input="q", batch=wait, tools=[
+            {"name": "n", "fn": "builtins.len"}])
+        s.apply("route", id="route", cascade=["llm", "big"], input="q", batch=wait).sink()
+        plan = tr.compile_pipeline(p)
+        for sid in ("gen", "tools", "route"):
+            x = plan.stage(sid).execution
+            assert (x.call, x.max_batch, x.max_wait_ms) == ("collect", 8, want), (backend, sid)
+        note = "wait=0ms push=8 threads=1 (the engine batches: batch.max_wait_ms unused)"
+        assert (note in plan.render("text")) == (want == 0.0)
+
+
 def test_replicas_and_the_bound_size_batches_and_pushes():
     p = tr.Pipeline("x")
     p.source([1]).map(abs, id="a", replicas=2, queue=64).sink(id="out")

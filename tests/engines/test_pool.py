@@ -439,3 +439,122 @@ def test_the_batcher_sends_the_most_urgent_requests_first(monkeypatch):
         pool.stop()
     assert [g.text for g in got] == ["BATCH-A", "BATCH-B", "CHAT"]  # results in order
     assert OrderEngine.CALLS == [["chat"], ["batch-a"], ["batch-b"]]
+
+
+# -- one batcher per engine kind: an engine that batches its calls itself gets no window -----
+
+class ContinuousEngine(FakeEngine):
+    """The fake engine, declaring that it batches concurrent generate calls itself (as
+    llama.cpp's decode loop and a remote server do); prompts starting "hold" wait for
+    ``RELEASE``; every call's prompts are recorded in ``CALLS``."""
+
+    continuous_batching = frozenset({"generate"})
+    CALLS: list = []
+    RELEASE = threading.Event()
+
+    def generate(self, requests, on_token=None):
+        if requests[0].prompt.startswith("hold"):
+            assert ContinuousEngine.RELEASE.wait(30)
+        ContinuousEngine.CALLS.append([r.prompt for r in requests])
+        return super().generate(requests, on_token)
+
+
+@pytest.fixture
+def continuous(monkeypatch):
+    monkeypatch.setitem(BACKENDS, "continuous", (__name__, "ContinuousEngine",
+                                                 ("generate", "embed")))
+    ContinuousEngine.CALLS.clear()
+    ContinuousEngine.RELEASE.clear()
+    yield {"backend": "continuous", "model": "fake"}
+    ContinuousEngine.RELEASE.set()
+
+
+def in_thread(fn, *args) -> tuple[threading.Thread, list]:
+    """Call ``fn(*args)`` on a thread of its own; its result (or error) lands in the list."""
+    out: list = []
+
+    def call():
+        try:
+            out.append(fn(*args))
+        except Exception as e:  # noqa: BLE001 - collected for the assertions
+            out.append(e)
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    return t, out
+
+
+def test_the_engine_says_who_batches_its_calls():
+    from tailrace.engines.models import batches_continuously
+
+    assert batches_continuously({"backend": "llama_cpp"}, "generate")
+    assert batches_continuously({"backend": "openai"}, "generate")  # the remote server
+    assert not batches_continuously({"backend": "openai", "kind": "embed"}, "embed")
+    assert not batches_continuously({"backend": "onnx"}, "embed")
+    assert not batches_continuously({"backend": "nope"}, "generate")
+
+
+def test_a_generation_request_to_an_engine_that_batches_itself_waits_for_no_window(continuous):
+    """The pool's clock never moves: a request held for a batch window would never go out
+    (the embedding request below shows it), one for an engine that batches continuously
+    goes out at once."""
+    with EnginePool("llm", continuous, replicas=1, isolation="thread",
+                    clock=lambda: 0.0) as pool:
+        caller, out = in_thread(pool.generate, [prompt("now")])
+        caller.join(30)
+        assert out == [[Generation("NOW", 3, 3, "stop")]]
+        assert pool.statistics().queued == 0
+    with EnginePool("emb", {**continuous, "kind": "embed"}, replicas=1, isolation="thread",
+                    clock=lambda: 0.0) as pool:
+        caller, out = in_thread(pool.embed, ["abc"])
+        wait_until(lambda: pool.statistics().queued == 1)
+        assert caller.is_alive() and out == []  # embeddings: the pool is their batcher
+        assert pool.statistics().batches == 0
+    caller.join(30)
+    assert isinstance(out[0], EngineError)  # the pool stopped with it still waiting
+
+
+def test_embeddings_still_wait_for_the_pools_window(continuous):
+    now = [0.0]
+    with EnginePool("emb", {**continuous, "kind": "embed"}, replicas=1, isolation="thread",
+                    max_batch_size=4, clock=lambda: now[0]) as pool:
+        callers = [in_thread(pool.embed, [t]) for t in ("a", "bb")]
+        wait_until(lambda: pool.statistics().queued == 2)
+        assert pool.statistics().batches == 0  # 2 ms not passed: both wait
+        now[0] = 0.002  # the window (default 2 ms) ends: one call for both callers
+        for t, _ in callers:
+            t.join(30)
+        stats = pool.statistics()
+    assert [out[0].tolist() for _, out in callers] == [[[1.0, 1.0]], [[2.0, 1.0]]]
+    assert stats.batches == 1 and stats.shared_batches == 1
+
+
+def test_a_window_set_on_such_a_pool_is_kept(continuous):
+    now = [0.0]
+    with EnginePool("llm", continuous, replicas=1, isolation="thread", max_wait_ms=5,
+                    clock=lambda: now[0]) as pool:
+        caller, out = in_thread(pool.generate, [prompt("later")])
+        wait_until(lambda: pool.statistics().queued == 1)
+        assert out == []
+        now[0] = 0.005
+        caller.join(30)
+    assert out == [[Generation("LATER", 5, 5, "stop")]]
+
+
+def test_without_a_window_waiting_requests_still_go_most_urgent_class_first(continuous):
+    """Requests that wait for a replica (its one call slot taken) share a call, one class a
+    call, the most urgent first (a call's answers come back together)."""
+    with EnginePool("llm", continuous, replicas=1, isolation="thread", max_in_flight=1,
+                    clock=lambda: 0.0) as pool:
+        busy, _ = in_thread(pool.generate, [prompt("hold")])
+        wait_until(lambda: pool.statistics().replicas[0].in_flight == 1)
+        lax = [in_thread(pool.generate, [prompt(t)]) for t in ("lax-a", "lax-b")]
+        wait_until(lambda: pool.statistics().queued == 2)
+        urgent, out = in_thread(pool.generate, [GenerationRequest(
+            prompt="urgent", max_tokens=4, priority=2, deadline=1.0)])
+        wait_until(lambda: pool.statistics().queued == 3)
+        ContinuousEngine.RELEASE.set()
+        for t in (busy, urgent, *(t for t, _ in lax)):
+            t.join(30)
+    assert out[0][0].text == "URGENT"
+    assert ContinuousEngine.CALLS == [["hold"], ["urgent"], ["lax-a", "lax-b"]]

@@ -57,7 +57,8 @@ class Execution:
     mode:      ``inline`` (on the event loop), ``thread`` (blocking code in the worker's
                own threads), ``async`` (coroutines awaited on the loop).
     max_batch: most records per call (a micro-batch, a group, an engine's batch).
-    max_wait_ms: ``collect``: how long a group waits to fill after its first record.
+    max_wait_ms: ``collect``: how long a group waits to fill after its first record (0
+               for an operator whose engine batches its calls itself, ``engine_batches``).
     push:      records per push into the stage between Ray actors.
     timeout_ms, retries: per attempt / extra attempts (``per_record`` and ``collect``).
     cancel:    what a timeout does: ``none``, ``cancel`` (the coroutine is cancelled) or
@@ -206,6 +207,9 @@ def execution(ops: tuple[PlanOp, ...], replicas: int, queue: int, mode: str) -> 
         wait = c.batch.max_wait_ms if c.batch is not None else first.params["max_wait_ms"]
         if cap is not None and c.batch is None:
             max_n = min(max_n, cap)
+        if c.batch is not None and first.op.engine_batches is not None \
+                and first.op.engine_batches(first.params):
+            wait = 0  # the engine merges concurrent calls itself: one batcher, no wait here
     else:
         call = "per_record" if (mode == "async" or c.retries > 0
                                 or c.timeout_ms is not None) else "chain"

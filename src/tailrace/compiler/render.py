@@ -53,7 +53,10 @@ def _text(plan: Any) -> str:
             extra.append(f"replicas={s.replicas}")
         lines.append(f"  {s.id}  [{', '.join(extra)}]")
         if s.execution is not None:
-            lines.append(f"    runs: {s.execution.describe()}")
+            b = s.ops[0].contract.batch
+            why = " (the engine batches: batch.max_wait_ms unused)" if b and b.max_wait_ms and \
+                not s.execution.max_wait_ms else ""
+            lines.append(f"    runs: {s.execution.describe()}{why}")
         for o in s.ops:
             params = ", ".join(f"{k}={_param(k, v)}" for k, v in o.params.items()
                                if v is not None and k not in ("data", "target")

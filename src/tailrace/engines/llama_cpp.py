@@ -147,6 +147,8 @@ class LlamaCppEngine:
 
     #: ``GenerationRequest.response_format`` types enforced (by a grammar)
     response_formats = frozenset({"json_object", "json_schema"})
+    #: the calls it batches itself (the decode loop): a pool in front sends them on unbatched
+    continuous_batching = frozenset({"generate"})
 
     @staticmethod
     def check_constraint(fmt: dict[str, Any]) -> None:

@@ -45,6 +45,25 @@ def create_engine(spec: dict[str, Any], base_url: str | None = None) -> Any:
     return getattr(importlib.import_module(module), cls)(**options)
 
 
+def engine_class(spec: Any) -> Any:
+    """The engine class of ``spec`` (a pool's too), imported but not opened; None if
+    unknown."""
+    if not isinstance(spec, dict):
+        return None
+    try:
+        module, cls, _ = backend(spec.get("backend"))
+        return getattr(importlib.import_module(module), cls)
+    except Exception:  # noqa: BLE001 - an unknown or broken backend declares nothing
+        return None
+
+
+def batches_continuously(spec: Any, kind: str) -> bool:
+    """Whether the engine of ``spec`` (a pool's too) merges concurrent ``kind`` calls
+    itself (its class's ``continuous_batching``), so nothing in front of it waits to fill a
+    batch (docs/design.md, "One batcher per engine kind")."""
+    return kind in getattr(engine_class(spec), "continuous_batching", ())
+
+
 def home() -> Path:
     """Where tailrace keeps built indexes and assembled models (``$TAILRACE_HOME``)."""
     return Path(os.environ.get("TAILRACE_HOME", Path.home() / ".cache" / "tailrace"))

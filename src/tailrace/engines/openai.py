@@ -62,6 +62,9 @@ class OpenAIEngine:
 
     #: ``GenerationRequest.response_format`` types passed on (chat requests)
     response_formats = frozenset({"json_object", "json_schema"})
+    #: the calls the server batches itself (its scheduler); embeddings are batched in front
+    #: of it (one /v1/embeddings request takes a list)
+    continuous_batching = frozenset({"generate"})
 
     def __init__(self, base_url: str, model: str, *, kind: str = "generate",
                  api_key: str | None = None, api_key_env: str | None = None,

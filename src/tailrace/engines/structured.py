@@ -16,11 +16,10 @@ every constrained answer gets afterwards, whatever the engine did.
 
 from __future__ import annotations
 
-import importlib
 import json
 from typing import Any
 
-from .models import backend
+from .models import engine_class
 
 #: the constraint types there are (``GenerationRequest.response_format["type"]``)
 RESPONSE_FORMATS = ("json_object", "json_schema")
@@ -108,25 +107,13 @@ def schema_of(fmt: dict[str, Any]) -> dict[str, Any] | None:
     return fmt["json_schema"]["schema"] if fmt["type"] == "json_schema" else None
 
 
-def _engine_class(spec: Any) -> Any:
-    """The engine class of ``spec`` (a pool's too), imported but not opened; None if
-    unknown."""
-    if not isinstance(spec, dict):
-        return None
-    try:
-        module, cls, _ = backend(spec.get("backend"))
-        return getattr(importlib.import_module(module), cls)
-    except Exception:  # noqa: BLE001 - an unknown or broken backend enforces nothing
-        return None
-
-
 def enforced_by(spec: Any) -> frozenset[str]:
     """The constraint types the engine of ``spec`` (an engine spec, a pool's too)
     enforces: its class's ``response_formats``, found without opening it (empty if none).
 
     spec: an engine spec like ``{backend: llama_cpp, model: ...}``.
     """
-    return frozenset(getattr(_engine_class(spec), "response_formats", ()))
+    return frozenset(getattr(engine_class(spec), "response_formats", ()))
 
 
 def check_enforceable(spec: Any, fmt: dict[str, Any]) -> None:
@@ -138,7 +125,7 @@ def check_enforceable(spec: Any, fmt: dict[str, Any]) -> None:
     spec: an engine spec.
     fmt:  a checked constraint.
     """
-    check = getattr(_engine_class(spec), "check_constraint", None)
+    check = getattr(engine_class(spec), "check_constraint", None)
     if check is not None:
         check(fmt)
 

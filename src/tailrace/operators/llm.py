@@ -21,6 +21,7 @@ import string
 from typing import Any
 
 from ..engines import GenerationRequest, open_engine
+from ..engines.models import batches_continuously
 from ..engines.structured import check_answer, check_enforceable, check_schema, enforced_by
 from ..errors import ContextOverflow, EngineError, StructuredOutputError
 from ..request import request_of
@@ -422,6 +423,7 @@ register(OpDef(
      count_param("max_batch", 8),
      Param("usage", (str,), want="a field for {prompt_tokens, completion_tokens}")),
     batchable=True, blocking=True,
+    engine_batches=lambda p: batches_continuously(p["_engine"], "generate"),
     fields=lambda p: (prompt_reads(p), (p["output"],) + ((p["usage"],) if p.get("usage") else ())),
     prepare=_prepare_generate, doc="generate text with an LLM engine",
     answers=Answers(output_tokens=lambda p: int(p["max_tokens"]),

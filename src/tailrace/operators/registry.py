@@ -120,6 +120,10 @@ class OpDef:
     max_batch: Callable[[dict[str, Any]], int | None] | None = None
     # it can answer a served chat/completion request: what serving needs (None: cannot)
     answers: Answers | None = None
+    # (params) -> the engine it calls batches concurrent calls itself (llama.cpp, a remote
+    # server): it is their one batcher, so a ``batch`` contract sets the most records per
+    # call and never waits for more (docs/design.md, "One batcher per engine kind")
+    engine_batches: Callable[[dict[str, Any]], bool] | None = None
 
 
 _REGISTRY: dict[str, OpDef] = {}

@@ -32,6 +32,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ..engines import GenerationRequest, open_engine
+from ..engines.models import batches_continuously
 from ..errors import ContextOverflow, EngineError
 from ..registry import Registry
 from .common import count_param, link_engine
@@ -395,6 +396,8 @@ register(OpDef(
      FROZEN,
      count_param("max_batch", 8)),
     batchable=True, blocking=True, fusable=False,
+    engine_batches=lambda p: all(batches_continuously(e, "generate")
+                                 for e in p["_engines"].values()),
     fields=lambda p: (prompt_reads(p), (p["output"], p["route"], p["cost"])),
     prepare=_prepare_route, doc="choose an engine per request by rule or cascade",
     answers=Answers(output_tokens=lambda p: _ceiling(p) * max(1, len(p.get("cascade") or ())),

@@ -36,6 +36,7 @@ from time import monotonic
 from typing import Any
 
 from ..engines import GenerationRequest, open_engine
+from ..engines.models import batches_continuously
 from ..engines.tokens import approx_tokens
 from ..errors import EngineError
 from .common import ENGINE_HINT, FieldError, count_param, each_record, link_engine, positive
@@ -425,6 +426,7 @@ register(OpDef(
      FROZEN,
      count_param("max_batch", 8)),
     batchable=True, blocking=True, fusable=False,
+    engine_batches=lambda p: batches_continuously(p["_engine"], "generate"),
     fields=lambda p: (prompt_reads(p), (p["output"], p["calls"])),
     prepare=_prepare_tool_call, doc="let a model call registered tools, then answer",
     answers=Answers(output_tokens=lambda p: int(p["max_tokens"]) * (int(p["max_rounds"]) + 1),

@@ -4,7 +4,8 @@ A pool owns N replicas of one engine (each its own process, or a remote endpoint
 loop thread. Callers on any thread call ``generate``/``embed``; their requests become items
 of a ``Batcher`` (batching.py), so calls from different callers share engine calls; each
 batch goes to the replica the dispatch policy (dispatch.py) picks, and the results are split
-back to each caller. The loop only orchestrates; policy lives in those two objects.
+back to each caller. The loop only orchestrates; policy lives in those two objects. An
+engine that batches its calls itself (llama.cpp, a remote server) gets them with no window.
 
 Failure: a replica process that dies takes its in-flight batches with it; they are retried
 on another healthy replica (at most ``max_retries`` times, then ``EngineError`` to the
@@ -32,7 +33,7 @@ from typing import Any
 from ...errors import ContextOverflow, EngineError
 from ...registry import Registry
 from ..base import Generation, GenerationRequest, TokenCallback
-from ..models import backend
+from ..models import backend, batches_continuously
 from ..tokens import approx_tokens, token_counter
 from .batching import Batcher
 from .dispatch import PrefixAffinity, affinity_of, make_dispatch
@@ -75,7 +76,7 @@ class EnginePool:
 
     def __init__(self, name: str, spec: dict[str, Any], *, replicas: int | None = None,
                  endpoints: Sequence[str] | None = None, dispatch: str = "least_work",
-                 max_batch_size: int = 8, max_wait_ms: float = 2.0,
+                 max_batch_size: int = 8, max_wait_ms: float | None = None,
                  max_batch_tokens: int | None = None, max_retries: int = 2,
                  health_timeout_s: float = 60.0, max_in_flight: int | None = None,
                  isolation: str = "process", max_restarts: int = 3,
@@ -89,12 +90,13 @@ class EnginePool:
         dispatch:         the dispatch policy (``least_work``, ``prefix_affinity`` or
                           ``round_robin``).
         max_batch_size:   the most requests in one engine call.
-        max_wait_ms:      the longest a request waits for others to share its engine call.
+        max_wait_ms:      the longest a request waits for others to share its engine call
+                          (default 2; 0 for an engine that batches them itself).
         max_batch_tokens: the most predicted tokens in one engine call (None: no budget).
         max_retries:      times a failed batch is retried on another replica.
         health_timeout_s: seconds a replica has to become healthy (at start and on restart).
         max_in_flight:    engine calls each replica runs at once (default 4 for endpoints
-                          and llama.cpp, which decodes concurrent calls together; 1 else;
+                          and engines that batch concurrent calls themselves; 1 else;
                           with ``prefix_affinity``, 4 x llama.cpp's ``n_seq_max``).
         isolation:        ``process`` (one spawned process per replica) or ``thread``
                           (replicas in this process) for embedded replicas.
@@ -115,6 +117,11 @@ class EnginePool:
             raise EngineError(f"{where}: isolation must be 'process' or 'thread', "
                               f"got {isolation!r}")
         kinds = backend(spec.get("backend"), where)[2]
+        self.kind = str(spec.get("kind") or kinds[0])
+        # one batcher per engine kind (docs/design.md): none here for one that batches itself
+        continuous = batches_continuously(spec, self.kind)
+        if max_wait_ms is None:
+            max_wait_ms = 0.0 if continuous else 2.0
         if max_retries < 0 or max_restarts < 0 or health_timeout_s <= 0:
             raise EngineError(f"{where}: max_retries and max_restarts must be >= 0 and "
                               f"health_timeout_s > 0 (got {max_retries}, {max_restarts}, "
@@ -126,7 +133,6 @@ class EnginePool:
         except ValueError as e:
             raise EngineError(f"{where}: {e}") from None
         self.name, self.spec = name, dict(spec)
-        self.kind = str(spec.get("kind") or kinds[0])
         self.model: str = str(spec.get("model", ""))
         self.context_length: int | None = None
         self.dim: int | None = None
@@ -136,12 +142,11 @@ class EnginePool:
         self.max_retries, self.max_restarts = max_retries, max_restarts
         self.health_timeout_s = float(health_timeout_s)
         self._isolation = "thread" if endpoints is not None else isolation
-        # remote servers and llama.cpp (continuous batching) decode several calls together;
+        # remote servers and continuous batching (llama.cpp) run several calls together;
         # prefix_affinity sends one call per request and lets a llama.cpp replica queue
         # some (4 x n_seq_max calls): ``affinity_slack`` bounds how much busier it gets
         # than the others, not the call cap (which sent requests away from their prefix)
-        in_flight = max_in_flight or (4 if endpoints is not None
-                                      or spec["backend"] == "llama_cpp" else 1)
+        in_flight = max_in_flight or (4 if endpoints is not None or continuous else 1)
         if max_in_flight is None and isinstance(self._policy, PrefixAffinity) \
                 and spec["backend"] == "llama_cpp":
             n_seq = spec.get("n_seq_max", 8)
