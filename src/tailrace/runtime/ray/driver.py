@@ -133,16 +133,6 @@ def preflight(plan: Plan, host_stages: list[int]) -> dict[int, PlanStage]:
     return out
 
 
-#: Runs in progress in this process, by run id (``active_runs()`` reads it).
-ACTIVE: dict[str, RayRun] = {}
-
-
-def active_runs() -> list[dict[str, Any]]:
-    """The Ray runs in progress in this process: name, run id and, per stage, the actors
-    (name, node id) its replicas run on, e.g. to inspect or kill one."""
-    return [r.describe() for r in list(ACTIVE.values())]
-
-
 class _Sink:
     __slots__ = ("op_id", "rt", "meter", "queued", "first")
 
@@ -311,7 +301,6 @@ class RayRun:
 
     async def execute(self) -> None:
         finished = False
-        ACTIVE[self.run_id] = self
         try:
             await self._install()
             if self.on_ready is not None:
@@ -334,7 +323,6 @@ class RayRun:
         except BaseExceptionGroup as eg:
             raise cause(eg.exceptions[0]) from None
         finally:
-            ACTIVE.pop(self.run_id, None)
             if not finished:  # failed or interrupted: release the replicas, don't wait
                 for h in self.hosts:
                     h.handle.finish.remote(self.run_id)
