@@ -1,11 +1,15 @@
-"""The layering of ``src/tailrace``, pinned: which package may import which, and no
-module reaching into another module's private names. Read from the source (every
-``import``, including the lazy ones inside functions), so a new upward import fails here
-before it becomes a cycle or a hidden coupling."""
+"""The layering of ``src/tailrace``, pinned: which package may import which, no module
+reaching into another module's private names, no hook in a lower layer filled from
+above, no import-time side effects. Read from the source (every ``import``, including
+the lazy ones inside functions), so a new upward import fails here before it becomes a
+cycle or a hidden coupling."""
 
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,7 +30,8 @@ ALLOWED: dict[str, set[str]] = {
     "control": BASE | {"engines"},  # admission only; tokens, never the pool's insides
     "operators": BASE | {"engines", "stores", "control", "observability"},
     "compiler": BASE | {"operators", "observability"},
-    # control: the Ray gate actor (runtime/ray/gate.py) hosts an admission policy
+    # control: the Ray gate actor (runtime/ray/gate.py) hosts an admission policy; see
+    # test_control_sits_below_runtime
     "runtime": BASE | {"compiler", "operators", "control", "engines", "observability"},
     "serving": BASE | {"runtime", "compiler", "operators", "control", "engines", "stores",
                        "observability"},
@@ -116,3 +121,96 @@ def test_the_checker_sees_an_upward_and_a_private_import(tmp_path, monkeypatch):
         test_imports_follow_the_layers(src)
     with pytest.raises(AssertionError, match="import _private"):
         test_no_private_names_from_another_module(src)
+
+
+def test_control_sits_below_runtime():
+    # the one rule for control/ (docs/architecture.md): runtime may import control (the
+    # cluster gate actor hosts a policy); control never imports runtime nor what is above
+    assert "control" in ALLOWED["runtime"]
+    above = {"runtime", "compiler", "operators", "serving", "cli", "observability"}
+    assert not ALLOWED["control"] & above, ALLOWED["control"] & above
+    bad = [f"{f.relative_to(ROOT)}:{line} imports {'.'.join(mod)}"
+           for f in FILES if _package(f) == "control" for mod, _, line in _imports(f)
+           if mod[:1] == ["tailrace"] and mod[1:2] and mod[1] in above]
+    assert not bad, bad
+    # and the Ray runtime does host one (the rule is not idle)
+    gate = ROOT / "runtime" / "ray" / "gate.py"
+    assert any(mod[:2] == ["tailrace", "control"] for mod, _, _ in _imports(gate))
+
+
+_NO_SIDE_EFFECTS = """
+import atexit
+registered = []
+def register(fn, *a, **k):  # what tailrace registers (logging, say, has its own)
+    if getattr(fn, "__module__", "").startswith("tailrace"):
+        registered.append(f"{fn.__module__}.{fn.__qualname__}")
+    return fn
+atexit.register = register
+import tailrace.engines.pool, tailrace.engines, tailrace.stores.live_index, tailrace.operators
+import tailrace.runtime, tailrace.serving
+print(registered)
+"""
+
+
+def test_importing_registers_nothing_at_exit():
+    # engine pools and live indexes close at exit, registered when the first one is made
+    env = {**os.environ, "PYTHONPATH": str(ROOT.parent)}
+    out = subprocess.run([sys.executable, "-c", _NO_SIDE_EFFECTS], capture_output=True,
+                         text=True, timeout=120, env=env, check=True).stdout
+    assert out.strip() == "[]", out
+
+
+def test_a_registry_registers_its_close_at_exit_once_at_its_first_object(monkeypatch):
+    import atexit
+
+    from tailrace.registry import Registry
+
+    registered: list = []
+    monkeypatch.setattr(atexit, "register", registered.append)
+    reg: Registry[list] = Registry("demo", close=list.clear, at_exit=True)
+    assert registered == []
+    reg.get("a", list)
+    reg.get("b", list)
+    reg.close_all()
+    reg.get("c", list)
+    assert registered == [reg.close_all]
+    assert Registry("plain").get("k", list) == [] and registered == [reg.close_all]
+
+
+def _setters(path: Path) -> list[str]:
+    """Module-level functions that rebind a module global to one of their arguments: a
+    hook another layer fills from outside (``def set_x(fn): global X; X = fn``)."""
+    out = []
+    for fn in ast.parse(path.read_text(), str(path)).body:
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        args = {a.arg for a in fn.args.args + fn.args.kwonlyargs + fn.args.posonlyargs}
+        rebound = {n for node in ast.walk(fn) if isinstance(node, ast.Global)
+                   for n in node.names}
+        for node in ast.walk(fn):
+            if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Name)
+                    and node.value.id in args):
+                hit = [t.id for t in node.targets if isinstance(t, ast.Name)
+                       and t.id in rebound]
+                out += [f"{path.relative_to(ROOT)}:{node.lineno} {fn.name} sets {h}"
+                        for h in hit]
+    return out
+
+
+def test_no_module_keeps_a_hook_filled_from_outside():
+    # what a lower layer needs from above is passed in (an operator's engine opener is in
+    # its BuildContext), never set on the lower module by the one above
+    from tailrace.engines import opener
+
+    assert not hasattr(opener, "set_remote_opener")
+    bad = [hit for f in FILES for hit in _setters(f)]
+    assert not bad, bad
+
+
+def test_the_hook_check_sees_a_setter(tmp_path, monkeypatch):
+    fake = tmp_path / "tailrace"
+    (fake / "engines").mkdir(parents=True)
+    src = fake / "engines" / "hook.py"
+    src.write_text("_HOOK = None\n\ndef set_hook(fn):\n    global _HOOK\n    _HOOK = fn\n")
+    monkeypatch.setattr(f"{__name__}.ROOT", fake)
+    assert _setters(src) == ["engines/hook.py:5 set_hook sets _HOOK"]

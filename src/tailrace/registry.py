@@ -3,7 +3,9 @@
 Engines, engine pools, memory stores, live indexes, route ledgers and feeders are each
 shared by every pipeline of a process. Each kind keeps a ``Registry``: ``get`` creates
 the object on first use under the registry's lock (so two stages asking at once share
-one), ``close_all`` takes every object out and closes it outside the lock.
+one), ``close_all`` takes every object out and closes it outside the lock. A registry made
+with ``at_exit=True`` (engine pools, live indexes) closes what it holds at interpreter
+exit too; it registers that when it makes its first object, never at import.
 
 >>> opened = Registry("demo", close=lambda s: s.clear())
 >>> a = opened.get("k", lambda: {"n": 1})
@@ -16,6 +18,7 @@ True
 
 from __future__ import annotations
 
+import atexit
 import threading
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
@@ -24,11 +27,14 @@ V = TypeVar("V")
 
 
 class Registry(Generic[V]):
-    """Objects by key. ``close``: how to close one (default: its ``close()``)."""
+    """Objects by key. ``close``: how to close one (default: its ``close()``);
+    ``at_exit``: ``close_all`` at interpreter exit, registered with the first object."""
 
-    def __init__(self, name: str, close: Callable[[V], object] | None = None) -> None:
+    def __init__(self, name: str, close: Callable[[V], object] | None = None,
+                 at_exit: bool = False) -> None:
         self.name = name
         self._close = close
+        self._at_exit = at_exit
         self._items: dict[Hashable, V] = {}
         self.lock = threading.RLock()
 
@@ -41,6 +47,9 @@ class Registry(Generic[V]):
             if item is None or (reuse is not None and not reuse(item)):
                 item = make()
                 self._items[key] = item
+                if self._at_exit:  # once, at the first object made
+                    self._at_exit = False
+                    atexit.register(self.close_all)
             return item
 
     def peek(self, key: Hashable) -> V | None:

@@ -391,13 +391,18 @@ def run_service(sc: Scenario, *, here: bool = False, ray: Any = None) -> Report:
     try:
         with LeakWatch() as leaks:
             p = build(sc, ledger, run, data=None, sink=None)
+            runs = None  # Ray: the ActiveRuns that lists the service's run
+            if ray is not None:
+                from tailrace.runtime.ray import ActiveRuns
+
+                runs = ActiveRuns()
             svc = PipelineService(p, admission=gate, timeout_s=SERVICE_TIMEOUT_S,
                                   max_pending=sc.max_pending or 1024,
-                                  runtime="local" if ray is None else "ray")
+                                  runtime="local" if ray is None else "ray", runs=runs)
             _observe(svc, outputs, errors, dropped)
             skipped: set[int] = set()  # Ray: cancelled before the source took them
             if ray is not None:
-                _on_first_answer(svc, sc, probe, ray, skipped)
+                _on_first_answer(svc, runs, sc, probe, ray, skipped)
             if not here:
                 svc.start()
                 if not svc.wait_ready(30 if ray is None else 120):
@@ -577,12 +582,12 @@ def _paths(x: Any) -> list:
         return []
 
 
-def _on_first_answer(svc: Any, sc: Scenario, probe: Probe, ray: Any, skipped: set) -> None:
+def _on_first_answer(svc: Any, runs: Any, sc: Scenario, probe: Probe, ray: Any,
+                     skipped: set) -> None:
     """Ray: when the service hears its first answer, the callers of ``sc.cancel`` cancel
-    (``probe.on_cancel``) and the actor of ``sc.kill``'s stage is killed. A cancelled
-    record the source had not taken yet never enters: its lid goes to ``skipped``."""
-    from tailrace.runtime.ray import active_runs
-
+    (``probe.on_cancel``) and the actor of ``sc.kill``'s stage (of its run, which the
+    ``ActiveRuns`` ``runs`` lists) is killed. A cancelled record the source had not taken
+    yet never enters: its lid goes to ``skipped``."""
     victim = stage_id(sc.kill, sc.steps[sc.kill]) if sc.kill is not None else None
     lids = sorted({lid for _, lid in sc.cancel})
     done: list = []
@@ -596,7 +601,7 @@ def _on_first_answer(svc: Any, sc: Scenario, probe: Probe, ray: Any, skipped: se
             if probe.on_cancel is not None:
                 probe.on_cancel(lid)
         if victim is not None:
-            for r in active_runs():
+            for r in runs.describe():
                 actors = r["stages"].get(victim) or next(iter(r["stages"].values()), [])
                 for name, _node in actors[-1:]:  # the newest replica (scaled out, if any)
                     ray.kill(ray.get_actor(name), no_restart=False)
@@ -642,20 +647,21 @@ def _observe(svc: Any, outputs: list, errors: list, dropped: list) -> None:
 def run_ray(sc: Scenario, ray: Any) -> Report:
     """The scenario through ``tr.run(runtime="ray")``; ``kill`` kills a stage's actor
     once the first output reached the driver."""
-    from tailrace.runtime.ray import active_runs
+    from tailrace.runtime.ray import ActiveRuns
 
     report = Report()
     run, probe, ledger, tmp = _setup(sc)
     outputs: list = []
     errors: list = []
     killed: list = []
+    runs = ActiveRuns()
     victim = stage_id(sc.kill, sc.steps[sc.kill]) if sc.kill is not None else None
 
     def sink(x: Any) -> None:
         outputs.append(x)
         if victim is not None and not killed:
             killed.append(None)
-            for r in active_runs():
+            for r in runs.describe():
                 actors = r["stages"].get(victim) or next(iter(r["stages"].values()), [])
                 for name, _node in actors[-1:]:  # the newest replica (scaled out, if any)
                     ray.kill(ray.get_actor(name), no_restart=False)
@@ -666,7 +672,7 @@ def run_ray(sc: Scenario, ray: Any) -> Report:
         with LeakWatch() as leaks:
             p = build(sc, ledger, run, data=inputs(sc.n), sink=sink)
             job = _Watched(lambda: tr.run(p, runtime="ray", fuse=sc.fuse,
-                                          errors=errors.append, admission=gate),
+                                          errors=errors.append, admission=gate, runs=runs),
                            lambda: (len(outputs), len(errors)))
             if not job.wait(stall_s=30.0):
                 report.problems.append("the Ray run hung (no output for 30 s)")

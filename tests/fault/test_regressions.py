@@ -202,16 +202,17 @@ def test_ray_killing_an_actor_that_feeds_a_filter_loses_nothing_and_ends(ray_ses
     """Invariant 1 on Ray: the actor of ``map -> filter`` (fused; the map has a queue
     bound) is killed once the first output arrived; the run never finished and some of
     the filter's outputs never arrived (4 runs of 4)."""
-    from tailrace.runtime.ray import active_runs
+    from tailrace.runtime.ray import ActiveRuns
 
     ray = ray_session
     got: list = []
     killed: list = []
+    runs = ActiveRuns()
 
     def sink(x):
         got.append(x)
         if not killed:
-            [run] = [r for r in active_runs() if r["pipeline"] == "kill-filter"]
+            [run] = [r for r in runs.describe() if r["pipeline"] == "kill-filter"]
             name = run["stages"]["double"][0][0]
             ray.kill(ray.get_actor(name), no_restart=False)
             killed.append(name)
@@ -219,7 +220,8 @@ def test_ray_killing_an_actor_that_feeds_a_filter_loses_nothing_and_ends(ray_ses
     p = tr.Pipeline("kill-filter")
     p.source(range(11)).map(_double, id="double", queue=10).filter(_keep).sink(sink)
     box: dict = {}
-    job = threading.Thread(target=lambda: box.setdefault("r", tr.run(p, runtime="ray")),
+    job = threading.Thread(target=lambda: box.setdefault("r", tr.run(p, runtime="ray",
+                                                                     runs=runs)),
                            daemon=True)
     job.start()
     job.join(60)

@@ -13,7 +13,7 @@ import pytest
 
 import tailrace as tr
 from tailrace.control import AdmissionGate, make_policy
-from tailrace.runtime.ray import active_runs
+from tailrace.runtime.ray import ActiveRuns
 from tailrace.runtime.ray.driver import ADMISSION_WAITS
 
 
@@ -114,11 +114,12 @@ def test_tickets_come_back_once_through_errors_drops_and_a_killed_actor(ray_sess
     gate = CountingGate(8)
     got: list = []
     killed: list = []
+    runs = ActiveRuns()
 
     def sink(x):
         got.append(x)
         if len(got) == 150 and not killed:
-            [run] = [r for r in active_runs() if r["pipeline"] == "lifecycle"]
+            [run] = [r for r in runs.describe() if r["pipeline"] == "lifecycle"]
             [(name, _node)] = run["stages"]["fan"]
             ray.kill(ray.get_actor(name), no_restart=False)
             killed.append(name)
@@ -126,7 +127,7 @@ def test_tickets_come_back_once_through_errors_drops_and_a_killed_actor(ray_sess
     p = tr.Pipeline("lifecycle")
     (p.source(range(400)).map(boom, id="boom").filter(lambda x: x % 5 != 2, id="keep")
      .flat_map(twice, id="fan", queue=64).map(abs, id="after", queue=64).sink(sink))
-    result = tr.run(p, runtime="ray", admission=gate)
+    result = tr.run(p, runtime="ray", admission=gate, runs=runs)
     assert killed, "the stage actor was never killed"
     assert sorted(got) == sorted(v for x in range(400) if x % 5 not in (1, 2)
                                  for v in (x, x + 1))

@@ -13,7 +13,7 @@ import pytest
 
 import tailrace as tr
 from tailrace.errors import PlanError
-from tailrace.runtime.ray import active_runs, autoscale
+from tailrace.runtime.ray import ActiveRuns, autoscale
 
 
 def slow(x):
@@ -38,14 +38,15 @@ def quick(monkeypatch):
 
 
 @contextmanager
-def watching(stage: str):
-    """The stage's active replicas, sampled every 20 ms while the block runs."""
+def watching(stage: str, runs: ActiveRuns):
+    """The stage's active replicas in the runs ``runs`` lists, sampled every 20 ms while
+    the block runs."""
     seen: list = []
     stop = threading.Event()
 
     def sample() -> None:
         while not stop.is_set():
-            for r in active_runs():
+            for r in runs.describe():
                 n = r.get("active_replicas", {}).get(stage)
                 if n is not None:
                     seen.append(n)
@@ -65,8 +66,9 @@ def test_a_busy_elastic_stage_scales_out_and_loses_nothing(ray_session, quick):
     p = tr.Pipeline("elastic")
     p.source(range(n)).map(slow, id="work", replicas={"min": 1, "max": 3}, queue=64) \
         .map(plus, id="post").sink(got := [])
-    with watching("work") as seen:
-        result = tr.run(p, runtime="ray")
+    runs = ActiveRuns()
+    with watching("work", runs) as seen:
+        result = tr.run(p, runtime="ray", runs=runs)
     assert Counter(got) == Counter(x * 2 + 1 for x in range(n))
     assert result.stats.records_in == result.stats.records_out == n
     assert max(seen) >= 2, f"never scaled out: {sorted(set(seen))}"
@@ -82,8 +84,9 @@ def test_a_busy_elastic_stage_scales_out_and_loses_nothing(ray_session, quick):
 def test_a_fixed_stage_is_never_scaled(ray_session, quick):
     p = tr.Pipeline("fixed")
     p.source(range(200)).map(slow, id="work", replicas=1, queue=64).sink(got := [])
-    with watching("work") as seen:
-        result = tr.run(p, runtime="ray")
+    runs = ActiveRuns()
+    with watching("work", runs) as seen:
+        result = tr.run(p, runtime="ray", runs=runs)
     assert sorted(got) == [x * 2 for x in range(200)]
     assert not seen  # not elastic: nothing to report
     assert result.stats.scale_events == ()
@@ -101,11 +104,12 @@ def test_scaled_out_replicas_retire_when_idle_and_return_under_load(ray_session,
     p = tr.Pipeline("waves")
     p.source(feed()).map(slow, id="work", replicas={"min": 1, "max": 2}, queue=64) \
         .sink(got := [])
-    with watching("work") as seen:
-        result = tr.run(p, runtime="ray")
+    runs = ActiveRuns()
+    with watching("work", runs) as seen:
+        result = tr.run(p, runtime="ray", runs=runs)
     assert sorted(got) == [x * 2 for x in range(600)]
-    runs = [k for k, _ in groupby(seen)]
-    assert runs[:4] == [1, 2, 1, 2], f"expected out, in, out again: {runs}"
+    steps = [k for k, _ in groupby(seen)]
+    assert steps[:4] == [1, 2, 1, 2], f"expected out, in, out again: {steps}"
     reported = [k for _, _, k in result.stats.scale_events]
     assert reported[:3] == [2, 1, 2], f"the run's own scale events: {reported}"
 
@@ -115,11 +119,12 @@ def test_killing_a_scaled_out_replica_loses_and_duplicates_nothing(ray_session, 
     n = 1500
     got: list = []
     killed: list = []
+    runs = ActiveRuns()
 
     def sink(x):
         got.append(x)
         if len(got) == 500 and not killed:
-            [run] = [r for r in active_runs() if r["pipeline"] == "elastic-kill"]
+            [run] = [r for r in runs.describe() if r["pipeline"] == "elastic-kill"]
             hosts = run["stages"]["work"]
             if len(hosts) > 1:
                 ray.kill(ray.get_actor(hosts[-1][0]), no_restart=False)
@@ -128,7 +133,7 @@ def test_killing_a_scaled_out_replica_loses_and_duplicates_nothing(ray_session, 
     p = tr.Pipeline("elastic-kill")
     p.source(range(n)).map(slow, id="work", replicas={"min": 1, "max": 2}, queue=64) \
         .map(plus, id="post").sink(sink)
-    result = tr.run(p, runtime="ray")
+    result = tr.run(p, runtime="ray", runs=runs)
     assert killed, "the stage never scaled out before 500 outputs"
     assert Counter(got) == Counter(x * 2 + 1 for x in range(n))
     assert result.stats.records_out == n
@@ -164,14 +169,15 @@ def test_a_served_elastic_stage_scales_under_admission_and_answers_everyone(ray_
     p = tr.Pipeline("elastic-svc")
     p.source(fields=["x"]).map(slow_request, id="work", replicas={"min": 1, "max": 3},
                                queue=16).sink()
-    svc = PipelineService(p, admission=gate, runtime="ray", timeout_s=120).start()
+    runs = ActiveRuns()
+    svc = PipelineService(p, admission=gate, runtime="ray", timeout_s=120, runs=runs).start()
     try:
         assert svc.wait_ready(120), svc.failure
 
         async def main():
             return await asyncio.gather(*(svc.submit({"x": i}) for i in range(150)))
 
-        with watching("work") as seen:
+        with watching("work", runs) as seen:
             got = asyncio.run(main())
         assert got == [{"x": i, "y": 10 * i} for i in range(150)]
         assert max(seen) >= 2, f"never scaled out: {sorted(set(seen))}"

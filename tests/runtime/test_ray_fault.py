@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 
 import tailrace as tr
-from tailrace.runtime.ray import active_runs
+from tailrace.runtime.ray import ActiveRuns
 from tailrace.runtime.ray.instance import Stream
 
 N = 10_000
@@ -33,18 +33,19 @@ def test_killing_a_stage_actor_mid_run_loses_and_duplicates_nothing(ray_session,
     ray = ray_session
     got: list = []
     killed: list = []
+    runs = ActiveRuns()
 
     def sink(x):
         got.append(x)
         if len(got) == 3_000 and not killed:  # well inside the run: ~7,000 still to come
-            [run] = [r for r in active_runs() if r["pipeline"] == "fault"]
+            [run] = [r for r in runs.describe() if r["pipeline"] == "fault"]
             [(name, _node)] = run["stages"][victim]
             ray.kill(ray.get_actor(name), no_restart=False)
             killed.append(name)
 
     p = tr.Pipeline("fault")
     p.source(range(N)).map(work, id="work").map(post, id="post", queue=256).sink(sink)
-    result = tr.run(p, runtime="ray")
+    result = tr.run(p, runtime="ray", runs=runs)
 
     assert killed, "the stage actor was never killed"
     assert Counter(got) == Counter(post(work(x)) for x in range(N))
@@ -108,12 +109,14 @@ def test_a_replica_rebuilt_after_a_crash_does_not_wait_for_pushes_acknowledged_b
     s = s.filter(_keep, id="drop") if drop == "filter" else s.flat_map(_keep_some, id="drop")
     s.map(Hold(str(release)), id="hold", queue=64, blocking=True).sink(got)
     box: dict = {}
+    runs = ActiveRuns()
     job = threading.Thread(
-        target=lambda: box.setdefault("r", tr.run(p, runtime="ray", fuse=fuse)), daemon=True)
+        target=lambda: box.setdefault("r", tr.run(p, runtime="ray", fuse=fuse, runs=runs)),
+        daemon=True)
     job.start()
     try:
         assert read_all.wait(60), "the source never got to its end"
-        [run] = [r for r in active_runs() if r["pipeline"] == name]
+        [run] = [r for r in runs.describe() if r["pipeline"] == name]
         [(actor, _node)] = run["stages"]["double"]
         ray.kill(ray.get_actor(actor), no_restart=False)
     finally:

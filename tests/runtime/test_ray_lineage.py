@@ -14,8 +14,10 @@ import pytest
 import tailrace as tr
 from tailrace.api.records import ErrorRecord
 from tailrace.compiler import compile_pipeline
+from tailrace.engines import open_engine
+from tailrace.operators import BuildContext
 from tailrace.runtime.lineage import Trace, ids
-from tailrace.runtime.ray import active_runs
+from tailrace.runtime.ray import ActiveRuns
 from tailrace.runtime.ray.ledger import Ledger
 from tailrace.runtime.ray.messages import Commit, Delivery, Failures
 from tailrace.runtime.stage import StageWorker
@@ -96,13 +98,15 @@ def post(x):
     return x
 
 
-def killer(ray, pipeline: str, victim: str, after: int, got: list, killed: list):
-    """A sink that kills the actor running ``victim`` once ``after`` records arrived."""
+def killer(ray, active: ActiveRuns, pipeline: str, victim: str, after: int, got: list,
+           killed: list):
+    """A sink that kills the actor running ``victim`` (of a run ``active`` lists) once
+    ``after`` records arrived."""
 
     def sink(x):
         got.append(x)
         if len(got) >= after and not killed:
-            [run] = [r for r in active_runs() if r["pipeline"] == pipeline]
+            [run] = [r for r in active.describe() if r["pipeline"] == pipeline]
             [(name, _node)] = run["stages"][victim]
             ray.kill(ray.get_actor(name), no_restart=False)
             killed.append(name)
@@ -115,11 +119,12 @@ def test_a_flat_map_that_fans_out_differently_on_replay_delivers_one_execution_p
         ray_session, tmp_path):
     got: list = []
     killed: list = []
+    active = ActiveRuns()
     p = tr.Pipeline("fan-replay")
     (p.source(range(N)).filter(keep, id="keep").flat_map(Fan(str(tmp_path)), id="fan")
      .map(post, id="post", queue=256)
-     .sink(killer(ray_session, "fan-replay", "fan", 500, got, killed)))
-    result = tr.run(p, runtime="ray")
+     .sink(killer(ray_session, active, "fan-replay", "fan", 500, got, killed)))
+    result = tr.run(p, runtime="ray", runs=active)
 
     assert killed, "the stage actor was never killed"
     runs = executions(str(tmp_path))
@@ -146,11 +151,12 @@ def test_a_flat_map_that_fans_out_differently_on_replay_delivers_one_execution_p
 def test_a_filter_that_keeps_more_on_replay_delivers_each_record_once(ray_session, tmp_path):
     got: list = []
     killed: list = []
+    active = ActiveRuns()
     p = tr.Pipeline("coin-replay")
     (p.source(range(N)).filter(Coin(str(tmp_path)), id="coin")
      .map(post, id="post", queue=256)
-     .sink(killer(ray_session, "coin-replay", "coin", 500, got, killed)))
-    result = tr.run(p, runtime="ray")
+     .sink(killer(ray_session, active, "coin-replay", "coin", 500, got, killed)))
+    result = tr.run(p, runtime="ray", runs=active)
 
     assert killed, "the stage actor was never killed"
     runs = executions(str(tmp_path))
@@ -183,7 +189,7 @@ def _replica(p: tr.Pipeline) -> tuple[StageWorker, None]:
     """The first operator stage, built as a host builds it (its sink runs in the driver)."""
     stage = next(s for s in compile_pipeline(p).stages if s.ops[0].op.kind != "source")
     ops = [o for o in stage.ops if o.op.kind != "sink"]
-    rts = [o.op.build(o.params, o.contract) for o in ops]
+    rts = [o.op.build(o.params, BuildContext(o.contract, open_engine)) for o in ops]
     return StageWorker(stage, rts), None
 
 

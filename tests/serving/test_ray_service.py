@@ -19,7 +19,7 @@ import tailrace as tr
 from tailrace.cli.main import main
 from tailrace.control import AdmissionGate, make_policy
 from tailrace.request import request_of
-from tailrace.runtime.ray import active_runs
+from tailrace.runtime.ray import ActiveRuns
 from tailrace.serving import PipelineService, ServingHub
 from tailrace.serving.errors import RecordDropped, RequestFailed
 from tests.conftest import free_port
@@ -77,9 +77,11 @@ def gate():
 def test_outputs_error_records_and_drops_reach_their_callers(gate):
     p = tr.Pipeline("ray-svc")
     p.source(fields=["x"]).map(check, id="check").filter(not_five, id="keep").sink()
-    svc = PipelineService(p, admission=gate, runtime="ray", timeout_s=60).start()
+    runs = ActiveRuns()
+    svc = PipelineService(p, admission=gate, runtime="ray", timeout_s=60, runs=runs).start()
     try:
         assert svc.wait_ready(120), svc.failure
+        assert [r for r in runs.describe() if r["pipeline"] == "ray-svc"]  # the run is on
 
         async def main():
             return await asyncio.gather(*(svc.submit({"x": i}) for i in range(8)),
@@ -102,7 +104,7 @@ def test_outputs_error_records_and_drops_reach_their_callers(gate):
     finally:
         svc.stop()
     assert not svc.ready and svc.failure is None
-    assert not [r for r in active_runs() if r["pipeline"] == "ray-svc"]  # the run ended
+    assert not [r for r in runs.describe() if r["pipeline"] == "ray-svc"]  # the run ended
 
 
 def test_admission_rejects_with_429_and_the_gate_goes_back_to_idle():

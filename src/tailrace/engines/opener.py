@@ -13,12 +13,16 @@ shared by every pipeline in the process.
 
 A spec with ``cluster:`` (``cluster.py``) spreads replicas of the engine over a Ray
 cluster; only the Ray runtime opens it (the local one refuses it with the fix).
+
+Operators do not call ``open_engine`` themselves: they open engines through the
+``BuildContext`` their runtime passes to ``build``. The local runtime passes this
+``open_engine``; a Ray stage host passes its own, a handle on the cluster's shared
+engine actor (``runtime/ray/engines.py``).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,17 +36,6 @@ from .pool import check_options, close_pools, get_pool, pool_statistics
 POOL_KEYS = ("replicas", "endpoints", "dispatch", "max_batch_size", "max_wait_ms",
              "max_batch_tokens", "max_retries", "health_timeout_s", "max_in_flight",
              "isolation", "max_restarts", "affinity_slack")
-
-#: the runtime's engine opener in this process, if it opens engines elsewhere (Ray hosts
-#: reach engines shared by the cluster): ``opener(name, spec) -> engine``
-_REMOTE_OPENER: Callable[[str, dict], Any] | None = None
-
-
-def set_remote_opener(opener: Callable[[str, dict], Any] | None) -> None:
-    """Make ``open_engine`` in this process return ``opener(name, spec)`` (None: undo),
-    e.g. the Ray runtime's, a handle on the cluster's shared engine actor."""
-    global _REMOTE_OPENER
-    _REMOTE_OPENER = opener
 
 
 def is_pool(spec: Any) -> bool:
@@ -123,8 +116,6 @@ def open_engine(spec: dict[str, Any], name: str | None = None) -> Any:
     """The engine for ``spec``, created once per process and shared; a pool spec
     (``replicas``/``endpoints``) opens the shared, started pool of the engine's ``name``
     instead (default: the spec's ``_name``, which stages' linking sets)."""
-    if _REMOTE_OPENER is not None:
-        return _REMOTE_OPENER(name or spec.get("_name") or "engine", spec)
     if "cluster" in spec:
         raise EngineError(f"engine '{name or spec.get('_name') or 'engine'}': cluster: places "
                           "its replicas on a Ray cluster; run with --runtime ray (runtime="

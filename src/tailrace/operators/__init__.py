@@ -2,7 +2,17 @@
 
 from . import core, llm, memory, retrieval, route, semantic, tools  # noqa: F401  (built-ins)
 from .custom import Operator
-from .registry import OpDef, OpRuntime, Param, known_ops, lookup, qualname, register, resolve
+from .registry import (
+    BuildContext,
+    OpDef,
+    OpRuntime,
+    Param,
+    known_ops,
+    lookup,
+    qualname,
+    register,
+    resolve,
+)
 
-__all__ = ["OpDef", "OpRuntime", "Operator", "Param", "known_ops", "lookup", "qualname",
-           "register", "resolve"]
+__all__ = ["BuildContext", "OpDef", "OpRuntime", "Operator", "Param", "known_ops", "lookup",
+           "qualname", "register", "resolve"]

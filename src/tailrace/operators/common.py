@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..engines import check_spec, open_engine
+from ..engines import check_spec
 from ..engines.tokens import approx_tokens
 from ..errors import TailraceError
-from .registry import LinkContext, Param
+from .registry import BuildContext, LinkContext, Param
 
 ENGINE_HINT = "a name declared under 'engines:'"
 
@@ -115,8 +115,8 @@ def link_token_counter(params: dict, ctx: LinkContext) -> dict:
     return params
 
 
-def token_counter(params: dict) -> Callable[[str], int]:
+def token_counter(params: dict, ctx: BuildContext) -> Callable[[str], int]:
     """The token count a stage linked by ``link_token_counter`` uses at run time."""
     if params.get("_engine"):
-        return open_engine(params["_engine"]).count_tokens
+        return ctx.open_engine(params["_engine"]).count_tokens
     return approx_tokens

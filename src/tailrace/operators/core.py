@@ -21,9 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..api.pipeline import Contract
 from .common import FieldError, count_param, get_field, non_negative
-from .registry import OpDef, OpRuntime, Param, is_async_callable, register, resolve
+from .registry import BuildContext, OpDef, OpRuntime, Param, is_async_callable, register, resolve
 
 FN = Param("fn", (str,), required=True, doc="callable or dotted path 'pkg.module.function'",
            want="a callable or a dotted path like 'mypkg.module.function'", callable=True)
@@ -85,7 +84,7 @@ def per_record(f: Callable[[Any], Any], *, many: bool = False) -> Callable[[list
 
 
 # -- map ------------------------------------------------------------------------------
-def _build_map(params: dict, contract: Contract) -> OpRuntime:
+def _build_map(params: dict, ctx: BuildContext) -> OpRuntime:
     raw = _fn(params)
     inp, target = _io(params)
     f = _with_fields(raw, inp, target)
@@ -95,7 +94,7 @@ def _build_map(params: dict, contract: Contract) -> OpRuntime:
             return [v if target is None else {**x, target: v}]
 
         return OpRuntime("map", record_fn=arecord, is_async=True)
-    if contract.batch is not None:
+    if ctx.contract.batch is not None:
         return OpRuntime("map", record_fn=_whole_batch(raw, params), whole_batch=True)
     return OpRuntime("map", batch_fn=per_record(f), record_fn=lambda x: [f(x)])
 
@@ -118,7 +117,7 @@ def _whole_batch(fn: Callable, params: dict) -> Callable:
 
 
 # -- filter ---------------------------------------------------------------------------
-def _build_filter(params: dict, contract: Contract) -> OpRuntime:
+def _build_filter(params: dict, ctx: BuildContext) -> OpRuntime:
     raw = _fn(params)
     inp = params.get("input")
     pred = raw if inp is None else (lambda r: raw(get_field(r, inp)))
@@ -127,7 +126,7 @@ def _build_filter(params: dict, contract: Contract) -> OpRuntime:
 
 
 # -- flat_map -------------------------------------------------------------------------
-def _build_flat_map(params: dict, contract: Contract) -> OpRuntime:
+def _build_flat_map(params: dict, ctx: BuildContext) -> OpRuntime:
     raw = _fn(params)
     inp, target = _io(params)
     if target is None:
@@ -141,13 +140,13 @@ def _build_flat_map(params: dict, contract: Contract) -> OpRuntime:
 
 
 # -- key_by ---------------------------------------------------------------------------
-def _build_key_by(params: dict, contract: Contract) -> OpRuntime:
+def _build_key_by(params: dict, ctx: BuildContext) -> OpRuntime:
     kf = _fn(params)
-    return _build_map({"fn": lambda x: (kf(x), x)}, contract)
+    return _build_map({"fn": lambda x: (kf(x), x)}, ctx)
 
 
 # -- branch ---------------------------------------------------------------------------
-def _build_branch(params: dict, contract: Contract) -> OpRuntime:
+def _build_branch(params: dict, ctx: BuildContext) -> OpRuntime:
     raw = _fn(params)
     inp = params.get("input")
     pred = raw if inp is None else (lambda r: raw(get_field(r, inp)))
@@ -161,7 +160,7 @@ def _build_branch(params: dict, contract: Contract) -> OpRuntime:
 
 
 # -- stateful -------------------------------------------------------------------------
-def _build_stateful(params: dict, contract: Contract) -> OpRuntime:
+def _build_stateful(params: dict, ctx: BuildContext) -> OpRuntime:
     fn = _fn(params)
     key, (inp, target) = params.get("key"), _io(params)
     state: dict = {}
@@ -200,19 +199,19 @@ def _stateful_fields(params: dict) -> tuple:
 
 
 # -- merge / batch / source / sink ----------------------------------------------------
-def _build_identity(params: dict, contract: Contract) -> OpRuntime:
+def _build_identity(params: dict, ctx: BuildContext) -> OpRuntime:
     return OpRuntime("map")
 
 
-def _build_batch(params: dict, contract: Contract) -> OpRuntime:
+def _build_batch(params: dict, ctx: BuildContext) -> OpRuntime:
     out = params.get("output")
     if out is None:
         return OpRuntime("collect", record_fn=lambda records: records)
     return OpRuntime("collect", record_fn=lambda records: {out: records})
 
 
-def _build_placeholder(kind: str) -> Callable[[dict, Contract], OpRuntime]:
-    return lambda params, contract: OpRuntime(kind)
+def _build_placeholder(kind: str) -> Callable[[dict, BuildContext], OpRuntime]:
+    return lambda params, ctx: OpRuntime(kind)
 
 
 register(OpDef("map", "map", _build_map, (FN, INPUT, OUTPUT), batchable=True,

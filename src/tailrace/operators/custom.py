@@ -18,9 +18,8 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from ..api.pipeline import Contract
 from .core import per_record
-from .registry import OpDef, OpRuntime, Param, is_async_callable
+from .registry import BuildContext, OpDef, OpRuntime, Param, is_async_callable
 
 
 class Operator:
@@ -49,7 +48,7 @@ def custom_op(cls: Any) -> OpDef:
         params.append(Param(name, (object,), required=required,
                             default=None if required else p.default))
 
-    def build(kwargs: dict, contract: Contract) -> OpRuntime:
+    def build(kwargs: dict, ctx: BuildContext) -> OpRuntime:
         inst = cls(**kwargs)
         if is_async_callable(inst.process):
             async def arecord(x: Any) -> list:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import string
 from typing import Any
 
-from ..engines import GenerationRequest, open_engine
+from ..engines import GenerationRequest
 from ..engines.models import batches_continuously
 from ..engines.structured import check_answer, check_enforceable, check_schema, enforced_by
 from ..errors import ContextOverflow, EngineError, StructuredOutputError
@@ -34,7 +34,7 @@ from .common import (
     non_negative,
 )
 from .core import per_record
-from .registry import Answers, OpDef, OpRuntime, Param, register
+from .registry import Answers, BuildContext, OpDef, OpRuntime, Param, register
 
 
 def template_fields(template: str) -> tuple[str, ...]:
@@ -97,7 +97,7 @@ def prompt_text(template: str | None, inp: str | None, record: Any) -> str:
     return value
 
 
-def _build_prompt(params: dict, contract: Any) -> OpRuntime:
+def _build_prompt(params: dict, ctx: BuildContext) -> OpRuntime:
     template, out = params["template"], params["output"]
     f = lambda r: {**r, out: render(template, r)}  # noqa: E731
     return OpRuntime("map", batch_fn=per_record(f), record_fn=lambda x: [f(x)])
@@ -307,8 +307,8 @@ def _prepare_generate(params: dict, ctx: Any) -> dict:
     return params
 
 
-def _build_generate(params: dict, contract: Any) -> OpRuntime:
-    engine = open_engine(params["_engine"])
+def _build_generate(params: dict, ctx: BuildContext) -> OpRuntime:
+    engine = ctx.open_engine(params["_engine"])
     chat = getattr(engine, "chat", True)
     template, inp, out = params.get("prompt"), params.get("input"), params["output"]
     system = params.get("system")

@@ -30,7 +30,6 @@ import contextlib
 import time
 from typing import Any
 
-from ..engines import open_engine
 from ..stores.memory import Fact, FactHit, Turn, check_store_spec, open_store
 from .common import (
     ENGINE_HINT,
@@ -44,7 +43,7 @@ from .common import (
     positive,
     token_counter,
 )
-from .registry import LinkContext, OpDef, OpRuntime, Param, register
+from .registry import BuildContext, LinkContext, OpDef, OpRuntime, Param, register
 
 FACTS_HEADER = "Known facts about the user:"
 TURNS_HEADER = "Conversation so far:"
@@ -85,12 +84,12 @@ def _prepare_store(params: dict, ctx: LinkContext, texts: str) -> dict:
     return params
 
 
-def _embedder(params: dict) -> tuple[Any, str]:
+def _embedder(params: dict, ctx: BuildContext) -> tuple[Any, str]:
     """(engine, model name) of the stage's embedder, or (None, "")."""
     spec = params.get("_embedder")
     if not spec:
         return None, ""
-    engine = open_engine(spec)
+    engine = ctx.open_engine(spec)
     name = getattr(engine, "model", None) or spec.get("model") or spec.get("path") or "embedder"
     return engine, str(name)
 
@@ -159,10 +158,10 @@ def _query_value(record: Any, name: str) -> Any:
                      f"{type(v).__name__}")
 
 
-def _build_read(params: dict, contract: Any) -> OpRuntime:
+def _build_read(params: dict, ctx: BuildContext) -> OpRuntime:
     store = open_store(params["_store"])
-    embedder, model = _embedder(params)
-    count = token_counter(params)
+    embedder, model = _embedder(params, ctx)
+    count = token_counter(params, ctx)
     clock = params["clock"] or time.time
     ufield, sfield, qfield = params["user"], params["session"], params.get("query")
     n_turns, k, budget = params["turns"], params["k"], params["max_tokens"]
@@ -264,11 +263,11 @@ def _metadata(record: Any, name: str | None) -> dict:
     return v
 
 
-def _build_write(params: dict, contract: Any) -> OpRuntime:
+def _build_write(params: dict, ctx: BuildContext) -> OpRuntime:
     import json
 
     store = open_store(params["_store"])
-    embedder, model = _embedder(params)
+    embedder, model = _embedder(params, ctx)
     clock = params["clock"] or time.time
     store.purge(clock())
     ufield, sfield, turn_fields = params["user"], params["session"], dict(params["turns"])

@@ -4,7 +4,10 @@ An ``OpDef`` declares the operator's parameters (checked at compile time), its s
 kind, whether it can be fused, the record fields it reads and writes, and ``build``,
 which makes fresh runtime callables for one run (one per replica). Operators backed by
 models or indexes (embed, retrieve, generate, memory, ...) open them inside ``build``, so
-their heavy libraries load when a run starts, never at import time.
+their heavy libraries load when a run starts, never at import time. Engines are opened
+through the ``BuildContext`` the runtime passes in: the runtime decides where an engine
+lives (this process, or the Ray cluster's shared engine actor), the operator never asks
+a process-wide hook.
 """
 
 from __future__ import annotations
@@ -99,12 +102,27 @@ class Answers:
 
 
 @dataclass(frozen=True)
+class BuildContext:
+    """What ``OpDef.build`` gets besides its params, for one replica of one run.
+
+    contract:    the stage's contract (batching, timeout, retries, ...).
+    open_engine: ``open_engine(spec) -> engine`` for an engine spec the compiler linked
+                 (``_name`` names it): the runtime's opener. The local runtime passes
+                 ``tailrace.engines.open_engine`` (shared in the process); a Ray stage host
+                 passes a handle on the cluster's shared engine actor.
+    """
+
+    contract: Contract
+    open_engine: Callable[[dict[str, Any]], Any]
+
+
+@dataclass(frozen=True)
 class OpDef:
     """The definition of an operator, as the compiler sees it."""
 
     name: str
     kind: str
-    build: Callable[[dict[str, Any], Contract], OpRuntime]
+    build: Callable[[dict[str, Any], BuildContext], OpRuntime]
     params: tuple[Param, ...] = ()
     state: str = "stateless"  # stateless | keyed | shared
     fusable: bool = True

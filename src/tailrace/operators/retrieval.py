@@ -12,7 +12,7 @@ import os
 import re
 from typing import Any
 
-from ..engines import home, open_engine
+from ..engines import home
 from ..errors import TailraceError
 from .common import (
     ENGINE_HINT,
@@ -24,7 +24,7 @@ from .common import (
     link_token_counter,
     token_counter,
 )
-from .registry import LinkContext, OpDef, OpRuntime, Param, register
+from .registry import BuildContext, LinkContext, OpDef, OpRuntime, Param, register
 
 
 def _typed(record: Any, field: str, want: type | tuple) -> Any:
@@ -50,8 +50,8 @@ def _io(params: dict, reads: tuple[str, ...]) -> tuple:
 
 
 # -- embed ----------------------------------------------------------------------------
-def _build_embed(params: dict, contract: Any) -> OpRuntime:
-    engine = open_engine(params["_engine"])
+def _build_embed(params: dict, ctx: BuildContext) -> OpRuntime:
+    engine = ctx.open_engine(params["_engine"])
     inp, out = params["input"], params["output"]
 
     def batch_fn(batch: list, errors: list) -> list:
@@ -152,7 +152,7 @@ def _prepare_retrieve(params: dict, ctx: LinkContext) -> dict:
     return params
 
 
-def _build_retrieve(params: dict, contract: Any) -> OpRuntime:
+def _build_retrieve(params: dict, ctx: BuildContext) -> OpRuntime:
     import numpy as np
 
     from ..stores.filters import compile_filter
@@ -251,10 +251,10 @@ def _scores(scorer: Any, query: str, texts: list[str]) -> list[float]:
     return [float(x) for x in out]
 
 
-def _build_rerank(params: dict, contract: Any) -> OpRuntime:
+def _build_rerank(params: dict, ctx: BuildContext) -> OpRuntime:
     import numpy as np
 
-    engine = open_engine(params["_engine"]) if params.get("_engine") else None
+    engine = ctx.open_engine(params["_engine"]) if params.get("_engine") else None
     scorer = params.get("scorer")
     inp, q, out = params["input"], params["query"], params["output"] or params["input"]
     k = params["k"]
@@ -392,8 +392,8 @@ def _prepare_refine(params: dict, ctx: LinkContext) -> dict:
     return link_token_counter(params, ctx)
 
 
-def _build_refine(params: dict, contract: Any) -> OpRuntime:
-    packer = Packer(params["max_tokens"], params["dedup"], token_counter(params))
+def _build_refine(params: dict, ctx: BuildContext) -> OpRuntime:
+    packer = Packer(params["max_tokens"], params["dedup"], token_counter(params, ctx))
     inp, out, src = params["input"], params["output"], params.get("sources")
     cite = params.get("source_fields")
 
@@ -437,7 +437,7 @@ register(OpDef(
 
 
 # -- select ---------------------------------------------------------------------------
-def _build_select(params: dict, contract: Any) -> OpRuntime:
+def _build_select(params: dict, ctx: BuildContext) -> OpRuntime:
     keep, drop = params.get("fields"), params.get("drop") or []
 
     def batch_fn(batch: list, errors: list) -> list:

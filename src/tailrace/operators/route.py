@@ -31,7 +31,7 @@ import threading
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ..engines import GenerationRequest, open_engine
+from ..engines import GenerationRequest
 from ..engines.models import batches_continuously
 from ..errors import ContextOverflow, EngineError
 from ..registry import Registry
@@ -54,7 +54,7 @@ from .llm import (
     template_fields,
     with_urgency,
 )
-from .registry import Answers, LinkContext, OpDef, OpRuntime, Param, register
+from .registry import Answers, BuildContext, LinkContext, OpDef, OpRuntime, Param, register
 
 _LOGPROBS = "logprobs" in {f.name for f in fields(GenerationRequest)}
 _OPTION_KEYS = {"prompt", "system", "stop", "max_tokens"}
@@ -133,9 +133,9 @@ def _matches(when: dict, record: Any, count: Any) -> bool:
 class _Target:
     """One engine with the stage's request settings (and its per-engine overrides)."""
 
-    def __init__(self, name: str, spec: dict, params: dict) -> None:
+    def __init__(self, name: str, engine: Any, params: dict) -> None:
         opts = {**params, **(params.get("per_engine") or {}).get(name, {})}
-        self.name, self.engine = name, open_engine(spec)
+        self.name, self.engine = name, engine
         self.template, self.inp = opts.get("prompt"), opts.get("input")
         self.system, self.stop = opts.get("system"), tuple(opts.get("stop") or ())
         self.max_tokens, self.temperature = opts["max_tokens"], float(opts["temperature"])
@@ -236,9 +236,9 @@ def _counting_engine(params: dict) -> Any:
     return (params.get("_engines") or {}).get(name)
 
 
-def _build_route(params: dict, contract: Any) -> OpRuntime:
+def _build_route(params: dict, ctx: BuildContext) -> OpRuntime:
     specs = params["_engines"]
-    targets = {n: _Target(n, s, params) for n, s in specs.items()}
+    targets = {n: _Target(n, ctx.open_engine(s), params) for n, s in specs.items()}
     rules: list[dict] = params.get("rules") or []
     default: str = params.get("default") or ""
     cascade: list[str] = params.get("cascade") or []

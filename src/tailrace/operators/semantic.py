@@ -32,11 +32,10 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from ..engines import open_engine
 from ..errors import TailraceError
 from .common import ENGINE_HINT, FieldError, count_param, get_field, link_engine, positive
 from .follow import start_feeder
-from .registry import LinkContext, OpDef, OpRuntime, Param, register
+from .registry import BuildContext, LinkContext, OpDef, OpRuntime, Param, register
 
 
 def doc_time(value: Any) -> float:
@@ -59,11 +58,11 @@ def doc_time(value: Any) -> float:
 class Ingester:
     """Turns document records into live-index changes (shared by both feeding modes)."""
 
-    def __init__(self, index: Any, params: dict) -> None:
-        """Bind the live index and the stage's parameters (``doc_id``, ``text``, ``vector``,
-        ``time``, ``delete``)."""
+    def __init__(self, index: Any, engine: Any, params: dict) -> None:
+        """Bind the live index, the stage's embedder (or None) and its parameters
+        (``doc_id``, ``text``, ``vector``, ``time``, ``delete``)."""
         self.index = index
-        self.engine = open_engine(params["_engine"]) if params.get("_engine") else None
+        self.engine = engine
         self.model = params.get("_model")
         self.id, self.text, self.vector = params["doc_id"], params["text"], params.get("vector")
         self.time, self.delete = params.get("time"), params["delete"]
@@ -145,7 +144,7 @@ class Ingester:
                 ids, payload, docs, times, stale = self._chunked(ids, payload, docs, times)
 
             vecs = (np.stack([np.asarray(v, dtype=np.float32) for v in payload])
-                    if self.vector else self.engine.embed(payload))  # type: ignore[union-attr]
+                    if self.vector else self.engine.embed(payload))
             if stale:
                 self.index.delete(stale)
             self.index.upsert(ids, vecs, docs, model=self.model,
@@ -178,13 +177,14 @@ class Ingester:
         return out
 
 
-def _build_semantic(params: dict, contract: Any) -> OpRuntime:
+def _build_semantic(params: dict, ctx: BuildContext) -> OpRuntime:
     from ..stores.live_index import open_live_index
 
     index = open_live_index(params["index"])
     index.ttl_s = params.get("ttl_s")
     index.snapshot_every_s = params["snapshot_every_s"]
-    ingester = Ingester(index, params)
+    engine = ctx.open_engine(params["_engine"]) if params.get("_engine") else None
+    ingester = Ingester(index, engine, params)
     out, name = params.get("output"), params["index"]
 
     if params.get("follow"):

@@ -35,7 +35,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from time import monotonic
 from typing import Any
 
-from ..engines import GenerationRequest, open_engine
+from ..engines import GenerationRequest
 from ..engines.models import batches_continuously
 from ..engines.tokens import approx_tokens
 from ..errors import EngineError
@@ -56,7 +56,16 @@ from .llm import (
     request_options,
     stream_of,
 )
-from .registry import Answers, LinkContext, OpDef, OpRuntime, Param, register, resolve
+from .registry import (
+    Answers,
+    BuildContext,
+    LinkContext,
+    OpDef,
+    OpRuntime,
+    Param,
+    register,
+    resolve,
+)
 from .tool_schema import ToolError, check_schema, parse_json_call, validate
 
 __all__ = ["ToolError", "check_schema", "parse_json_call", "validate"]
@@ -274,14 +283,14 @@ class OpenAIChat:
         return {"role": "tool", "tool_call_id": call_id, "content": json.dumps(value, default=str)}
 
 
-def _build_tool_call(params: dict, contract: Any) -> OpRuntime:
+def _build_tool_call(params: dict, ctx: BuildContext) -> OpRuntime:
     runner = ToolRunner(params["tools"], params["tool_timeout_ms"] / 1000)
     spec = params["_engine"]
     fmt = params["format"]
     if fmt == "auto":
         fmt = "openai" if spec.get("backend") == "openai" else "json"
     chat: Any = (OpenAIChat(spec, runner, params) if fmt == "openai"
-                 else JsonChat(open_engine(spec), params))
+                 else JsonChat(ctx.open_engine(spec), params))
     template, inp, out = params.get("prompt"), params.get("input"), params["output"]
     calls_field, max_rounds, on_error = params["calls"], params["max_rounds"], params["on_error"]
     conv_field, frozen = params.get("messages"), frozenset(params.get("frozen") or ())

@@ -40,7 +40,7 @@ def run(pipeline: Pipeline | Plan, *, runtime: str = "local",
         input: Iterable[Any] | None = None, output: list | Callable | None = None,
         errors: list | Callable[[ErrorRecord], None] | None = None,
         fuse: bool = True, admission: Any = None, address: str | None = None,
-        placement: dict | None = None) -> RunResult:
+        placement: dict | None = None, runs: Any = None) -> RunResult:
     """Compile (if needed) and run a pipeline to completion.
 
     input:   records for a source declared without data (YAML pipelines' ``source``).
@@ -56,6 +56,8 @@ def run(pipeline: Pipeline | Plan, *, runtime: str = "local",
              ``auto``); default: the current connection or a new local Ray.
     placement: runtime="ray" only: ``{stage id: {num_cpus, num_gpus, memory,
              resources, strategy: pack|spread}}`` (``docs/ray.md``).
+    runs:    runtime="ray" only: a ``tailrace.runtime.ray.ActiveRuns`` that lists the run
+             (its stage actors) while it runs.
     Raises ``PlanError`` for an invalid pipeline and ``RunInterrupted`` (with the
     partial ``.result``) on Ctrl-C.
     """
@@ -63,6 +65,8 @@ def run(pipeline: Pipeline | Plan, *, runtime: str = "local",
         raise PlanError(f"unknown runtime '{runtime}'; choose one of: {', '.join(RUNTIMES)}")
     if runtime != "ray" and (address is not None or placement is not None):
         raise PlanError("address= and placement= apply to runtime='ray' only")
+    if runtime != "ray" and runs is not None:
+        raise PlanError("runs= lists Ray runs; it applies to runtime='ray' only")
     plan = pipeline if isinstance(pipeline, Plan) else compile_pipeline(pipeline, fuse=fuse)
     from .local import LocalRun
 
@@ -79,7 +83,8 @@ def run(pipeline: Pipeline | Plan, *, runtime: str = "local",
 
         try:
             stats = run_on_ray(plan, inputs=inputs, outputs=outputs, on_error=on_error,
-                               admission=admission, address=address, placement=placement)
+                               admission=admission, address=address, placement=placement,
+                               runs=runs)
         except RayInterrupted as e:
             raise RunInterrupted("run interrupted",
                                  RunResult(plan, e.stats, error_list, collected)) from None

@@ -168,11 +168,14 @@ class HubActor:
     def __init__(self, plans: list[Any], gate_factory: Callable[[], Any] | None = None,
                  max_pending: int = 1024, timeout_s: float = 300.0,
                  placement: dict[str, dict] | None = None) -> None:
+        from ..runtime.ray import ActiveRuns
+
         gate = gate_factory() if gate_factory is not None else None
         placement = placement or {}
+        self.runs = ActiveRuns()  # the runs of this hub's services
         self.hub = ServingHub([PipelineService(
             p, admission=gate, max_pending=max_pending, timeout_s=timeout_s, runtime="ray",
-            placement=placement.get(p.name)) for p in plans], gate=gate)
+            placement=placement.get(p.name), runs=self.runs) for p in plans], gate=gate)
 
     async def start(self) -> list[str]:
         """Start every pipeline's run on this actor's loop; returns their names."""
@@ -235,10 +238,8 @@ class HubActor:
                 "gate": stats() if callable(stats) else None, "pools": self.hub.pools()}
 
     def actors(self) -> list[dict[str, Any]]:
-        """The runs' stage actors (``runtime.ray.active_runs``): to inspect or kill one."""
-        from ..runtime.ray import active_runs
-
-        return active_runs()
+        """The runs' stage actors (``ActiveRuns.describe``): to inspect or kill one."""
+        return self.runs.describe()
 
     async def drain(self, timeout: float = 30.0) -> None:
         """Stop taking requests, answer those in the pipelines, end the runs."""

@@ -149,19 +149,23 @@ class PipelineService:
                       local Ray. Connected once, when the service starts.
     placement:        with "ray": ``{stage id: {num_cpus, num_gpus, memory, resources,
                       strategy}}``.
+    runs:             with "ray": the caller's ``runtime.ray.ActiveRuns`` that lists the
+                      run (its stage actors) while it runs, or None.
     """
 
     def __init__(self, plan_or_pipeline: Pipeline | Plan, *, admission: Any = None,
                  max_pending: int = 1024, timeout_s: float = 300.0, runtime: str = "local",
-                 address: str | None = None, placement: dict | None = None) -> None:
+                 address: str | None = None, placement: dict | None = None,
+                 runs: Any = None) -> None:
         plan = (plan_or_pipeline if isinstance(plan_or_pipeline, Plan)
                 else compile_pipeline(plan_or_pipeline))
         _check_servable(plan)
         if runtime not in ("local", "ray"):
             raise ValueError(f"runtime must be 'local' or 'ray', got {runtime!r}")
-        if runtime == "local" and (address is not None or placement is not None):
-            raise ValueError("address and placement are options of runtime='ray'; "
-                             "the local runtime takes neither")
+        if runtime == "local" and (address is not None or placement is not None or
+                                   runs is not None):
+            raise ValueError("address and placement are options of runtime='ray', like "
+                             "runs; the local runtime takes none of them")
         if runtime == "ray":
             from ..runtime.ray import import_ray
             from ..runtime.ray.placement import parse_placement
@@ -180,6 +184,7 @@ class PipelineService:
         self.runtime = runtime
         self.address = address
         self.placement = placement
+        self.runs = runs
         self.unrouted = 0  # outputs/error records with no waiting caller (late, extra)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -366,8 +371,8 @@ class PipelineService:
                         on_error=self._on_error, on_drop=self._on_drop, drop_key=REQUEST,
                         on_ready=installed, admission=door, address=self.address,
                         placement=self.placement)
-        self._run = await asyncio.to_thread(build)  # connecting blocks: off the loop
-        await self._run.execute()
+        run = self._run = await asyncio.to_thread(build)  # connecting blocks: off the loop
+        await (run.execute() if self.runs is None else self.runs.execute(run))
 
     # -- requests -----------------------------------------------------------------------
     async def submit(self, record: dict, on_token: Callable[[str], Any] | None = None,

@@ -25,7 +25,6 @@ stage writes one, ``retrieve`` stages of any pipeline (``index: live:NAME``) rea
 
 from __future__ import annotations
 
-import atexit
 import base64
 import contextlib
 import heapq
@@ -423,7 +422,7 @@ class LiveIndex:
 
 
 # -- the process-wide registry -------------------------------------------------------
-_OPEN: Registry[LiveIndex] = Registry("live indexes")
+_OPEN: Registry[LiveIndex] = Registry("live indexes", at_exit=True)
 
 
 def live_dir(name: str) -> Path:
@@ -454,6 +453,3 @@ def _forget(index: LiveIndex) -> None:
 def close_live_indexes() -> None:
     """Close every open live index (final snapshots); runs at interpreter exit too."""
     _OPEN.close_all()
-
-
-atexit.register(close_live_indexes)

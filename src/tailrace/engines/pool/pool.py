@@ -20,7 +20,6 @@ callers) and the replica is restarted in the background (marked down after
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import queue
 import threading
@@ -579,7 +578,7 @@ def _cached_prompts(spec: dict[str, Any]) -> int:
     return max(n + extra, 1) if ok else 8  # bad values: the engine's own check names them
 
 
-_POOLS: Registry[EnginePool] = Registry("engine pools")
+_POOLS: Registry[EnginePool] = Registry("engine pools", at_exit=True)
 
 
 def get_pool(name: str, spec: dict[str, Any], **options: Any) -> EnginePool:
@@ -615,6 +614,3 @@ def pool_statistics() -> dict[str, PoolStatistics]:
 def close_pools() -> None:
     """Stop every pool ``get_pool`` created (tests, shutdown)."""
     _POOLS.close_all()
-
-
-atexit.register(close_pools)

@@ -17,9 +17,11 @@ from typing import Any
 
 from ...api.records import ErrorRecord
 from ...compiler import MAX_MICROBATCH, Plan, PlanStage
+from ...engines import open_engine
 from ...observability import Histogram, StageMeter
 from ...observability.tracing import STATE as TRACING
 from ...observability.tracing import stage_spans
+from ...operators import BuildContext
 from ...request import REQUEST, Request, request_of, strip
 from ..ingress import input_failed, read, read_admitted
 from ..stage import StageWorker, sink_runtime, sink_target
@@ -85,7 +87,7 @@ class LocalRun:
                     target = _user_fields(target)  # a batch run's sink: no request
                 rts.append(sink_runtime(target))
             else:
-                rts.append(o.op.build(o.params, o.contract))
+                rts.append(o.op.build(o.params, BuildContext(o.contract, open_engine)))
         return rts
 
     # -- the run ----------------------------------------------------------------------

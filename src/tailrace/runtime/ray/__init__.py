@@ -13,6 +13,9 @@ Layout, one responsibility per module:
 - ``driver``: sources, admission, sinks, the run's life cycle.
 - ``served``: a served run's requests across actors (live in the driver, bound on hosts).
 
+The runs in progress are listed only where a caller asks for it: it holds an
+``ActiveRuns`` and passes it in (``runs=``); no module keeps them.
+
 Statistics are built by ``runtime/stats.py`` (per-actor meters in the local format).
 
 Nothing here imports Ray at module import time.
@@ -30,15 +33,31 @@ from ...compiler import Plan
 from ..stats import RayRunStats, RayStageStats
 from .connect import RayUnavailable, connect, import_ray
 
-__all__ = ["RayRunStats", "RayStageStats", "RayUnavailable", "active_runs", "run_on_ray",
+__all__ = ["ActiveRuns", "RayRunStats", "RayStageStats", "RayUnavailable", "run_on_ray",
            "serving_run"]
 
 
-def active_runs() -> list[dict[str, Any]]:
-    """The Ray runs in progress in this process and the actors of their stages."""
-    from .driver import active_runs as runs
+class ActiveRuns:
+    """The Ray runs in progress that one caller watches (a serving hub, a test): pass it
+    as ``runs=`` to ``tr.run(runtime="ray")``, ``run_on_ray`` or
+    ``PipelineService(runtime="ray")``; a run is listed from its start to its end."""
 
-    return runs()
+    def __init__(self) -> None:
+        self._runs: dict[str, Any] = {}  # run id -> RayRun
+
+    async def execute(self, run: Any) -> None:
+        """``await run.execute()`` of a ``RayRun``, listed here meanwhile."""
+        self._runs[run.run_id] = run
+        try:
+            await run.execute()
+        finally:
+            self._runs.pop(run.run_id, None)
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Per run in progress: its pipeline, run id and, per stage, the actors (name, node
+        id) its replicas run on (e.g. to inspect or kill one), active replicas, scale
+        events (``RayRun.describe``)."""
+        return [r.describe() for r in list(self._runs.values())]
 
 
 class RayInterrupted(Exception):
@@ -76,7 +95,8 @@ def serving_run(plan: Plan, *, inputs: dict[str, Any], outputs: dict[str, Any],
 
 def run_on_ray(plan: Plan, *, inputs: dict[str, Any], outputs: dict[str, Any],
                on_error: Callable[[ErrorRecord], None], admission: Any = None,
-               address: str | None = None, placement: dict | None = None) -> RayRunStats:
+               address: str | None = None, placement: dict | None = None,
+               runs: ActiveRuns | None = None) -> RayRunStats:
     """Run ``plan`` on Ray and return its statistics.
 
     plan:      the compiled plan.
@@ -87,6 +107,7 @@ def run_on_ray(plan: Plan, *, inputs: dict[str, Any], outputs: dict[str, Any],
     address:   the cluster (``HOST:PORT``, ``ray://HOST:PORT``, ``auto``); None: the
                current connection, ``RAY_ADDRESS``, or a new local Ray.
     placement: ``{stage id: {num_cpus, num_gpus, memory, resources, strategy}}``.
+    runs:      an ``ActiveRuns`` that lists the run while it runs (or None).
     Raises ``RayUnavailable`` (no Ray, unreachable address), ``PlanError`` (e.g. an
     operator that cannot be serialised) before any actor starts, ``RayInterrupted``.
     """
@@ -100,7 +121,7 @@ def run_on_ray(plan: Plan, *, inputs: dict[str, Any], outputs: dict[str, Any],
     connect(address)
     t0 = perf_counter()
     try:
-        asyncio.run(rr.execute())
+        asyncio.run(rr.execute() if runs is None else runs.execute(rr))
     except (KeyboardInterrupt, asyncio.CancelledError):
         raise RayInterrupted(rr.stats(perf_counter() - t0, True)) from None
     return rr.stats(perf_counter() - t0, False)

@@ -67,14 +67,6 @@ CANCEL_POLL_S = 0.05
 #: queue in front of it (under overload a 429 would otherwise wait for its turn).
 ADMISSION_WAITS = 64
 
-#: Runs in progress in this process, by run id (``active_runs()`` reads it).
-ACTIVE: dict[str, RayRun] = {}
-
-
-def active_runs() -> list[dict[str, Any]]:
-    """The Ray runs in progress in this process: name, run id and, per stage, the actors
-    (name, node id) its replicas run on, e.g. to inspect or kill one."""
-    return [r.describe() for r in list(ACTIVE.values())]
 
 
 class _Sink:
@@ -171,7 +163,6 @@ class RayRun:
 
     async def execute(self) -> None:
         finished = False
-        ACTIVE[self.run_id] = self
         try:
             await install(self)
             if self.on_ready is not None:
@@ -194,7 +185,6 @@ class RayRun:
         except BaseExceptionGroup as eg:
             raise cause(eg.exceptions[0]) from None
         finally:
-            ACTIVE.pop(self.run_id, None)
             if not finished:  # failed or interrupted: release the replicas, don't wait
                 for h in self.hosts:
                     h.handle.finish.remote(self.run_id)

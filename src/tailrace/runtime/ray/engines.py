@@ -1,7 +1,8 @@
 """Engines shared by the cluster: one Ray actor per named engine, used by every stage.
 
-On the Ray runtime a stage's ``open_engine`` (in a ``StageHost``) returns a
-``ClusterEngine``: a handle on the named actor ``tailrace-engine-NAME`` in the
+On the Ray runtime a stage opens its engines with its host's opener
+(``host.open_shared_engine``, the ``BuildContext.open_engine`` of a ``StageHost``): a
+``ClusterEngine``, a handle on the named actor ``tailrace-engine-NAME`` in the
 ``tailrace`` namespace, created by the first stage that needs it and found by name by
 every later one — every stage replica and every pipeline of the job shares one engine
 (or one engine pool, when the spec says ``replicas:``), and the model loads once per

@@ -148,6 +148,14 @@ class Outbox:
         return reports
 
 
+def open_shared_engine(spec: dict) -> Any:
+    """A host's engine opener (``BuildContext.open_engine``): stages share the cluster's
+    engine actors, a handle on the one named by the linked spec (``engines.py``)."""
+    from .engines import open_cluster_engine
+
+    return open_cluster_engine(spec.get("_name") or "engine", spec)
+
+
 class StageHost:
     """A Ray actor hosting stage replicas of any number of runs (see the module doc)."""
 
@@ -156,10 +164,6 @@ class StageHost:
 
         import ray
 
-        from ...engines.opener import set_remote_opener
-        from .engines import open_cluster_engine
-
-        set_remote_opener(open_cluster_engine)  # stages share the cluster's engine actors
         self.incarnation = uuid.uuid4().hex[:12]
         self.node = ray.get_runtime_context().get_node_id()
         self.runs: dict[str, Outbox] = {}
@@ -185,7 +189,7 @@ class StageHost:
                 if p not in sys.path:
                     sys.path.append(p)
             box.instances[(spec.index, replica)] = HostedWorker(
-                spec, replica, box, self.node)
+                spec, replica, box, self.node, open_shared_engine)
         inst = box.instances.get((spec.index, replica)) if box is not None else None
         return Installed(self.incarnation, self.node, os.getpid(),
                          inst.incarnation if inst is not None else "")

@@ -18,12 +18,13 @@ import random
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from time import perf_counter
 from typing import Any
 
 from ...api.records import ErrorRecord
 from ...observability import Histogram, StageMeter
-from ...operators import OpRuntime
+from ...operators import BuildContext, OpRuntime
 from ..lineage import Trace, ids
 from ..stage import StageWorker
 from .credits import Link, gather_acks
@@ -123,10 +124,11 @@ class HostedWorker:
     replica: which replica of the stage this is.
     outbox:  the host's outbox for this run (``deliver``/``fail`` for the driver).
     node:    the Ray node id of the host (reported with the meters).
+    open_engine: the host's engine opener (``BuildContext.open_engine``).
     """
 
-    def __init__(self, spec: InstallSpec, replica: int, outbox: Any,
-                 node: str) -> None:
+    def __init__(self, spec: InstallSpec, replica: int, outbox: Any, node: str,
+                 open_engine: Callable[[dict], Any]) -> None:
         s = spec.stage
         self.index = spec.index
         self.replica = replica
@@ -135,7 +137,8 @@ class HostedWorker:
         self.first = spec.first
         self.outbox = outbox
         ops = [o for o in s.ops if o.op.kind != "sink"]  # the driver runs sinks
-        rts: list[OpRuntime] = [o.op.build(o.params, o.contract) for o in ops]
+        rts: list[OpRuntime] = [o.op.build(o.params, BuildContext(o.contract, open_engine))
+                                for o in ops]
         self.worker = w = StageWorker(s, rts)
         self.meters: list[StageMeter] = w.meters[:len(rts)]
         self.fan = any(w.fans)
