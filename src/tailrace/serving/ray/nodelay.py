@@ -6,7 +6,8 @@ Why it is needed: behind HAProxy each replica answers on Serve's own HTTP server
 made with protocol 0. asyncio turns ``TCP_NODELAY`` on only for sockets made with
 ``IPPROTO_TCP``, uvicorn writes a response's headers and body in two writes, and on a
 quiet keep-alive connection the body then waits for the client's delayed ACK, ~40 ms
-(measured: every no-op request took 52 ms instead of ~10).
+(measured: every no-op request took 52 ms instead of ~10). Where uvloop is installed,
+Ray's loops are uvloop's, which set the option on every TCP connection themselves.
 
 Why this way: Serve gives the replica's code nothing of that server (not the listening
 socket, not uvicorn's ``Config``, not the connection's transport: the app's ``send`` is
