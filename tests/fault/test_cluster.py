@@ -36,7 +36,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module", params=serve_proxies())
 def server(ray_session, request):
     pytest.importorskip("ray.serve")
-    from tailrace.serving.cluster import ClusterServer
+    from tailrace.serving.ray import ClusterServer
 
     p = tr.Pipeline("faulty")
     (p.source(fields=["i", "mode"]).map(work, id="work", replicas=2)

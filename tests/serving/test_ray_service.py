@@ -281,13 +281,10 @@ def test_stop_after_a_start_that_failed_before_the_hub_still_shuts_serve_down(ra
     pytest.importorskip("ray.serve")
     from ray import serve
 
-    from tailrace.serving.cluster import (
-        NAMESPACE,
-        ClusterServer,
-        healthz_deployment,
-        hub_name,
-        serve_running,
-    )
+    from tailrace.serving.ray import ClusterServer
+    from tailrace.serving.ray.hub import NAMESPACE, hub_name
+    from tailrace.serving.ray.ingress import healthz_deployment
+    from tailrace.serving.ray.server import serve_running
 
     if serve_running():  # left by an earlier test: this one starts its own
         serve.shutdown()

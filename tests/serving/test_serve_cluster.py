@@ -70,7 +70,7 @@ def upstream():
 
 @pytest.fixture(scope="module")
 def server(cluster, upstream):
-    from tailrace.serving.cluster import ClusterServer
+    from tailrace.serving.ray import ClusterServer
 
     p = tr.Pipeline("chat", engines={"llm": {"backend": "openai", "model": "latency-model",
                                              "base_url": upstream.url}})

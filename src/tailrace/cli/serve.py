@@ -7,7 +7,7 @@ they have). Ctrl-C (or SIGTERM) drains the pipelines (every waiting request gets
 answer, or 503 after 30 s) and stops.
 
 ``--runtime ray [--address HOST:PORT] [--ingress-replicas N | --ingress-autoscale MIN:MAX]``
-serves on a Ray cluster (``serving/cluster.py``): the pipelines' stages run in stage-host
+serves on a Ray cluster (``serving/ray/``): the pipelines' stages run in stage-host
 actors driven by one hub actor, which also holds the admission gate; the HTTP ingress is
 a Ray Serve application of N replicas behind Serve's proxy on ``--host:--port``, each
 holding at most ``--ingress-max-outstanding`` requests (more get 429 at once). This
@@ -284,7 +284,7 @@ def serve_on_cluster(args: argparse.Namespace, plans: list[Any], *, api_key: str
     from functools import partial
 
     from ..runtime.ray import connect
-    from ..serving.cluster import ClusterServer, default_outstanding
+    from ..serving.ray import ClusterServer, default_outstanding
 
     if args.ingress_replicas is not None and args.ingress_autoscale is not None:
         raise TailraceError("give --ingress-replicas N or --ingress-autoscale MIN:MAX, not both")

