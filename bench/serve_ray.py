@@ -385,10 +385,12 @@ def direct(bench: Bench, name: str, bodies: list[dict]) -> list[float]:
     """The same records through ``hub.submit.remote`` from this driver."""
     import ray
 
+    from tailrace.request import Request
+
     out = []
     for body in bodies:
         t0 = time.perf_counter()
-        ok, value = ray.get(bench.server.hub.submit.remote(name, body))
+        ok, value = ray.get(bench.server.hub.submit.remote(name, body, Request()))
         out.append(time.perf_counter() - t0)
         if not ok:
             raise SystemExit(f"serve_ray: hub.submit({name}) failed: {value}")
