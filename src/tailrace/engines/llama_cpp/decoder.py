@@ -101,7 +101,7 @@ class Decoder:
         """``job`` as a sequence in the idle stream holding its longest cached prefix
         (None: its call already failed; its grammar is freed)."""
         if job.call.failed:
-            self.drop(job)
+            self.free_grammar(job)
             return None
         import numpy as np
 
@@ -111,12 +111,6 @@ class Decoder:
         stream = TextStream(() if job.grammar is not None else tuple(r.stop) + self._stops)
         slot, hit = self.cache.take(job.prompt)
         return Seq(job, slot, hit, Sampler(r, rng), stream)
-
-    def drop(self, job: Job) -> None:
-        """Free what a job that never started holds (its grammar sampler)."""
-        if job.grammar is not None:
-            self._lib.llama_sampler_free(job.grammar)
-            job.grammar = None
 
     def step(self, active: Sequence[Seq], allot: dict[Seq, int]) -> None:
         """Decode one batch and take each sequence's next token; a sequence that ends is
@@ -181,10 +175,11 @@ class Decoder:
         job.call.complete(job.index, Generation(s.stream.text, s.n_prompt, s.n_gen, reason,
                                                 extra))  # last: its caller may go on now
 
-    def free_grammar(self, s: Seq) -> None:
-        if s.grammar is not None:
-            self._lib.llama_sampler_free(s.grammar)
-            s.grammar = None
+    def free_grammar(self, holder: Job | Seq) -> None:
+        """Free the grammar sampler a job or sequence holds, if any."""
+        if holder.grammar is not None:
+            self._lib.llama_sampler_free(holder.grammar)
+            holder.grammar = None
 
     def reset(self) -> None:
         """After a failure: the context's KV is cleared, no stream holds or runs anything."""

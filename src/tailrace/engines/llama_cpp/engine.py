@@ -35,7 +35,7 @@ from .grammar import Grammars, grammar_text
 from .lib import llama_lib
 from .prefix_cache import PrefixCache
 from .scheduler import Scheduler
-from .sequence import Job
+from .sequence import Job, Seq
 from .vocab import Vocab
 
 #: llama.cpp's most sequences per context (LLAMA_MAX_SEQ)
@@ -318,10 +318,8 @@ class LlamaCppEngine:
             self._looping = False
             self._idle.set()
         seqs, jobs = scheduler.drain()
-        for s in seqs:
-            decoder.free_grammar(s)
-        for job in jobs:
-            decoder.drop(job)
-        for call in {id(c): c for c in [s.job.call for s in seqs] + [j.call for j in jobs]
-                     }.values():
-            call.fail(error)
+        holders: list[Job | Seq] = [*seqs, *jobs]
+        for x in holders:
+            decoder.free_grammar(x)
+        for job in [s.job for s in seqs] + jobs:
+            job.call.fail(error)  # once per call: a call that ended ignores it

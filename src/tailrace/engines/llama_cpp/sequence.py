@@ -39,10 +39,6 @@ class Job:
     grammar: Any = None  # its grammar sampler (response_format); whoever drops it frees it
     rank: Rank = (0, math.inf, 0)  # set by the scheduler when the job arrives
 
-    @property
-    def priority(self) -> int:
-        return self.request.priority
-
 
 @dataclass(slots=True, eq=False)
 class Seq:
