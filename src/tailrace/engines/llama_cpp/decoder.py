@@ -94,8 +94,7 @@ class Decoder:
         self._rng, self._stops = rng, stops
         import numpy as np
 
-        self._frombuffer: Any = np.frombuffer
-        self._float32 = np.float32
+        self._np: Any = np
 
     def start(self, job: Job) -> Seq | None:
         """``job`` as a sequence in the idle stream holding its longest cached prefix
@@ -103,11 +102,9 @@ class Decoder:
         if job.call.failed:
             self.free_grammar(job)
             return None
-        import numpy as np
-
         r = job.request
         seed = r.seed if r.seed is not None else int(self._rng.integers(1 << 63))
-        rng = np.random.default_rng(seed) if r.temperature > 0 else None
+        rng = self._np.random.default_rng(seed) if r.temperature > 0 else None
         stream = TextStream(() if job.grammar is not None else tuple(r.stop) + self._stops)
         slot, hit = self.cache.take(job.prompt)
         return Seq(job, slot, hit, Sampler(r, rng), stream)
@@ -123,7 +120,7 @@ class Decoder:
                               f"{len(active)} sequences)")
         get_logits, void_p, row_type = self._lib.llama_get_logits_ith, ctypes.c_void_p, \
             self._row_type
-        frombuffer, float32 = self._frombuffer, self._float32
+        frombuffer, float32 = self._np.frombuffer, self._np.float32
         pieces, vocab, mask = self._vocab.pieces, self._vocab, self._mask
         for s in active:
             if s.row is None:
@@ -136,12 +133,12 @@ class Decoder:
             if s.grammar is not None:
                 t = mask.constrain(s.grammar, logits, t, sampler.draw)
                 if t < 0:  # a dead end: the JSON cannot go on
-                    self.finish(s, "stop")
+                    self._finish(s, "stop")
                     continue
             sampler.took(logits, t)
             piece = pieces[t] if t in pieces else vocab.piece(t)
             if piece is None:  # end of generation
-                self.finish(s, "stop")
+                self._finish(s, "stop")
                 continue
             if s.grammar is not None:
                 mask.accept(s.grammar, t)
@@ -149,15 +146,15 @@ class Decoder:
             text = s.stream.feed(piece)
             call = s.job.call
             if text and not call.emit(s.job.index, text) or call.failed:
-                self.finish(s, "cancelled")  # the caller went away: free the slot now
+                self._finish(s, "cancelled")  # the caller went away: free the slot now
             elif s.stream.stopped:
-                self.finish(s, "stop")
+                self._finish(s, "stop")
             elif s.n_gen >= s.job.request.max_tokens:
-                self.finish(s, "length")
+                self._finish(s, "length")
             else:
                 s.last = t
 
-    def finish(self, s: Seq, reason: str) -> None:
+    def _finish(self, s: Seq, reason: str) -> None:
         """``s`` ends: its result goes to its call, its stream keeps its prompt's KV."""
         tail = s.stream.finish()
         job = s.job

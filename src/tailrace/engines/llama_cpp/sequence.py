@@ -50,13 +50,14 @@ class Seq:
     cached: int = 0  # prompt tokens whose KV came from the prefix cache
     sampler: Any = None  # its ``sampling.Sampler``
     stream: Any = None  # its ``sampling.TextStream``
-    state: State = State.PREFILLING
-    n_prompt: int = 0
-    fed: int = 0  # prompt tokens already sent to the model
-    pos: int = 0  # position of the next token sent for this sequence
-    last: int = -1  # the last sampled token, sent in the next step
-    n_gen: int = 0
-    row: int | None = None  # batch index whose logits belong to it this step (None: none)
+    state: State = field(init=False, default=State.PREFILLING)
+    n_prompt: int = field(init=False, default=0)
+    fed: int = field(init=False, default=0)  # prompt tokens already sent to the model
+    pos: int = field(init=False, default=0)  # position of the next token sent for it
+    last: int = field(init=False, default=-1)  # the last sampled token, sent next step
+    n_gen: int = field(init=False, default=0)
+    row: int | None = field(init=False, default=None)  # batch index of its logits this
+    # step (None: none)
     grammar: Any = field(init=False, default=None)  # the job's grammar sampler
 
     def __post_init__(self) -> None:
