@@ -154,8 +154,9 @@ def main() -> None:
                                        max_tokens=rng.randint(1, 8))])
     st = on.cache_statistics()
     print(f"\n## memory: {args.random} random requests")
+    held = sum(k is not None for k in on._decoder.cache.streams)
     print(f"cache-only KV budget {budget / 2**20:.0f} MiB (fixed: {on.cache_bytes == budget}), "
-          f"streams holding a prefix {sum(k is not None for k in on._kv)}/{on.n_streams}, "
+          f"streams holding a prefix {held}/{on.n_streams}, "
           f"RSS {before:.0f} -> {rss_mb():.0f} MiB, hit ratio {st['hit_ratio']:.2f}")
     on.close()
     off.close()

@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from tailrace.engines._sampling import TextStream
 from tailrace.engines.base import GenerationEngine, GenerationRequest
 from tailrace.engines.llama_cpp import LlamaCppEngine
+from tailrace.engines.llama_cpp.sampling import TextStream
 from tailrace.errors import ContextOverflow, EngineError
 
 pytestmark = pytest.mark.engine
@@ -273,7 +273,7 @@ def test_penalties_change_a_repetitive_greedy_answer(engine):
 def test_penalise_and_top_p_on_small_logits():
     import numpy as np
 
-    from tailrace.engines._sampling import penalise, sample
+    from tailrace.engines.llama_cpp.sampling import penalise, sample
 
     logits = np.array([1.0, 2.0, 3.0], dtype=np.float32)
     out = penalise(logits, {2: 2, 0: 1}, 0.5, 1.0)
@@ -351,7 +351,7 @@ def test_the_cache_is_bounded_by_its_streams_and_stays_correct(reuse, no_reuse):
     for _ in range(2):
         for q in qs:
             assert reuse.generate([q])[0].text == no_reuse.generate([q])[0].text
-    held = [k for k in reuse._kv if k is not None]
+    held = [k for k in reuse._decoder.cache.streams if k is not None]
     assert len(held) <= reuse.n_streams == 4
     batched = reuse.generate(qs)  # concurrent: two decode at once, the rest wait
     assert [g.text for g in batched] == [no_reuse.generate([q])[0].text for q in qs]

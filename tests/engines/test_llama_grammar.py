@@ -11,9 +11,9 @@ import jsonschema
 import pytest
 
 from tailrace.engines import llama_cpp as llama_module
-from tailrace.engines import llama_grammar
 from tailrace.engines.base import GenerationRequest
 from tailrace.engines.llama_cpp import LlamaCppEngine
+from tailrace.engines.llama_cpp import grammar as llama_grammar
 from tailrace.engines.structured import check_answer, check_response_format
 from tailrace.errors import StructuredOutputError
 

@@ -33,7 +33,7 @@ def token_counter(spec: dict[str, Any]) -> Callable[[str], int]:
     """
     if spec.get("backend") != "llama_cpp":
         return approx_tokens
-    from .llama_vocab import LlamaVocab
+    from .llama_cpp.vocab import LlamaVocab
 
     path = spec.get("path") or str(model_path(model_info(str(spec.get("model", "")), "llama_cpp")))
     return LlamaVocab(path).count_tokens

@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..call import Streamed
 from ..models import create_engine
 from .messages import (
     BatchResult,
@@ -51,25 +52,24 @@ def serve(engine: Any, msg: GenerateBatch | EmbedBatch, send: Deliver,
     """
     bid = msg.batch_id
     items: Sequence[Any]
-    delivered: dict[int, int] = {}  # request index -> characters sent (reruns skip them)
-    seen: dict[int, int] = {}
+    streamed: dict[int, Streamed] = {}  # request index -> its text sent (reruns skip it)
     on_token: Callable[[int, str], bool] | None = None
     if isinstance(msg, GenerateBatch):
-        items, wanted = msg.requests, frozenset(msg.stream)
+        items = msg.requests
+        streamed = {i: Streamed() for i in msg.stream}
 
         def on_token(i: int, text: str) -> bool:
-            if i not in wanted:
+            mark = streamed.get(i)
+            if mark is None:
                 return True
-            start, end = seen.get(i, 0), seen.get(i, 0) + len(text)
-            seen[i] = end
-            if end > delivered.get(i, 0):
-                send(TokenPiece(bid, i, text[max(delivered.get(i, 0) - start, 0):]))
-                delivered[i] = end
+            text = mark.fresh(text)
+            if text:
+                send(TokenPiece(bid, i, text))
             return cancelled is None or i not in cancelled.get(bid, ())
 
         def run(batch: Sequence[Any], cb: Any) -> Any:
             return engine.generate(batch, cb)
-        stream_cb = on_token if wanted else None
+        stream_cb = on_token if streamed else None
     else:
         items, stream_cb = msg.texts, None
 
@@ -83,7 +83,8 @@ def serve(engine: Any, msg: GenerateBatch | EmbedBatch, send: Deliver,
     outputs: list[Any] = []
     errors: list[ItemError] = []
     for i, item in enumerate(items):
-        seen.pop(i, None)
+        if i in streamed:
+            streamed[i].restart()
         cb = None if stream_cb is None else (lambda _j, t, i=i: stream_cb(i, t))
         try:
             outputs.append(run([item], cb)[0])

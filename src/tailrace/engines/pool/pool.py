@@ -32,6 +32,7 @@ from typing import Any
 from ...errors import ContextOverflow, EngineError
 from ...registry import Registry
 from ..base import Generation, GenerationRequest, TokenCallback
+from ..call import Call
 from ..models import backend, batches_continuously
 from ..tokens import approx_tokens, token_counter
 from .batching import Batcher
@@ -47,7 +48,7 @@ from .messages import (
     TokenPiece,
 )
 from .replicas import ProcessReplica, ThreadReplica
-from .state import Batch, Call, Item, PoolStatistics, ReplicaState, ReplicaStatistics
+from .state import Batch, Item, PoolStatistics, ReplicaState, ReplicaStatistics
 
 __all__ = ["EnginePool", "PoolStatistics", "ReplicaStatistics", "check_options",
            "close_pools", "get_pool", "pool_statistics", "predicted_tokens"]
@@ -298,8 +299,7 @@ class EnginePool:
             raise EngineError(f"engine pool '{self.name}' serves {self.kind}, not {kind}")
 
     def _submit(self, call: Call, items: list[Item]) -> None:
-        if not items:
-            call.done.set()
+        if not items:  # a call of no requests is done already
             return
         with self._lock:
             if not self._started or self._stopped or self._broken:
@@ -456,7 +456,7 @@ class EnginePool:
         r.in_flight[batch.id] = batch
         r.outstanding += batch.tokens
         for item in batch.items:
-            item.seen = 0
+            item.streamed.restart()
         payload = tuple(i.payload for i in batch.items)
         assert r.transport is not None
         if self.kind == "embed":

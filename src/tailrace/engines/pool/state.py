@@ -1,21 +1,19 @@
-"""The bookkeeping of an engine pool: calls, items, batches, replica state, statistics.
+"""The bookkeeping of an engine pool: items, batches, replica state, statistics.
 
 Owned by the pool's loop thread (under the pool's lock); only ``ReplicaState.piece`` and
-``Call.wait`` run on other threads, and they touch nothing the loop reorganises.
+``Call.wait`` (``engines/call.py``) run on other threads, and they touch nothing the loop
+reorganises.
 """
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..base import TokenCallback
+from ..call import Call, Streamed
 from .dispatch import Affinity, ReplicaLoad
 from .messages import Cancel, TokenPiece
 from .replicas import Replica
-
-_EMPTY = object()
 
 
 @dataclass(frozen=True)
@@ -58,52 +56,16 @@ class PoolStatistics:
     failed_calls: int  # callers that got an error
 
 
-class Call:
-    """One caller's ``generate``/``embed``: its results fill in as its batches finish."""
-
-    __slots__ = ("results", "remaining", "error", "done", "on_token")
-
-    def __init__(self, n: int, on_token: TokenCallback | None):
-        self.results: list[Any] = [_EMPTY] * n
-        self.remaining = n
-        self.error: Exception | None = None
-        self.done = threading.Event()
-        self.on_token = on_token
-
-    def complete(self, index: int, output: Any) -> None:
-        if self.done.is_set() or self.results[index] is not _EMPTY:
-            return
-        self.results[index] = output
-        self.remaining -= 1
-        if self.remaining == 0:
-            self.done.set()
-
-    def fail(self, exc: Exception) -> bool:
-        """Fail the call (first failure wins); False if it had already ended."""
-        if self.done.is_set():
-            return False
-        self.error = exc
-        self.done.set()
-        return True
-
-    def wait(self) -> list[Any]:
-        self.done.wait()
-        if self.error is not None:
-            raise self.error
-        return self.results
-
-
 class Item:
     """One request (or text) of a call, as the batcher and the replicas see it."""
 
-    __slots__ = ("call", "index", "payload", "tokens", "emitted", "seen", "affinity")
+    __slots__ = ("call", "index", "payload", "tokens", "streamed", "affinity")
 
     def __init__(self, call: Call, index: int, payload: Any, tokens: int,
                  affinity: Affinity | None = None):
         self.call, self.index, self.payload, self.tokens = call, index, payload, tokens
         self.affinity = affinity  # its prefix keys and session, for prefix_affinity
-        self.emitted = 0  # characters streamed to the caller, over all attempts
-        self.seen = 0  # characters the current attempt has produced
+        self.streamed = Streamed()  # its text the caller has, over all attempts
 
 
 @dataclass(eq=False)
@@ -152,22 +114,8 @@ class ReplicaState:
         if batch is None or msg.index >= len(batch.items):
             return
         item = batch.items[msg.index]
-        start = item.seen
-        item.seen = end = start + len(msg.text)
-        if end <= item.emitted:
+        text = item.streamed.fresh(msg.text)
+        if not text:
             return
-        text = msg.text[max(item.emitted - start, 0):]
-        item.emitted = end
-        call = item.call
-        if call.done.is_set():  # the call already failed: stop its other requests
-            stop = True
-        elif call.on_token is None:
-            return
-        else:
-            try:
-                stop = call.on_token(item.index, text) is False
-            except Exception as e:  # the caller's callback failed: that fails its call only
-                call.fail(e)
-                stop = True
-        if stop and self.transport is not None:  # free the engine sequence now
-            self.transport.send(Cancel(msg.batch_id, msg.index))
+        if not item.call.emit(item.index, text) and self.transport is not None:
+            self.transport.send(Cancel(msg.batch_id, msg.index))  # free the engine sequence

@@ -1,12 +1,15 @@
 """Grammars for structured output on llama.cpp: a ``response_format`` as a GBNF grammar,
-compiled once per schema and cloned for each sequence that generates under it.
+compiled once per schema, cloned for each sequence that generates under it, and asked
+about each token that sequence samples.
 
 ``grammar_text`` turns a checked constraint into GBNF (``json_object``: llama-cpp-python's
 ``JSON_GBNF``; ``json_schema``: its ``json_schema_to_gbnf``). ``Grammars`` keeps the
 compiled grammar samplers of the last ``GRAMMAR_CACHE`` schemas and hands out clones (a
 grammar sampler carries its parse state, so each sequence needs its own); the decode
-loop frees a clone when its sequence ends. ``token_arrays`` are the
-``llama_token_data_array`` buffers the loop lets a grammar mask in place.
+loop frees a clone when its sequence ends. ``GrammarMask`` checks a sampled token
+against a sequence's grammar: the token alone first (microseconds); only a token the
+grammar rejects costs a pass over the whole vocabulary and a new draw among the allowed
+tokens (the same distribution as sampling from the masked logits).
 """
 
 from __future__ import annotations
@@ -14,16 +17,18 @@ from __future__ import annotations
 import ctypes
 import functools
 import json
+import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..errors import StructuredOutputError
-from .base import GenerationRequest
-from .structured import check_response_format, schema_of
+from ...errors import StructuredOutputError
+from ..base import GenerationRequest
+from ..structured import check_response_format, schema_of
 
 #: compiled grammars (one per distinct JSON schema) an engine keeps for reuse
 GRAMMAR_CACHE = 32
+_NEG_INF = -math.inf
 
 
 def grammar_text(fmt: dict[str, Any]) -> str:
@@ -123,23 +128,45 @@ class Grammars:
         self._compiled.clear()
 
 
-def token_arrays(lib: Any, n_vocab: int) -> tuple[Any, Any, Any, Any]:
-    """(one-token data, its ``llama_token_data_array``, whole-vocabulary data, its array):
-    numpy ``llama_token_data`` records a grammar sampler masks in place (``logit`` set to
-    -inf for tokens it rejects).
+class GrammarMask:
+    """The ``llama_token_data_array`` buffers a grammar sampler masks in place (``logit``
+    set to -inf for tokens it rejects), for one vocabulary; used by the decode loop only."""
 
-    lib:     the ``llama_cpp`` module.
-    n_vocab: tokens in the vocabulary.
-    """
-    import numpy as np
+    def __init__(self, lib: Any, n_vocab: int):
+        """lib: the ``llama_cpp`` module. n_vocab: tokens in the vocabulary."""
+        import numpy as np
 
-    dtype = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
-    if dtype.itemsize != ctypes.sizeof(lib.llama_token_data):
-        raise RuntimeError("llama_token_data changed layout; this llama-cpp-python is not "
-                           "the version tailrace supports (0.3.36)")
-    one = np.zeros(1, dtype=dtype)
-    full = np.zeros(n_vocab, dtype=dtype)
-    full["id"] = np.arange(n_vocab, dtype=np.int32)
-    ptr = lib.llama_token_data_p
-    return (one, lib.llama_token_data_array(one.ctypes.data_as(ptr), 1, -1, False),
-            full, lib.llama_token_data_array(full.ctypes.data_as(ptr), n_vocab, -1, False))
+        dtype = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+        if dtype.itemsize != ctypes.sizeof(lib.llama_token_data):
+            raise RuntimeError("llama_token_data changed layout; this llama-cpp-python is "
+                               "not the version tailrace supports (0.3.36)")
+        self._apply, self.accept = lib.llama_sampler_apply, lib.llama_sampler_accept
+        self._n = n_vocab
+        self._one = np.zeros(1, dtype=dtype)
+        self._full = full = np.zeros(n_vocab, dtype=dtype)
+        full["id"] = np.arange(n_vocab, dtype=np.int32)
+        ptr = lib.llama_token_data_p
+        self._one_arr = lib.llama_token_data_array(self._one.ctypes.data_as(ptr), 1, -1, False)
+        self._full_arr = lib.llama_token_data_array(full.ctypes.data_as(ptr), n_vocab, -1,
+                                                    False)
+        self._one_ref, self._full_ref = ctypes.byref(self._one_arr), ctypes.byref(self._full_arr)
+        self._full_data = self._full_arr.data
+
+    def constrain(self, grammar: Any, logits: Any, t: int,
+                  redraw: Callable[[Any], int]) -> int:
+        """``t`` if ``grammar`` allows it, else ``redraw`` of the masked ``logits`` (-1: the
+        grammar allows no token, which a well-formed grammar never does)."""
+        one, arr = self._one, self._one_arr
+        one[0] = (t, 0.0, 0.0)
+        arr.size, arr.selected, arr.sorted = 1, -1, False
+        self._apply(grammar, self._one_ref)
+        if one["logit"][0] != _NEG_INF:
+            return t
+        full, arr = self._full, self._full_arr
+        full["logit"] = logits
+        arr.data, arr.size, arr.selected, arr.sorted = self._full_data, self._n, -1, False
+        self._apply(grammar, self._full_ref)
+        masked = full["logit"]
+        if masked.max() == _NEG_INF:
+            return -1
+        return redraw(masked)

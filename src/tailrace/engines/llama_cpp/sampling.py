@@ -1,13 +1,18 @@
 """Per-sequence helpers for token-by-token generation: sampling and streamed text.
 
 Pure Python plus numpy (imported lazily by the engine that uses them); no model needed,
-so the stop-string and UTF-8 handling can be tested on their own.
+so sampling, the stop-string and UTF-8 handling can be tested on their own. ``Sampler``
+is one sequence's choice of each next token from its logits row; ``TextStream`` turns
+the chosen tokens' bytes into the text its caller sees.
 """
 
 from __future__ import annotations
 
 import codecs
+import math
 from typing import Any
+
+from ..base import GenerationRequest
 
 
 def penalise(logits: Any, counts: dict[int, int], presence: float, frequency: float) -> Any:
@@ -53,6 +58,49 @@ def sample(logits: Any, temperature: float, rng: Any, top_p: float = 1.0) -> int
     cdf = np.cumsum(z, dtype=np.float64)
     idx = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
     return min(idx, len(cdf) - 1)
+
+
+class Sampler:
+    """One sequence's token choice: OpenAI's penalties, the temperature and top-p draw,
+    and the summed log-probabilities of the drawn tokens when the request asks for them
+    (``GenerationRequest.logprobs``)."""
+
+    __slots__ = ("temperature", "top_p", "rng", "presence", "frequency", "counts", "n_lp",
+                 "lp_sum")
+
+    def __init__(self, req: GenerationRequest, rng: Any):
+        """req: the request (its sampling fields). rng: a ``numpy.random.Generator``
+        (None when greedy)."""
+        self.temperature, self.top_p, self.rng = req.temperature, req.top_p, rng
+        self.presence, self.frequency = req.presence_penalty, req.frequency_penalty
+        # tokens generated so far (penalties only)
+        self.counts: dict[int, int] | None = {} if self.presence or self.frequency else None
+        self.n_lp = 0 if req.logprobs else -1  # tokens in lp_sum; -1: not asked for
+        self.lp_sum = 0.0
+
+    def logits(self, row: Any) -> Any:
+        """The logits to draw from: ``row`` with the penalties applied (a copy), if any."""
+        if self.counts is None:
+            return row
+        return penalise(row, self.counts, self.presence, self.frequency)
+
+    def draw(self, logits: Any) -> int:
+        return sample(logits, self.temperature, self.rng, self.top_p)
+
+    def took(self, logits: Any, t: int) -> None:
+        """Token ``t`` was chosen from ``logits``: count it (penalties, log-probability)."""
+        if self.counts is not None:
+            self.counts[t] = self.counts.get(t, 0) + 1
+        if self.n_lp >= 0:  # log-softmax of the sampled token, stable form
+            import numpy as np
+
+            m = logits.max()
+            self.lp_sum += float(logits[t] - m) - math.log(float(np.exp(logits - m).sum()))
+            self.n_lp += 1
+
+    def mean_logprob(self) -> float | None:
+        """The drawn tokens' mean log-probability (None: not asked for, or no token)."""
+        return self.lp_sum / self.n_lp if self.n_lp > 0 else None
 
 
 class TextStream:

@@ -1,0 +1,141 @@
+"""Which requests hold the engine's sequence slots, and which prompt chunks go into a step.
+
+The decode loop asks the scheduler before every step; the scheduler only keeps lists
+and decides (no model, no llama.cpp), so its rules are tested on their own:
+
+- waiting requests start by class, then deadline, then arrival (one class and no
+  deadlines: first come, first served);
+- preemption: when every decoding slot is taken, a more urgent request waits and a KV
+  stream is spare, the least urgent sequence pauses (keeping its stream and KV) and
+  resumes where it stopped once it is the most urgent thing left to run;
+- prefill: only the prompts of the most urgent class that has a sequence running are
+  prefilled, most urgent first, one chunk each, within the step's token budget. A
+  prompt chunk costs as much as dozens of decode steps on a CPU, so a less urgent
+  prompt in every step would stretch each urgent token by that much.
+
+A paused sequence holds its stream, so streams in use = active + paused; preemption
+needs ``n_streams > n_active`` (the engine's ``cache_sequences``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Callable
+
+from .sequence import Job, Rank, Seq, State
+
+
+class Scheduler:
+    """Waiting jobs, active and paused sequences of one engine; used by its decode loop's
+    thread only."""
+
+    def __init__(self, n_active: int, n_streams: int, chunk: int, n_batch: int):
+        """n_active:  most sequences decoded at once (``n_seq_max``).
+        n_streams: KV streams; a started or paused sequence holds one.
+        chunk:     prompt tokens a sequence sends per step (``prefill_chunk``).
+        n_batch:   most tokens in one step.
+        """
+        self.n_active, self.n_streams, self.chunk, self.n_batch = (
+            n_active, n_streams, chunk, n_batch)
+        self._waiting: list[tuple[Rank, Job]] = []  # a heap, most urgent first
+        self.active: list[Seq] = []  # kept sorted by slot (see ``schedule``)
+        self.paused: list[Seq] = []
+        self._arrivals = itertools.count()
+        self.preemptions = 0  # sequences paused for a more urgent request
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def idle(self) -> bool:
+        """Nothing waits, runs or is paused."""
+        return not (self._waiting or self.active or self.paused)
+
+    def add(self, job: Job) -> None:
+        """A request arrives: it is ranked by (class, deadline, arrival)."""
+        r = job.request
+        deadline = r.deadline if r.deadline is not None else math.inf
+        job.rank = (-r.priority, deadline, next(self._arrivals))
+        heapq.heappush(self._waiting, (job.rank, job))
+
+    def schedule(self, start: Callable[[Job], Seq | None]) -> None:
+        """Preempt, resume and start sequences until the decoding slots are full or
+        nothing else may run. ``start`` puts a job into a free stream (None: its call
+        already failed, the job is dropped)."""
+        self._preempt()
+        changed = False
+        while len(self.active) < self.n_active and self._try_add_one(start):
+            changed = True
+        if changed:  # llama.cpp splits per-sequence streams into ubatches of consecutive
+            self.active.sort(key=lambda s: s.slot)  # seq ids: keep the batch in that order
+
+    def _spare(self) -> bool:
+        return len(self.active) + len(self.paused) < self.n_streams
+
+    def _preempt(self) -> None:
+        """Pause the least urgent sequences while a more urgent request waits, every
+        decoding slot is taken and a stream is spare for it."""
+        while self._waiting and len(self.active) >= self.n_active and self._spare():
+            victim = max(self.active, key=_rank)
+            if -self._waiting[0][0][0] <= victim.priority:
+                return
+            self.active.remove(victim)
+            victim.pause()
+            self.paused.append(victim)
+            self.preemptions += 1
+
+    def _try_add_one(self, start: Callable[[Job], Seq | None]) -> bool:
+        """Resume the most urgent paused sequence or start the most urgent waiting job,
+        whichever ranks first; False when neither can run now."""
+        if not (self._waiting or self.paused):
+            return False
+        back = min(self.paused, key=_rank) if self.paused else None
+        if back is not None and (not self._waiting or not self._spare()
+                                 or back.rank <= self._waiting[0][0]):
+            self.paused.remove(back)
+            back.resume()
+            self.active.append(back)
+            return True
+        if not self._spare():
+            return False
+        _, job = heapq.heappop(self._waiting)
+        seq = start(job)
+        if seq is not None:
+            self.active.append(seq)
+        return True
+
+    def prefill(self) -> dict[Seq, int]:
+        """The prompt tokens each prefilling sequence sends in this step: a chunk each,
+        most urgent first, only for the most urgent class with an active sequence, and
+        no more than the step has room for beside the decoding sequences' tokens."""
+        active = self.active
+        top = max(s.priority for s in active)
+        budget = self.n_batch - sum(1 for s in active if s.state is State.DECODING)
+        allot: dict[Seq, int] = {}
+        for s in sorted((s for s in active if s.state is State.PREFILLING), key=_rank):
+            if s.priority < top:
+                break  # sorted: every one after it is less urgent still
+            c = min(self.chunk, s.n_prompt - s.fed)
+            if c > budget:
+                continue
+            allot[s] = c
+            budget -= c
+        return allot
+
+    def retire(self) -> None:
+        """Forget the sequences that finished in the last step."""
+        if any(s.state is State.DONE for s in self.active):
+            self.active = [s for s in self.active if s.state is not State.DONE]
+
+    def drain(self) -> tuple[list[Seq], list[Job]]:
+        """Everything it holds (active and paused sequences, waiting jobs), now forgotten:
+        after the loop failed, for their calls to get the error."""
+        seqs, jobs = self.active + self.paused, [j for _, j in self._waiting]
+        self.active, self.paused, self._waiting = [], [], []
+        return seqs, jobs
+
+
+def _rank(s: Seq) -> Rank:
+    return s.rank
