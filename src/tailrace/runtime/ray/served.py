@@ -22,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from ...engines.call import Streamed
 from ...request import REQUEST, Cancel, Request, request_of
 
 #: Cancelled request ids a host remembers for records that arrive after the cancel.
@@ -98,7 +99,7 @@ class _Entry:
         self.req = req  # the live request (the caller's cancel and sink)
         self.answered = False  # an output or error record came back
         self.cancel_sent = False  # the hosts were told its caller gave up
-        self.delivered = 0  # pieces handed to its caller's sink
+        self.delivered = Streamed()  # the pieces its caller's sink has had
         # (pieces its output waits for, [(sink, record, born, sent)]) or None
         self.parked: tuple[int, list] | None = None
 
@@ -174,11 +175,9 @@ class ServedRequests:
             sink = e.req.sink if e is not None else None
             if sink is None:
                 continue
-            had = e.delivered
-            for piece in got[max(0, had + 1 - first):]:
+            for piece in e.delivered.fresh_at(first - 1, got):
                 sink(piece)
-            e.delivered = n = max(had, first + len(got) - 1)
-            if e.parked is not None and n >= e.parked[0]:
+            if e.parked is not None and e.delivered.given >= e.parked[0]:
                 self.unpark(rid)
 
     def ready(self, target: int, records: list, expected: dict, born: float,
@@ -190,7 +189,7 @@ class ServedRequests:
             q = request_of(r)
             e = self.entries.get(q.rid) if q is not None else None
             n = expected.get(q.rid, 0) if q is not None else 0
-            if e is None or n <= e.delivered:
+            if e is None or n <= e.delivered.given:
                 out.append(r)
                 continue
             if e.parked is None:
