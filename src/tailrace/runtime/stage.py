@@ -127,7 +127,7 @@ class StageWorker:
     """
 
     __slots__ = ("stage", "ops", "rts", "meters", "execution", "fans", "drop_hook",
-                 "drop_key", "run_blocking", "pool")
+                 "drop_key", "run_blocking", "pool", "idle")
 
     def __init__(self, stage: PlanStage, rts: list[OpRuntime],
                  drop_hook: Callable[[str, list], None] | None = None,
@@ -145,6 +145,7 @@ class StageWorker:
         self.meters = [stage_meter(stage, j) for j in range(len(stage.ops))]
         self.run_blocking: Callable | None = None
         self.pool: ThreadPoolExecutor | None = None
+        self.idle = False  # its runtime's: waiting for input with none buffered
 
     def start(self, name: str) -> None:
         """Give a blocking stage its own threads (call on the event loop that runs it):

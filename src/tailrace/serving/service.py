@@ -411,19 +411,25 @@ class PipelineService:
                                         "already waiting; retry later")
             self._waiting[rid] = _Waiter(loop, fut)
             assert self._loop is not None and self._queue is not None
-            if loop is not self._loop:
+            here = loop is self._loop
+            if not here:
                 self._queued += 1
                 self._loop.call_soon_threadsafe(self._queue.put_nowait, rec)
-            elif not self._feed.offer(rec):  # the caller runs on the pipeline's loop
+            alone = len(self._waiting) == 1
+        # the caller runs on the pipeline's loop: straight into the first stage if it can
+        # (outside the lock: alone, it may run and be answered right here)
+        if here and not self._feed.offer(rec, alone):
+            with self._lock:
                 self._queued += 1
-                self._queue.put_nowait(rec)
+            self._queue.put_nowait(rec)
         try:
-            async with asyncio.timeout(self.timeout_s):
+            if fut.done():  # answered where it was offered: no wait, no timer
+                return fut.result()
+            timer = loop.call_later(self.timeout_s, self._expired, fut, req, cancel)
+            try:
                 return await fut
-        except TimeoutError:
-            raise ServiceTimeout(
-                f"pipeline '{self.name}': no output within {self.timeout_s:g} s (a stage "
-                "may have replaced the record without keeping its '_request')") from None
+            finally:
+                timer.cancel()
         finally:
             if not fut.done() or fut.cancelled():
                 req.cancel.set()
@@ -431,6 +437,17 @@ class PipelineService:
                     cancel.set()
             with self._lock:
                 self._waiting.pop(rid, None)
+
+    def _expired(self, fut: asyncio.Future, req: Request, cancel: Any) -> None:
+        """``submit``'s timer: no answer within ``timeout_s``; the work is stopped."""
+        if fut.done():
+            return
+        req.cancel.set()
+        if cancel is not None and cancel is not req.cancel:
+            cancel.set()
+        fut.set_exception(ServiceTimeout(
+            f"pipeline '{self.name}': no output within {self.timeout_s:g} s (a stage "
+            f"may have replaced the record without keeping its '{REQUEST}')"))
 
     def _why_unavailable(self) -> str:
         if self._state == "failed" and self._failure is not None:
@@ -541,12 +558,14 @@ class _Feed(Feed):
         self.service = service
         self.idle = False  # the source waits for the next request, holding none
 
-    def offer(self, record: dict) -> bool:
+    def offer(self, record: dict, alone: bool = False) -> bool:
         """Hand ``record`` straight to the first stage (no queue, no source turn) when
-        that keeps the order: the source is idle and nothing is queued before it."""
+        that keeps the order: the source is idle and nothing is queued before it.
+        ``alone``: no other request is waiting, so the stage may run it at once
+        (``Feed.push``)."""
         push, queue = self.push, self.service._queue
         return (push is not None and self.idle and queue is not None and queue.empty()
-                and push([record]))
+                and push([record], alone))
 
     def _taken(self, record: Any) -> bool:
         with self.service._lock:

@@ -154,6 +154,14 @@ class Channel:
                 if not fut.done():
                     fut.set_result(None)
 
+    def fail(self, exc: BaseException) -> None:
+        """Waiting consumers raise ``exc`` (a runtime failure met outside them ends the
+        stage as if they had met it)."""
+        while self._getters:
+            fut = self._getters.popleft()
+            if not fut.done():
+                fut.set_exception(exc)
+
     def _future(self) -> asyncio.Future:
         loop = self._loop
         if loop is None:
