@@ -57,6 +57,7 @@ from .errors import (
     ServiceTimeout,
     ServiceUnavailable,
 )
+from .own_loop import own_loop
 
 _STOP = object()
 
@@ -88,6 +89,16 @@ def _streamer(loop: asyncio.AbstractEventLoop, on_token: Callable[[str], Any],
             cancel.set()
 
     return stream
+
+
+def _nothing_else_ready(loop: asyncio.AbstractEventLoop) -> bool:
+    """Is the calling task all that ``loop`` has to run now (a lone query, not one of a
+    burst that arrived together and should cross the stages as one micro-batch, nor one
+    of a loop busy with other work)? Read from CPython's ``asyncio`` loop, which keeps
+    its ready callbacks in ``_ready``; a loop that does not (uvloop) is never asked to
+    run a stage on its caller's stack."""
+    ready = getattr(loop, "_ready", None)
+    return ready is not None and not ready
 
 
 class _Door:
@@ -198,6 +209,8 @@ class PipelineService:
         self._feed = _Feed(self)
         self._task: asyncio.Task | None = None  # start(loop): the run, on the caller's loop
         self._loop_thread: int | None = None  # the thread that runs ``_loop``
+        # start(): the lock ``_loop`` holds except while it waits (``own_loop.py``)
+        self._hold: threading.Lock | None = None
 
     # -- lifecycle ----------------------------------------------------------------------
     @property
@@ -233,7 +246,10 @@ class PipelineService:
             if self._state != "new":
                 raise ServiceError(f"pipeline '{self.name}': start() called twice "
                                    f"(state {self._state}); create a new service")
-            self._loop = loop if loop is not None else asyncio.new_event_loop()
+            if loop is None:
+                self._loop, self._hold = own_loop()
+            else:
+                self._loop = loop
             self._queue = asyncio.Queue(maxsize=self.max_pending + 1)
             self._state = "running"
         if loop is not None:
@@ -300,15 +316,17 @@ class PipelineService:
             f"pipeline '{self.name}' stopped before answering this request"))
 
     def _main(self) -> None:
-        loop = self._loop
-        assert loop is not None
+        loop, hold = self._loop, self._hold
+        assert loop is not None and hold is not None
         self._loop_thread = threading.get_ident()
+        hold.acquire()
         try:
             with asyncio.Runner(loop_factory=lambda: loop) as runner:
                 runner.run(self._serve())
         except BaseException as e:  # noqa: BLE001 - reported through .failure and callers
             self._failed(e)
         finally:
+            hold.release()
             self._ended()
 
     async def _hosted(self) -> None:
@@ -411,17 +429,30 @@ class PipelineService:
                                         "already waiting; retry later")
             self._waiting[rid] = _Waiter(loop, fut)
             assert self._loop is not None and self._queue is not None
+            alone = len(self._waiting) == 1 and _nothing_else_ready(loop)
             here = loop is self._loop
-            if not here:
+            hold = self._hold  # a caller on another thread may borrow the idle run
+            borrowed = (not here and alone and not self._queued and hold is not None
+                        and hold.acquire(False))
+            if not here and not borrowed:
                 self._queued += 1
                 self._loop.call_soon_threadsafe(self._queue.put_nowait, rec)
-            alone = len(self._waiting) == 1
-        # the caller runs on the pipeline's loop: straight into the first stage if it can
-        # (outside the lock: alone, it may run and be answered right here)
+        # straight into the first stage if it can take it; alone, it may run and be
+        # answered right here (outside the lock: the answer takes it)
         if here and not self._feed.offer(rec, alone):
             with self._lock:
                 self._queued += 1
             self._queue.put_nowait(rec)
+        elif borrowed:
+            try:
+                taken = self._feed.offer(rec, True)
+            finally:
+                hold.release()  # type: ignore[union-attr]
+            if not taken:
+                with self._lock:
+                    if self._state == "running":  # else stopping: ``stop`` answers it
+                        self._queued += 1
+                        self._loop.call_soon_threadsafe(self._queue.put_nowait, rec)
         try:
             if fut.done():  # answered where it was offered: no wait, no timer
                 return fut.result()
@@ -480,7 +511,14 @@ class PipelineService:
                 settle(waiter.future, value, exc)  # after this step anyway (call_soon)
             else:
                 self._loop.call_soon(_answer, waiter, value, exc)
-        else:  # a blocking sink's worker thread
+            return
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:  # a blocking sink's worker thread
+            here = None
+        if waiter.loop is here:  # a caller that borrowed the run answers itself, after
+            settle(waiter.future, value, exc)  # the step (it awaits nothing meanwhile)
+        else:
             _answer(waiter, value, exc)
 
     def _on_output(self, record: Any) -> None:
