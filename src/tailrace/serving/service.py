@@ -412,10 +412,14 @@ class PipelineService:
             raise ServiceError(f"pipeline '{self.name}': the record field '{REQUEST}' is "
                                "reserved for the request tailrace attaches; rename it",
                                status=400, code="invalid_record")
-        req = request if request is not None else Request()
-        rid = req.rid
         # one cancel concept: the caller's own event (if any) counts as set too
-        req.cancel = cancel if type(cancel) is Cancel else Cancel(cancel)
+        signal = cancel if type(cancel) is Cancel else Cancel(cancel)
+        if request is None:
+            req = Request(cancel=signal)
+        else:
+            req = request
+            req.cancel = signal
+        rid = req.rid
         if on_token is not None:
             req.sink = _streamer(loop, on_token, req.cancel)
         if TRACING.tracer is not None:  # its stage spans join the current request span
