@@ -145,6 +145,10 @@ class PipelineService:
     HTTP server's, under ``tailrace serve``): callers on that loop then reach the
     pipeline and get their answers with no thread hop; blocking stages still run in
     their own threads, and the engines load in a worker thread so the loop keeps serving.
+    Either way, a lone query (no other request waiting, nothing else ready on the
+    caller's loop) whose first stage is an idle inline chain ending in a sink runs that
+    stage on the caller's own stack, metered as its worker would: no task switch, and
+    no thread hand-off to a service on its own thread (``own_loop.py``).
 
     plan_or_pipeline: a ``Pipeline`` (compiled here) or a compiled ``Plan``; its source
                       must be declared without data and its sink without a target.
