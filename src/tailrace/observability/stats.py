@@ -12,11 +12,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 _SUB = 16  # sub-buckets per power of two: ~3% relative error
 _MIN_EXP = -20  # 2**-20 us ~ 1 ps: anything smaller lands in bucket 0
 _MAX_EXP = 44  # 2**44 us ~ 200 days
 _NBUCKETS = (_MAX_EXP - _MIN_EXP) * _SUB
+_OFFSET = -_MIN_EXP * _SUB - _SUB  # bucket (e - _MIN_EXP) * _SUB + int((m - 0.5) * 2 * _SUB)
 
 
 @dataclass(frozen=True)
@@ -50,11 +52,11 @@ class Histogram:
         self.min = math.inf
         self.max = 0.0
 
-    def record(self, value: float, n: int = 1) -> None:
+    def record(self, value: float, n: int = 1, _frexp: Any = math.frexp) -> None:
         """Add ``n`` observations of ``value``."""
         if value > 0.0:
-            m, e = math.frexp(value)
-            i = (e - _MIN_EXP) * _SUB + int((m - 0.5) * 2 * _SUB)
+            m, e = _frexp(value)  # value = m * 2**e, 0.5 <= m < 1
+            i = e * _SUB + int(m * (2 * _SUB)) + _OFFSET
             if i < 0:
                 i = 0
             elif i >= _NBUCKETS:

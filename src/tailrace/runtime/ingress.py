@@ -28,12 +28,15 @@ class Feed:
     define ``__aiter__`` (one record at a time, for admission) and ``batches``.
 
     ``push``: set while the feed is read without admission and the source feeds one
-    channel: ``push(records) -> bool`` hands records straight to the first stage when
-    it has room (counted as read), so a record that arrives while the source is idle
-    skips the source task's turn; the feed's owner calls it only then (order kept).
+    channel: ``push(records, alone=False) -> bool`` hands records straight to the first
+    stage when it has room (counted as read), so a record that arrives while the source
+    is idle skips the source task's turn; the feed's owner calls it only then (order
+    kept), on the run's loop. ``alone``: the owner has nothing else in flight: a first
+    stage that can (an idle inline chain ending in a sink) runs the records at once, on
+    the caller's stack (``LocalRun``).
     """
 
-    push: Callable[[list], bool] | None = None
+    push: Callable[..., bool] | None = None
 
     def __aiter__(self) -> AsyncIterator[Any]:
         raise NotImplementedError
@@ -77,18 +80,20 @@ def input_failed(op_id: str, meter: StageMeter, e: BaseException) -> ErrorRecord
 
 async def read(data: Any, n: int, meter: StageMeter,
                send: Callable[[list], Awaitable[None]],
-               offer: Callable[[list], bool] | None = None) -> None:
+               offer: Callable[[list, bool], bool] | None = None) -> None:
     """Send the input in chunks of at most ``n`` records (counted on ``meter``).
 
-    offer: ``offer(records) -> bool`` puts records downstream without waiting, False if
-           there is no room: given, a ``Feed`` may push straight through it.
+    offer: ``offer(records, alone) -> bool`` puts records downstream without waiting
+           (``alone``: or runs them there, see ``Feed``), False if there is no room:
+           given, a ``Feed`` may push straight through it.
     """
     if isinstance(data, Feed) and offer is not None:
-        def push(records: list) -> bool:
-            if not offer(records):
-                return False
-            meter.records_out += len(records)
-            return True
+        def push(records: list, alone: bool = False) -> bool:
+            meter.records_out += len(records)  # read before the stage may run them
+            if offer(records, alone):
+                return True
+            meter.records_out -= len(records)
+            return False
 
         data.push = push
     try:

@@ -20,6 +20,7 @@ import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from operator import is_
 from time import perf_counter
 from typing import Any
 
@@ -127,7 +128,7 @@ class StageWorker:
     """
 
     __slots__ = ("stage", "ops", "rts", "meters", "execution", "fans", "drop_hook",
-                 "drop_key", "run_blocking", "pool")
+                 "drop_key", "run_blocking", "pool", "idle")
 
     def __init__(self, stage: PlanStage, rts: list[OpRuntime],
                  drop_hook: Callable[[str, list], None] | None = None,
@@ -145,6 +146,7 @@ class StageWorker:
         self.meters = [stage_meter(stage, j) for j in range(len(stage.ops))]
         self.run_blocking: Callable | None = None
         self.pool: ThreadPoolExecutor | None = None
+        self.idle = False  # its runtime's: waiting for input with none buffered
 
     def start(self, name: str) -> None:
         """Give a blocking stage its own threads (call on the event loop that runs it):
@@ -178,8 +180,9 @@ class StageWorker:
     def run_chain(self, batch: list, errors: list, trace: Trace | None = None) -> Ports:
         """Push one micro-batch through the fused operators; returns port -> records."""
         src = None
+        meters, drop_hook = self.meters, self.drop_hook
         for i, rt in enumerate(self.rts):
-            m = self.meters[i]
+            m = meters[i]
             n = len(batch)
             m.records_in += n
             if not n:
@@ -192,26 +195,27 @@ class StageWorker:
             errs: list = []
             fn = rt.batch_fn
             if kind == "map":
+                before = batch
                 if trace is not None and self.fans[i]:  # lineage: fan out record by record
                     batch, src = fan_out(rt.record_fn, batch, src, errs, trace.esrc)
                     trace.fanned = True
                 elif fn is not None:
-                    before = batch
                     try:
                         batch = fn(batch, errs)
                     except Exception as e:  # noqa: BLE001 - a whole-batch call failed
                         errs = [(x, e) for x in batch]
                         batch = []
-                    if trace is not None:
-                        if errs or len(batch) != n:
-                            failed = error_positions(before, errs)
-                            trace.esrc.extend(compose(src, failed))
-                            src = compose(src, kept_positions(before, batch, failed))
-                            trace.fanned = trace.fanned or len(batch) > n - len(errs)
-                    elif self.drop_hook is not None:
-                        gone = dropped(before, batch, errs, self.drop_key or "")
-                        if gone:
-                            self.drop_hook(self.ops[i].id, gone)
+                    if trace is not None and (errs or len(batch) != n):
+                        failed = error_positions(before, errs)
+                        trace.esrc.extend(compose(src, failed))
+                        src = compose(src, kept_positions(before, batch, failed))
+                        trace.fanned = trace.fanned or len(batch) > n - len(errs)
+                dt = perf_counter() - t0
+                if (drop_hook is not None and trace is None
+                        and (errs or len(batch) != n or not all(map(is_, batch, before)))):
+                    gone = dropped(before, batch, errs, self.drop_key or "")
+                    if gone:
+                        drop_hook(self.ops[i].id, gone)
             elif kind == "branch":
                 t, f = fn(batch, errs)  # type: ignore[misc]
                 if trace is not None:
@@ -219,18 +223,23 @@ class StageWorker:
                     trace.esrc.extend(compose(src, failed))
                     pt, pf = split_branch(batch, t, f, failed)
                     trace.src = {"true": compose(src, pt), "false": compose(src, pf)}
-                self._done(m, t0, n, len(t) + len(f), errs, errors, i)
+                self._done(m, perf_counter() - t0, n, len(t) + len(f), errs, errors, i)
                 return {"true": t, "false": f}
             else:  # pragma: no cover - compiler guarantees the kinds above
                 raise RuntimeError(f"operator kind {kind!r} cannot run in a chain")
-            self._done(m, t0, n, len(batch), errs, errors, i)
+            m.records_out += len(batch)  # (``_done``, inline: the hot path)
+            m.service.record(dt * 1e6 / n, n)
+            m.batch_size.record(n)
+            if errs:
+                m.errors += len(errs)
+                sid = self.ops[i].id
+                errors.extend(ErrorRecord.from_exception(sid, x, e) for x, e in errs)
         if trace is not None:
             trace.src = {None: src}
         return {None: batch}
 
-    def _done(self, m: StageMeter, t0: float, n_in: int, n_out: int, errs: list,
+    def _done(self, m: StageMeter, dt: float, n_in: int, n_out: int, errs: list,
               errors: list, i: int) -> None:
-        dt = perf_counter() - t0
         m.records_out += n_out
         m.service.record(dt * 1e6 / n_in, n_in)
         m.batch_size.record(n_in)

@@ -58,6 +58,7 @@ from .errors import (
     ServiceTimeout,
     ServiceUnavailable,
 )
+from .own_loop import own_loop
 
 _STOP = object()
 
@@ -89,6 +90,16 @@ def _streamer(loop: asyncio.AbstractEventLoop, on_token: Callable[[str], Any],
             cancel.set()
 
     return stream
+
+
+def _nothing_else_ready(loop: asyncio.AbstractEventLoop) -> bool:
+    """Is the calling task all that ``loop`` has to run now (a lone query, not one of a
+    burst that arrived together and should cross the stages as one micro-batch, nor one
+    of a loop busy with other work)? Read from CPython's ``asyncio`` loop, which keeps
+    its ready callbacks in ``_ready``; a loop that does not (uvloop) is never asked to
+    run a stage on its caller's stack."""
+    ready = getattr(loop, "_ready", None)
+    return ready is not None and not ready
 
 
 class _Door:
@@ -135,6 +146,10 @@ class PipelineService:
     HTTP server's, under ``tailrace serve``): callers on that loop then reach the
     pipeline and get their answers with no thread hop; blocking stages still run in
     their own threads, and the engines load in a worker thread so the loop keeps serving.
+    Either way, a lone query (no other request waiting, nothing else ready on the
+    caller's loop) whose first stage is an idle inline chain ending in a sink runs that
+    stage on the caller's own stack, metered as its worker would: no task switch, and
+    no thread hand-off to a service on its own thread (``own_loop.py``).
 
     plan_or_pipeline: a ``Pipeline`` (compiled here) or a compiled ``Plan``; its source
                       must be declared without data and its sink without a target.
@@ -205,6 +220,8 @@ class PipelineService:
         self._feed = _Feed(self)
         self._task: asyncio.Task | None = None  # start(loop): the run, on the caller's loop
         self._loop_thread: int | None = None  # the thread that runs ``_loop``
+        # start(): the lock ``_loop`` holds except while it waits (``own_loop.py``)
+        self._hold: threading.Lock | None = None
 
     # -- lifecycle ----------------------------------------------------------------------
     @property
@@ -240,7 +257,10 @@ class PipelineService:
             if self._state != "new":
                 raise ServiceError(f"pipeline '{self.name}': start() called twice "
                                    f"(state {self._state}); create a new service")
-            self._loop = loop if loop is not None else asyncio.new_event_loop()
+            if loop is None:
+                self._loop, self._hold = own_loop()
+            else:
+                self._loop = loop
             self._queue = asyncio.Queue(maxsize=self.max_pending + 1)
             self._state = "running"
         if loop is not None:
@@ -307,15 +327,17 @@ class PipelineService:
             f"pipeline '{self.name}' stopped before answering this request"))
 
     def _main(self) -> None:
-        loop = self._loop
-        assert loop is not None
+        loop, hold = self._loop, self._hold
+        assert loop is not None and hold is not None
         self._loop_thread = threading.get_ident()
+        hold.acquire()
         try:
             with asyncio.Runner(loop_factory=lambda: loop) as runner:
                 runner.run(self._serve())
         except BaseException as e:  # noqa: BLE001 - reported through .failure and callers
             self._failed(e)
         finally:
+            hold.release()
             self._ended()
 
     async def _hosted(self) -> None:
@@ -401,12 +423,16 @@ class PipelineService:
             raise ServiceError(f"pipeline '{self.name}': the record field '{REQUEST}' is "
                                "reserved for the request tailrace attaches; rename it",
                                status=400, code="invalid_record")
-        req = request if request is not None else Request()
+        # one cancel concept: the caller's own event (if any) counts as set too
+        signal = cancel if type(cancel) is Cancel else Cancel(cancel)
+        if request is None:
+            req = Request(cancel=signal)
+        else:
+            req = request
+            req.cancel = signal
         # this service's own id: requests made elsewhere (several ingress replicas in
         # front of one hub) may share ids, answers are routed by this one
         rid = req.rid = next(self._ids)
-        # one cancel concept: the caller's own event (if any) counts as set too
-        req.cancel = cancel if type(cancel) is Cancel else Cancel(cancel)
         if on_token is not None:
             req.sink = _streamer(loop, on_token, req.cancel)
         if TRACING.tracer is not None:  # its stage spans join the current request span
@@ -420,19 +446,38 @@ class PipelineService:
                                         "already waiting; retry later")
             self._waiting[rid] = _Waiter(loop, fut)
             assert self._loop is not None and self._queue is not None
-            if loop is not self._loop:
+            alone = len(self._waiting) == 1 and _nothing_else_ready(loop)
+            here = loop is self._loop
+            hold = self._hold  # a caller on another thread may borrow the idle run
+            borrowed = (not here and alone and not self._queued and hold is not None
+                        and hold.acquire(False))
+            if not here and not borrowed:
                 self._queued += 1
                 self._loop.call_soon_threadsafe(self._queue.put_nowait, rec)
-            elif not self._feed.offer(rec):  # the caller runs on the pipeline's loop
+        # straight into the first stage if it can take it; alone, it may run and be
+        # answered right here (outside the lock: the answer takes it)
+        if here and not self._feed.offer(rec, alone):
+            with self._lock:
                 self._queued += 1
-                self._queue.put_nowait(rec)
+            self._queue.put_nowait(rec)
+        elif borrowed:
+            try:
+                taken = self._feed.offer(rec, True)
+            finally:
+                hold.release()  # type: ignore[union-attr]
+            if not taken:
+                with self._lock:
+                    if self._state == "running":  # else stopping: ``stop`` answers it
+                        self._queued += 1
+                        self._loop.call_soon_threadsafe(self._queue.put_nowait, rec)
         try:
-            async with asyncio.timeout(self.timeout_s):
+            if fut.done():  # answered where it was offered: no wait, no timer
+                return fut.result()
+            timer = loop.call_later(self.timeout_s, self._expired, fut, req, cancel)
+            try:
                 return await fut
-        except TimeoutError:
-            raise ServiceTimeout(
-                f"pipeline '{self.name}': no output within {self.timeout_s:g} s (a stage "
-                "may have replaced the record without keeping its '_request')") from None
+            finally:
+                timer.cancel()
         finally:
             if not fut.done() or fut.cancelled():
                 req.cancel.set()
@@ -440,6 +485,17 @@ class PipelineService:
                     cancel.set()
             with self._lock:
                 self._waiting.pop(rid, None)
+
+    def _expired(self, fut: asyncio.Future, req: Request, cancel: Any) -> None:
+        """``submit``'s timer: no answer within ``timeout_s``; the work is stopped."""
+        if fut.done():
+            return
+        req.cancel.set()
+        if cancel is not None and cancel is not req.cancel:
+            cancel.set()
+        fut.set_exception(ServiceTimeout(
+            f"pipeline '{self.name}': no output within {self.timeout_s:g} s (a stage "
+            f"may have replaced the record without keeping its '{REQUEST}')"))
 
     def _why_unavailable(self) -> str:
         if self._state == "failed" and self._failure is not None:
@@ -472,7 +528,14 @@ class PipelineService:
                 settle(waiter.future, value, exc)  # after this step anyway (call_soon)
             else:
                 self._loop.call_soon(_answer, waiter, value, exc)
-        else:  # a blocking sink's worker thread
+            return
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:  # a blocking sink's worker thread
+            here = None
+        if waiter.loop is here:  # a caller that borrowed the run answers itself, after
+            settle(waiter.future, value, exc)  # the step (it awaits nothing meanwhile)
+        else:
             _answer(waiter, value, exc)
 
     def _on_output(self, record: Any) -> None:
@@ -550,12 +613,14 @@ class _Feed(Feed):
         self.service = service
         self.idle = False  # the source waits for the next request, holding none
 
-    def offer(self, record: dict) -> bool:
+    def offer(self, record: dict, alone: bool = False) -> bool:
         """Hand ``record`` straight to the first stage (no queue, no source turn) when
-        that keeps the order: the source is idle and nothing is queued before it."""
+        that keeps the order: the source is idle and nothing is queued before it.
+        ``alone``: no other request is waiting, so the stage may run it at once
+        (``Feed.push``)."""
         push, queue = self.push, self.service._queue
         return (push is not None and self.idle and queue is not None and queue.empty()
-                and push([record]))
+                and push([record], alone))
 
     def _taken(self, record: Any) -> bool:
         with self.service._lock:

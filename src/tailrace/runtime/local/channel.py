@@ -154,11 +154,24 @@ class Channel:
                 if not fut.done():
                     fut.set_result(None)
 
+    def fail(self, exc: BaseException) -> None:
+        """Waiting consumers raise ``exc`` (a runtime failure met outside them ends the
+        stage as if they had met it). Safe from another thread that has the loop to
+        itself (a caller that borrowed an idle run)."""
+        while self._getters:
+            fut = self._getters.popleft()
+            fut.get_loop().call_soon_threadsafe(_raise_in, fut, exc)
+
     def _future(self) -> asyncio.Future:
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
         return loop.create_future()
+
+
+def _raise_in(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
 
 
 def _resolve(fut: asyncio.Future) -> None:

@@ -77,6 +77,7 @@ class LocalRun:
             ids[i]: {port: [self.channels[ids[c]] for c in cs] for port, cs in ports.items()}
             for i, ports in plan.consumers().items()}
         self.first_stages = {ids[i] for i in plan.first_stages()}
+        self.sinks = {s.id for s in plan.stages if s.ops[-1].op.kind == "sink"}
 
     def _build(self, s: PlanStage, outputs: dict[str, Any]) -> list:
         rts = []
@@ -203,8 +204,15 @@ class LocalRun:
                 if not ch.put_nowait(chunk, born):
                     await ch.put(chunk, born)
 
-        def offer(records: list) -> bool:  # one channel: all in, or nothing
-            return not down[0].closed and down[0].put_nowait(records, perf_counter())
+        run_now = self._runner(down[0]) if len(down) == 1 else None
+
+        def offer(records: list, alone: bool = False) -> bool:  # one channel: all or nothing
+            ch = down[0]
+            if ch.closed:
+                return False
+            if alone and run_now is not None and ch.depth == 0 and run_now(records):
+                return True
+            return ch.put_nowait(records, perf_counter())
 
         try:
             if self.admission is not None:
@@ -218,6 +226,39 @@ class LocalRun:
             meter.records_in = meter.records_out
             self.records_in += meter.records_out
             self._close(s.id)
+
+    def _runner(self, ch: Channel) -> Callable[[list], bool] | None:
+        """The stage that ``ch`` feeds, run on the caller's stack: for a lone record
+        (``Feed.push(records, alone=True)``) of a stage that ends in a sink and calls its
+        operators inline (a fused ``chain`` on the loop), an idle replica runs it at once,
+        where the offer is made (the step a served record on the run's loop otherwise
+        waits two task switches for: its worker's turn, then its caller's). Nothing is
+        buffered before it (``ch`` is empty and the replica waits on it), so the order
+        holds; every meter counts it as the worker would (queue wait 0). None: not such
+        a stage."""
+        s = next(st for st in self.plan.stages if self.channels.get(st.id) is ch)
+        x = s.execution
+        if x is None or x.call != "chain" or s.id not in self.sinks or len(s.upstream) != 1:
+            return None
+        workers = self.workers[s.id]
+
+        def run_now(records: list) -> bool:
+            for w in workers:
+                if w.idle and w.run_blocking is None and not w.rts[0].is_async:
+                    break
+            else:
+                return False
+            errors: list[ErrorRecord] = []
+            written = w.meters[-1].records_out
+            now = perf_counter()
+            try:
+                ports = w.run_chain(records, errors)
+                self._step(s, w, now, now, records, ports, now, errors, written)
+            except Exception as e:  # noqa: BLE001 - a runtime bug: it ends the run, as in
+                ch.fail(e)  # the worker (which raises it from its wait)
+            return True
+
+        return run_now
 
     async def _stage(self, s: PlanStage) -> None:
         try:
@@ -235,42 +276,50 @@ class LocalRun:
         max_n, collect = x.max_batch, x.call == "collect"
         max_wait = x.max_wait_ms / 1000.0
         ends = collect and w.rts[0].kind == "collect"  # a group ends its records' tickets
-        meter = w.meters[0]
-        is_sink = s.ops[-1].op.kind == "sink"
-        first_stage = s.id in self.first_stages
-        errors: list[ErrorRecord] = []
-        counted = 0  # sink records already added to the run's total
+        is_sink = s.id in self.sinks
         while True:
             item = ch.get_nowait(max_n)
             if item is None:
-                item = await (collect_batch(ch, max_n, max_wait) if collect else ch.get(max_n))
+                w.idle = True  # waiting with nothing buffered: ``_runner`` may use it
+                try:
+                    item = await (collect_batch(ch, max_n, max_wait) if collect
+                                  else ch.get(max_n))
+                finally:
+                    w.idle = False
                 if item is None:
                     return
             elif collect and len(item[2]) < max_n and max_wait > 0:
                 item = await collect_batch(ch, max_n, max_wait, first_item=item)
             enq, born, batch = item  # type: ignore[misc]
             now = perf_counter()
-            n = len(batch)
-            meter.queue_wait.record((now - enq) * 1e6, n)
-            if first_stage:
-                self.scheduling.record((now - born) * 1e6, n)
             took = [strip(r) for r in batch] if ends and self.tickets else batch
+            errors: list[ErrorRecord] = []
+            written = w.meters[-1].records_out
             ports = await w.process(took, errors)
-            if TRACING.tracer is not None:  # tracing off: this check is all it costs
-                stage_spans(TRACING.tracer, s, batch, ports, errors, enq, now, perf_counter())
-            if is_sink:
-                sm = w.meters[-1]
-                delivered = sm.records_out - counted
-                counted = sm.records_out
-                self.records_out += delivered
-                self.latency.record((perf_counter() - born) * 1e6, delivered)
-            if errors:
-                self._error(errors)
-                errors = []
-            if self.tickets:
-                self._account(s.id, batch, ports)
+            self._step(s, w, enq, born, batch, ports, now, errors, written)
             if not is_sink:
                 await self._emit(s.id, ports, born)
+
+    def _step(self, s: PlanStage, w: StageWorker, enq: float, born: float, batch: list,
+              ports: dict[str | None, list], now: float, errors: list[ErrorRecord],
+              written: int) -> None:
+        """Book one stage call that took ``batch`` (queued at ``enq``, born at ``born``,
+        started at ``now``) and gave ``ports``: queue wait, scheduling, spans, the run's
+        outputs and latency, error records, tickets."""
+        n = len(batch)
+        w.meters[0].queue_wait.record((now - enq) * 1e6, n)
+        if s.id in self.first_stages:
+            self.scheduling.record((now - born) * 1e6, n)
+        if TRACING.tracer is not None:  # tracing off: this check is all it costs
+            stage_spans(TRACING.tracer, s, batch, ports, errors, enq, now, perf_counter())
+        if s.id in self.sinks:
+            delivered = w.meters[-1].records_out - written  # sink records written now
+            self.records_out += delivered
+            self.latency.record((perf_counter() - born) * 1e6, delivered)
+        if errors:
+            self._error(errors)
+        if self.tickets:
+            self._account(s.id, batch, ports)
 
 
 async def collect_batch(ch: Channel, max_n: int, max_wait: float,
