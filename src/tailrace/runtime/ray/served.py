@@ -160,7 +160,7 @@ class ServedRequests:
         for r in records:
             q = request_of(r)
             e = self.entries.get(q.rid) if q is not None else None
-            if e is not None:
+            if q is not None and e is not None:
                 if e.parked is None:
                     del self.entries[q.rid]
                 else:
@@ -173,7 +173,7 @@ class ServedRequests:
         for rid, (first, got) in pieces.items():
             e = self.entries.get(rid)
             sink = e.req.sink if e is not None else None
-            if sink is None:
+            if e is None or sink is None:
                 continue
             for piece in e.delivered.fresh_at(first - 1, got):
                 sink(piece)
@@ -189,7 +189,7 @@ class ServedRequests:
             q = request_of(r)
             e = self.entries.get(q.rid) if q is not None else None
             n = expected.get(q.rid, 0) if q is not None else 0
-            if e is None or n <= e.delivered.given:
+            if q is None or e is None or n <= e.delivered.given:
                 out.append(r)
                 continue
             if e.parked is None:
