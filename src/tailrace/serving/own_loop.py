@@ -23,7 +23,7 @@ import threading
 from typing import Any
 
 
-class _HeldSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
+class _HeldSelector(selectors.DefaultSelector):
     """The default selector, releasing ``lock`` only while it waits for events."""
 
     def __init__(self, lock: threading.Lock) -> None:
