@@ -3,8 +3,9 @@
 A lone query to such a service used to cross threads twice (the caller's loop wakes the
 service's, which wakes the caller's back): on an idle VM each wake-up of a thread whose
 vCPU has halted costs some 200 us, which made a query through four no-op maps take
-~450 us. Spinning does not remove that cost in Python: a thread that waits for the GIL
-sleeps too, and two spinning threads fight over it.
+~450 us. Spinning before sleeping would not remove that cost in Python: a thread that
+waits for the GIL sleeps too (its vCPU halts), and a spinning thread that keeps taking
+the GIL back starves the one it waits for.
 
 So the service's loop holds a lock at all times except while it waits in ``select`` for
 something to do. A caller thread that takes it without blocking has the whole run to
