@@ -231,9 +231,7 @@ class StageWorker:
             m.service.record(dt * 1e6 / n, n)
             m.batch_size.record(n)
             if errs:
-                m.errors += len(errs)
-                sid = self.ops[i].id
-                errors.extend(ErrorRecord.from_exception(sid, x, e) for x, e in errs)
+                self._failed(m, i, errs, errors)
         if trace is not None:
             trace.src = {None: src}
         return {None: batch}
@@ -244,9 +242,13 @@ class StageWorker:
         m.service.record(dt * 1e6 / n_in, n_in)
         m.batch_size.record(n_in)
         if errs:
-            m.errors += len(errs)
-            sid = self.ops[i].id
-            errors.extend(ErrorRecord.from_exception(sid, x, e) for x, e in errs)
+            self._failed(m, i, errs, errors)
+
+    def _failed(self, m: StageMeter, i: int, errs: list, errors: list) -> None:
+        """Operator ``i``'s failed records ``(input, exception)`` as error records."""
+        m.errors += len(errs)
+        sid = self.ops[i].id
+        errors.extend(ErrorRecord.from_exception(sid, x, e) for x, e in errs)
 
     async def call_per_record(self, batch: list, errors: list,
                               trace: Trace | None = None) -> Ports:
