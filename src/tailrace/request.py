@@ -198,7 +198,3 @@ def strip(record: Any) -> Any:
         return {k: v for k, v in record.items() if k != REQUEST}
     return record
 
-
-def is_remote_sink(sink: Any) -> bool:
-    """Is ``sink`` the placeholder of an unpickled request's sink (``bind`` replaces it)?"""
-    return sink is _REMOTE_SINK
