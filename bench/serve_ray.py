@@ -70,6 +70,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import pickle
 import platform
 import signal
 import socket
@@ -365,14 +366,15 @@ ROUTES = {"noop": ("/v1/pipelines/noop/runs", lambda i: {"prompt": f"hello {i}"}
           "rag": ("/v1/pipelines/rag/runs", lambda i: {"question": f"What is fact {i}?"})}
 
 
-async def sequential(base: str, path: str, bodies: list[dict]) -> list[float]:
-    """One request at a time over one keep-alive connection; seconds each."""
+async def sequential(base: str, path: str, bodies: list[dict | None]) -> list[float]:
+    """One request at a time over one keep-alive connection (a POST of each body, a GET
+    for None); seconds each."""
     http = Http(base)
     out = []
     try:
         for body in bodies:
             t0 = time.perf_counter()
-            status = await http.request("POST", path, body)
+            status = await http.request("POST" if body is not None else "GET", path, body)
             out.append(time.perf_counter() - t0)
             if status != 200:
                 raise SystemExit(f"serve_ray: {base}{path} answered {status}")
@@ -386,11 +388,13 @@ def direct(bench: Bench, name: str, bodies: list[dict]) -> list[float]:
     import ray
 
     from tailrace.request import Request
+    from tailrace.serving.ray.hub import pack
 
     out = []
     for body in bodies:
         t0 = time.perf_counter()
-        ok, value = ray.get(bench.server.hub.submit.remote(name, body, Request()))
+        ok, value = pickle.loads(ray.get(bench.server.hub.submit.remote(
+            pack((name, body, Request())))))
         out.append(time.perf_counter() - t0)
         if not ok:
             raise SystemExit(f"serve_ray: hub.submit({name}) failed: {value}")
@@ -415,6 +419,8 @@ def added_latency(bench: Bench, local: str, ray_base: str, n: int, rounds: int,
                 times[side] = asyncio.run(sequential(local if side == "local" else ray_base,
                                                      path, bodies))
             times["hub"] = direct(bench, kind, bodies)
+            # the HTTP path alone: the ingress replica answers /readyz from what it knows
+            times["http"] = asyncio.run(sequential(ray_base, "/readyz", [None] * n))
             row = {f"{side}_{q}": pct(xs, v) * 1e3 for side, xs in times.items()
                    for q, v in (("p50", 0.5), ("p99", 0.99))}
             row["added_p50"] = row["ray_p50"] - row["local_p50"]
@@ -434,15 +440,17 @@ def report_latency(lat: dict) -> None:
     names = {"local": "local serve (uvicorn, one process)",
              "ray": "Ray: Serve proxy -> ingress replica -> hub",
              "hub": "  of which hub.submit.remote from the driver",
+             "http": "  GET /readyz: proxy + ingress replica, no hub",
              "added": "added by Ray (Ray - local)"}
     for kind, rows in lat["rows"].items():
-        for side in ("local", "ray", "hub", "added"):
+        for side in ("local", "ray", "hub", "http", "added"):
             print(f"   {kind:<8} {names[side]:<46} "
                   f"{spread([r[side + '_p50'] for r in rows]):>24} "
                   f"{spread([r[side + '_p99'] for r in rows]):>24}")
     print("   (hub.submit.remote: the hub actor's run of the record plus one actor call from "
           "this driver; the rest of the Ray path is Serve's proxy, the replica's FastAPI app "
-          "and the hop from the replica to the hub)")
+          "and the hop from the replica to the hub; GET /readyz crosses the proxy and the "
+          "ingress replica's app, answered from the replica's cached view of the hub)")
 
 
 # -- 2. throughput --------------------------------------------------------------------------

@@ -40,7 +40,10 @@ CASES = {
     "bad placement": (
         f"  - {{id: a, op: map, fn: {F}.upper, input: text, placement: {{gpus: 1}}}}\n",
         "p.yaml:5: stage 'a': unknown placement option(s) gpus; known: num_cpus, num_gpus, "
-        "memory, resources, strategy"),
+        "memory, resources, strategy, where"),
+    "bad placement where": (
+        f"  - {{id: a, op: map, fn: {F}.upper, input: text, placement: {{where: gpu}}}}\n",
+        "p.yaml:5: stage 'a': placement where must be one of driver, host, got 'gpu'"),
     "bad placement strategy": (
         f"  - {{id: a, op: map, fn: {F}.upper, input: text, placement: {{strategy: far}}}}\n",
         "p.yaml:5: stage 'a': placement strategy must be one of pack, spread, got 'far'"),

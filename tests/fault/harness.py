@@ -170,6 +170,9 @@ class Scenario:
     stop:      serving: stop the service while the requests are in flight.
     max_pending: serving: the service's limit of waiting requests (None: plenty).
     kill:      Ray: the step whose actor is killed once the first output arrived.
+    where:     Ray: "" (the runtime's default: a served run's inline stages fed by the
+               driver run there, a batch run's on actors), "host" (every stage on an
+               actor) or "driver" (every stage that can runs in the driver).
     urgency:   serving: per request (by lid), its own ``(priority, deadline_ms)`` for
                admission (the record's ``_urgency``; None, or a None part: not set).
     """
@@ -184,6 +187,7 @@ class Scenario:
     stop: bool = False
     max_pending: int | None = None
     kill: int | None = None
+    where: str = ""
     urgency: tuple[tuple[str | int | None, float | None] | None, ...] = ()
 
 

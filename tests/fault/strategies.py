@@ -118,6 +118,9 @@ def scenarios(draw, target: str = "local", policy: str | None = None, interrupt:
         hosted = [i for i, s in enumerate(steps)]
         if hosted and n and draw(st.booleans()):
             sc = _replace(sc, kill=draw(st.sampled_from(hosted)))
+        # the other side of the runtime's default: a served run all on actors, a batch
+        # run with every stage that can in the driver
+        sc = _replace(sc, where=draw(st.sampled_from(["", "host" if served else "driver"])))
     return sc
 
 

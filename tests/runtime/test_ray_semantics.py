@@ -219,7 +219,7 @@ def test_a_stage_that_fails_to_build_on_its_actor_raises_the_original_error():
      r"^stage 'sq': placement num_cpus must be a non-negative number, got -1$"),
     ({"sq": {"gpus": 1}},
      r"^stage 'sq': unknown placement option\(s\) gpus; known: num_cpus, num_gpus, memory, "
-     r"resources, strategy$"),
+     r"resources, strategy, where$"),
 ])
 def test_bad_placement_is_a_plan_error(placement, message):
     p = tr.Pipeline("t")

@@ -85,8 +85,10 @@ def check_params(spec: StageSpec, op: OpDef) -> dict[str, Any]:
 SYNC_ONLY = frozenset({"filter", "flat_map", "key_by", "branch", "stateful"})
 
 
-PLACEMENT_KEYS = ("num_cpus", "num_gpus", "memory", "resources", "strategy")
+PLACEMENT_KEYS = ("num_cpus", "num_gpus", "memory", "resources", "strategy", "where")
 PLACEMENT_STRATEGIES = ("pack", "spread")
+#: where a stage runs on Ray: in the driver's process or in a stage-host actor
+PLACEMENT_WHERE = ("driver", "host")
 
 
 def placement_problem(opts: Any) -> str | None:
@@ -104,6 +106,9 @@ def placement_problem(opts: Any) -> str | None:
     if opts.get("strategy", "pack") not in PLACEMENT_STRATEGIES:
         return (f"placement strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}, "
                 f"got {opts['strategy']!r}")
+    if opts.get("where", "host") not in PLACEMENT_WHERE:
+        return (f"placement where must be one of {', '.join(PLACEMENT_WHERE)}, "
+                f"got {opts['where']!r}")
     res = opts.get("resources") or {}
     if not isinstance(res, dict):
         return f"placement resources must be a mapping like {{accel: 1}}, got {res!r}"

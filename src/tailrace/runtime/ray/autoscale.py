@@ -168,6 +168,8 @@ class Elastic:
             for link in links:
                 if link.route.target == i:
                     link.reroute(*routes)
+        for inst in run.local.values():  # the driver's stages
+            inst.reroute(i, *routes)
         producers = {id(h): h for (j, _), h in run.assignment.items()
                      if any(i in c for c in run.consumers[j].values())}
         await asyncio.gather(*[h.handle.reroute.remote(run.run_id, i, *routes)

@@ -168,18 +168,22 @@ class Link:
             unacked = self.unacked[r]
             order = ((self.link_id, seq, next(reversed(unacked)), next(iter(unacked)))
                      if unacked else (self.link_id, seq, -1, seq))
-            try:
-                msg = encode((self.keys[r], key, part, ids, born, order))
-            except Exception as e:  # noqa: BLE001 - some record cannot be serialised
-                part, ids = self._drop_unsendable(key, part, ids, e, acks)
-                if not part:
-                    window.give(n)
-                    continue
-                msg = encode((self.keys[r], key, part, ids, born, order))
+            local = self.route.local
+            if local is not None:  # a stage in this process: a call, the records as they are
+                ref = local.push(key, part, ids, born, order)  # awaited by ``_acked``
+            else:
+                try:
+                    msg = encode((self.keys[r], key, part, ids, born, order))
+                except Exception as e:  # noqa: BLE001 - some record cannot be serialised
+                    part, ids = self._drop_unsendable(key, part, ids, e, acks)
+                    if not part:
+                        window.give(n)
+                        continue
+                    msg = encode((self.keys[r], key, part, ids, born, order))
+                ref = self.hosts[r].push.remote(msg)
             self.seqs[r] = seq + 1
             unacked[seq] = None
             self.outstanding[r] += n
-            ref = self.hosts[r].push.remote(msg)
             acks.append(asyncio.ensure_future(
                 self._acked(r, seq, n, key, part, ids, born, ref)))
 

@@ -43,6 +43,7 @@ from ..stats import RayRunStats, build_stats
 from .autoscale import Elastic
 from .credits import Link, cause, gather_acks, ray_errors
 from .install import install, preflight
+from .instance import HostedWorker
 from .ledger import Ledger
 from .messages import (
     BatchKey,
@@ -54,7 +55,7 @@ from .messages import (
     MeterReport,
     Pieces,
 )
-from .placement import HostHandle, StagePlacement
+from .placement import HostHandle, StagePlacement, driver_stages
 from .served import ServedRequests
 
 #: Seconds between looks for cancelled callers in a served run.
@@ -74,6 +75,26 @@ class _Sink:
 
     def __init__(self, op_id: str, rt: Any, meter: StageMeter, queued: bool, first: bool):
         self.op_id, self.rt, self.meter, self.queued, self.first = op_id, rt, meter, queued, first
+
+
+class _DriverBox:
+    """The outbox of the stage replicas that run in the driver (``driver_stages``):
+    their entries go straight to the run's ledger, acknowledged at once."""
+
+    def __init__(self, run: RayRun) -> None:
+        self.run = run
+        self.reroutes: dict[int, tuple] = {}  # no replica here was installed late
+
+    def deliver(self, target: int, key: BatchKey, records: list, lin: Lineage,
+                born: float) -> asyncio.Future:
+        return self.run.deliver(target, key, records, lin, born)
+
+    def fail(self, stage: int, key: BatchKey, errors: list, lin: Lineage) -> asyncio.Future:
+        return self.run.local_entry(Failures(stage, key, errors, lin))
+
+    def commit(self, stage: int, key: BatchKey, token: int,
+               parents: Lineage) -> asyncio.Future:
+        return self.run.local_entry(Commit(stage, key, token, parents))
 
 
 class RayRun:
@@ -135,8 +156,13 @@ class RayRun:
                 j = len(s.ops) - 1
                 self.sinks[i] = _Sink(o.id, sink_runtime(target), stage_meter(s, j),
                                       queued=j == 0, first=i in self.first)
+        # stages in this process (no actor hop), then those the hosts run
+        self.in_driver = driver_stages(plan, self.placements, served=drop_key is not None)
+        self.local: dict[int, HostedWorker] = {}  # their replicas (``install``)
+        self.box = _DriverBox(self)
         self.host_stages = [i for i, s in enumerate(plan.stages)
-                            if i not in sources and any(o.op.kind != "sink" for o in s.ops)]
+                            if i not in sources and i not in self.in_driver
+                            and any(o.op.kind != "sink" for o in s.ops)]
         self.stages = preflight(plan, self.host_stages)  # shipped stages, checked
         self.source_links: dict[int, list[Link]] = {}
         self.hosts: list[HostHandle] = []
@@ -150,16 +176,20 @@ class RayRun:
     # -- the run --------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
         """This run's pipeline, id, ``{stage id: [(actor name, node id), ...]}`` (every
-        operator id of a fused stage names the stage's actors), the active replicas per
-        stage and its scale events so far (as ``RayRunStats.scale_events``)."""
+        operator id of a fused stage names the stage's actors), the ids of the operators
+        that run in the driver (``in_driver``), the active replicas per stage and its
+        scale events so far (as ``RayRunStats.scale_events``)."""
         stages: dict[str, list[tuple[str, str | None]]] = {}
         for (i, _), h in sorted(self.assignment.items()):
             for o in self.plan.stages[i].ops:
                 if o.op.kind != "sink":
                     stages.setdefault(o.id, []).append((h.name, h.node))
         active = {self.plan.stages[i].id: sum(a) for i, a in self.elastic.active.items()}
+        in_driver = [o.id for i in sorted(self.in_driver) for o in self.plan.stages[i].ops
+                     if o.op.kind != "sink"]
         return {"pipeline": self.plan.name, "run_id": self.run_id, "stages": stages,
-                "active_replicas": active, "scale_events": list(self.elastic.events)}
+                "in_driver": in_driver, "active_replicas": active,
+                "scale_events": list(self.elastic.events)}
 
     async def execute(self) -> None:
         finished = False
@@ -188,6 +218,7 @@ class RayRun:
             if not finished:  # failed or interrupted: release the replicas, don't wait
                 for h in self.hosts:
                     h.handle.finish.remote(self.run_id)
+                self._close_local()
 
     async def _finish(self) -> None:
         """End the run on every host and keep the replicas' final meter snapshots."""
@@ -200,6 +231,14 @@ class RayRun:
                 continue
             for rep in reports:
                 self._report(rep, final=True)
+        self._close_local()
+
+    def _close_local(self) -> None:
+        """Stop the replicas in the driver, keeping their final meter snapshots."""
+        for inst in self.local.values():
+            self._report(inst.report(), final=True)
+            inst.close()
+        self.local.clear()
 
     def _report(self, rep: MeterReport, final: bool = False) -> None:
         self.elastic.latest[(rep.stage, rep.replica)] = rep
@@ -396,9 +435,14 @@ class RayRun:
 
     def deliver(self, target: int, key: BatchKey, records: list, lin: Lineage,
                  born: float) -> asyncio.Future:
-        """A source feeding a sink directly: no actor in between."""
-        self._hand_over(self.ledger.offer(Delivery(target, key, records, lin, born,
-                                                   time.time())))
+        """A source or a stage in the driver feeding a sink: no actor in between."""
+        return self.local_entry(Delivery(target, key, records, lin, born, time.time()))
+
+    def local_entry(self, entry: Delivery | Failures | Commit) -> asyncio.Future:
+        """An outbox entry made in this process: through the ledger now; the returned
+        future (its acknowledgement) is done."""
+        self._hand_over(self.ledger.commit(entry) if type(entry) is Commit
+                        else self.ledger.offer(entry))
         done = asyncio.get_running_loop().create_future()
         done.set_result(None)
         return done
@@ -418,6 +462,8 @@ class RayRun:
     # -- statistics -----------------------------------------------------------------------
     def stats(self, wall: float, interrupted: bool) -> RayRunStats:
         """The run's statistics, in the local runtime's format (plus restarts, nodes)."""
+        for inst in self.local.values():  # the driver's replicas: as they are now
+            self._report(inst.report())
         depth: dict[int, int] = {}
         for links in self.source_links.values():
             for link in links:

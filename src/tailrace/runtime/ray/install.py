@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 from ...compiler import Plan, PlanOp, PlanStage
 from ...errors import PlanError
 from .credits import Link, cause, ray_errors
+from .host import open_shared_engine
+from .instance import HostedWorker
 from .messages import InstallSpec, Route
 from .placement import HostHandle, host_pool
 
@@ -78,12 +80,28 @@ def preflight(plan: Plan, host_stages: list[int]) -> dict[int, PlanStage]:
 
 
 def route(run: RayRun, consumer: int, assignment: dict, holders: dict) -> Route:
-    """The edge into stage ``consumer``: a sink the driver runs, or its replicas."""
+    """The edge into stage ``consumer``: a sink the driver runs, its replica in the
+    driver, or its replicas on hosts."""
     s = run.plan.stages[consumer]
+    if consumer in run.local:
+        return Route(consumer, False, (None,), ([],), s.queue, chunk_size(s), s.id,
+                     run.local[consumer])
     if consumer not in run.host_stages:  # a sink the driver runs
         return Route(consumer, True, (), (), s.queue, chunk_size(s), s.id)
     hosts = tuple(assignment[(consumer, r)].handle for r in range(s.replicas))
     return Route(consumer, False, hosts, holders[consumer], s.queue, chunk_size(s), s.id)
+
+
+def routes(run: RayRun, i: int, assignment: dict,
+           holders: dict) -> dict[str | None, tuple[Route, ...]]:
+    """Stage ``i``'s output edges by port (its own sink, if fused, under None)."""
+    s = run.plan.stages[i]
+    out: dict[str | None, tuple[Route, ...]] = {}
+    if s.ops[-1].op.kind == "sink":
+        out[None] = (Route(i, True, (), (), s.queue, chunk_size(s), s.id),)
+    for port, stage_ids in run.consumers[i].items():
+        out[port] = tuple(route(run, c, assignment, holders) for c in stage_ids)
+    return out
 
 
 async def install(run: RayRun) -> None:
@@ -97,18 +115,17 @@ async def install(run: RayRun) -> None:
     path = tuple(p for p in sys.path if p and os.path.isdir(p))
     holders: dict[int, tuple[list, ...]] = {}
     for i in reversed(run.host_stages):  # consumers first: routes name their specs
-        s = run.plan.stages[i]
-        routes: dict[str | None, tuple[Route, ...]] = {}
-        if s.ops[-1].op.kind == "sink":
-            routes[None] = (Route(i, True, (), (), s.queue, chunk_size(s), s.id),)
-        for port, stage_ids in run.consumers[i].items():
-            routes[port] = tuple(route(run, c, assignment, holders) for c in stage_ids)
-        spec = InstallSpec(run.run_id, i, run.stages[i], routes, i in run.first, env,
-                           path, run.served is not None)
+        spec = InstallSpec(run.run_id, i, run.stages[i], routes(run, i, assignment, holders),
+                           i in run.first, env, path, run.served is not None)
         ref = ray.put(spec)
-        holders[i] = tuple([ref] for _ in range(s.replicas))
+        holders[i] = tuple([ref] for _ in range(run.plan.stages[i].replicas))
         run.spec_refs[i] = ref
     run.elastic.installed(assignment, holders)
+    node = ray.get_runtime_context().get_node_id()
+    for i in sorted(run.in_driver, reverse=True):  # the driver's stages, consumers first
+        spec = InstallSpec(run.run_id, i, run.plan.stages[i],
+                           routes(run, i, assignment, holders), i in run.first)
+        run.local[i] = HostedWorker(spec, 0, run.box, node, open_shared_engine)
     for i in run.source_meters:
         run.source_links[i] = [
             Link(route(run, c, assignment, holders), run.run_id, run.deliver,

@@ -43,6 +43,8 @@ class Route:
     window: credit window in records (the edge's bound): most records in flight, unacked.
     chunk:  most records per push on this edge.
     label:  the consuming stage's id (for error messages).
+    local:  the consumer's replica when it runs in the driver (``driver_stages``): pushes
+            are calls, no actor in between (such a route never leaves the driver).
     """
 
     target: int
@@ -52,6 +54,7 @@ class Route:
     window: int
     chunk: int
     label: str = ""
+    local: Any = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,12 @@ the *i*-th alive node (round robin; a replica whose node is lost is not moved du
 run, the next run places it on the alive nodes); ``pack`` (the default) lets Ray fill the
 driver's node first. Hosts are kept per Ray session and
 reused by later runs of this process.
+
+``where: driver`` runs a stage in the driver's own process instead (``driver_stages``):
+only a single-replica stage of inline code fed by the driver (a source, or another such
+stage), which then costs no actor hop. A served run puts such stages there unless told
+``where: host``: a request pays every hop in its latency, while a batch run keeps its
+stages on hosts so that the driver's one core feeds them instead of doing their work.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ class StagePlacement:
     memory: int = 0
     resources: tuple[tuple[str, float], ...] = ()
     strategy: str = "pack"
+    where: str = ""  # "driver", "host" or "" (the run decides: ``driver_stages``)
 
     @property
     def dedicated(self) -> bool:
@@ -78,7 +85,45 @@ def parse_placement(plan: Plan, placement: dict | None) -> dict[int, StagePlacem
                 memory=int(opts.get("memory", 0)),
                 resources=tuple(sorted((str(k), float(v))
                                        for k, v in (opts.get("resources") or {}).items())),
-                strategy=opts.get("strategy", "pack"))
+                strategy=opts.get("strategy", "pack"), where=opts.get("where", ""))
+    driver_stages(plan, out, served=False)  # a stage that cannot run there fails now
+    return out
+
+
+def driver_stages(plan: Plan, placements: dict[int, StagePlacement], served: bool) -> set[int]:
+    """Indexes of the stages that run in the driver's process (see the module doc).
+
+    plan:       the compiled plan (stages in topological order).
+    placements: stage index -> placement (``parse_placement``).
+    served:     a served run: qualifying stages without ``where`` run there too.
+    Raises ``PlanError`` for a stage that says ``where: driver`` and cannot.
+    """
+    producers: dict[int, list[int]] = {i: [] for i in range(len(plan.stages))}
+    for i, ports in plan.consumers().items():
+        for cs in ports.values():
+            for c in cs:
+                producers[c].append(i)
+    out: set[int] = set()
+    for i, s in enumerate(plan.stages):
+        if s.ops[0].op.kind == "source" or all(o.op.kind == "sink" for o in s.ops):
+            continue
+        pl = placements.get(i)
+        where = pl.where if pl is not None else ""
+        if where == "host" or (where == "" and not served):
+            continue
+        why = ("it has several replicas" if s.replicas != 1 or s.elastic else
+               f"it runs {s.mode} code (only inline code runs on the driver's loop)"
+               if s.mode != "inline" else
+               "it reserves resources" if pl is not None and pl.dedicated else
+               "a stage before it runs in an actor"
+               if any(p not in out and plan.stages[p].ops[0].op.kind != "source"
+                      for p in producers[i]) else None)
+        if why is None:
+            out.add(i)
+        elif where == "driver":
+            raise PlanError(f"placement where: driver: {why}; the driver runs single-replica "
+                            "stages of inline code fed by a source or by another such stage",
+                            stage="+".join(o.id for o in s.ops if o.op.kind != "sink"))
     return out
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import pickle
 import threading
 import time
 from collections.abc import Callable
@@ -48,6 +49,17 @@ POLL_S = 0.5
 #: seconds a replica reuses one snapshot of the hub's figures (a /metrics scrape reads
 #: every pipeline's statistics: one actor call for all of them)
 FIGURES_TTL_S = 0.25
+
+
+def pack(value: Any) -> bytes:
+    """Pickle a hub call's arguments or answer (cloudpickle for what pickle cannot do,
+    e.g. a record holding a lambda)."""
+    try:
+        return pickle.dumps(value, protocol=5)
+    except Exception:  # noqa: BLE001 - fall back to the slower, more capable pickler
+        from ray import cloudpickle
+
+        return cloudpickle.dumps(value, protocol=5)
 
 
 def hub_name(app: str) -> str:
@@ -87,14 +99,18 @@ class HubActor:
                        else f"{type(s.failure).__name__}: {s.failure}")
                 for name, s in self.hub.services.items()}
 
-    async def submit(self, name: str, record: dict, request: Request) -> tuple[bool, Any]:
-        """Run one record of ``request`` (which arrived as data: its live parts are
-        this actor's); ``(True, (output, reply))`` or ``(False, ServiceError)``."""
+    async def submit(self, msg: bytes) -> bytes:
+        """Run one record of a request: ``msg`` is ``pack((pipeline, record, request))``
+        (the request arrived as data: its live parts are this actor's); answers
+        ``pack((True, (output, reply)))`` or ``pack((False, ServiceError))``. One bytes
+        each way: Ray copies bytes as they are, where it pickles each argument of
+        another type on its own (measured: bench/serve_ray.py, RESULTS.md)."""
+        name, record, request = pickle.loads(msg)
         try:
             out = await self.hub.services[name].submit(record, request=request)
-            return True, (out, request.reply)
+            return pack((True, (out, request.reply)))
         except ServiceError as e:
-            return False, e
+            return pack((False, e))
 
     async def stream(self, name: str, record: dict, request: Request) -> Any:
         """A streaming generator: ``(None, text)`` for the pieces produced since the last
@@ -178,9 +194,9 @@ class RemoteService:
         req = request if request is not None else Request()
         try:
             if on_token is None:
-                ref = actor.submit.remote(self.name, record, req)
+                ref = actor.submit.remote(pack((self.name, record, req)))
                 try:
-                    ok, value = await ref
+                    ok, value = pickle.loads(await ref)
                 except asyncio.CancelledError:
                     _cancel(ref)
                     raise
