@@ -1,14 +1,9 @@
 """A request's own priority class and deadline for admission, within its pipeline's bounds.
 
-A request to ``/v1/chat/completions`` or ``/v1/completions`` may carry the body fields
-``priority`` (``interactive``, ``standard``, ``batch`` or an integer class; higher is more
-urgent) and ``deadline_ms`` (milliseconds from its arrival); any request, ``/runs``
-included (whose body is the record), may send them as the headers
-``X-Tailrace-Priority`` and ``X-Tailrace-Deadline-Ms``. A body field and its header that
-disagree, a malformed value, a class the pipeline's ``serve.priorities`` does not list, a
-deadline outside its ``serve.deadline_ms`` range, or either one on a pipeline that
-declares no such bound: 400 naming the field. ``urgency`` returns what the record's
-transient ``_urgency`` field carries to the admission gate (``AdmissionGate.admit``).
+The body fields ``priority`` and ``deadline_ms`` (OpenAI requests) or the headers
+``X-Tailrace-Priority`` and ``X-Tailrace-Deadline-Ms`` (any request) ask for them, within
+what the pipeline's ``serve:`` allows (docs/serving.md, "Priority and deadline");
+``urgency`` returns what the request carries to the admission gate (``Request.asked``).
 """
 
 from __future__ import annotations
@@ -82,12 +77,7 @@ def urgency(serve: ServeSpec | None, name: str, body: Mapping[str, Any] | None,
             headers: Mapping[str, str]) -> dict[str, Any] | None:
     """The request's ``{"priority": CLASS, "deadline_ms": MS}`` (the keys it set), or None
     when it set neither; 400 naming the field for a bad, conflicting or disallowed value.
-
-    serve:   the pipeline's ``serve:`` (its ``priorities`` and ``deadline_ms`` bounds).
-    name:    the pipeline's name (for messages).
-    body:    the OpenAI request's JSON object, or None (``/runs``: headers only).
-    headers: the request's headers (case-insensitive mapping).
-    """
+    ``body``: the OpenAI request's JSON object, or None (``/runs``: headers only)."""
     priority = _one(body, headers, "priority", PRIORITY_HEADER, _priority,
                     lambda a, b: _rank(a) == _rank(b))
     deadline = _one(body, headers, "deadline_ms", DEADLINE_HEADER, _deadline,
