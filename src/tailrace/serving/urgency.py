@@ -14,15 +14,12 @@ from typing import Any
 
 from ..api import ServeSpec
 from ..api.pipeline import PRIORITY_CLASSES
+from ..control.slo import rank_of
 from .openai_wire import WireError
 
 PRIORITY_HEADER = "X-Tailrace-Priority"
 DEADLINE_HEADER = "X-Tailrace-Deadline-Ms"
 _CLASSES = "'interactive', 'standard', 'batch' or an integer class (higher is more urgent)"
-
-
-def _rank(priority: str | int) -> int:
-    return PRIORITY_CLASSES[priority] if isinstance(priority, str) else priority
 
 
 def _priority(value: Any, where: str, header: bool) -> str | int:
@@ -79,7 +76,7 @@ def urgency(serve: ServeSpec | None, name: str, body: Mapping[str, Any] | None,
     when it set neither; 400 naming the field for a bad, conflicting or disallowed value.
     ``body``: the OpenAI request's JSON object, or None (``/runs``: headers only)."""
     priority = _one(body, headers, "priority", PRIORITY_HEADER, _priority,
-                    lambda a, b: _rank(a) == _rank(b))
+                    lambda a, b: rank_of(a) == rank_of(b))
     deadline = _one(body, headers, "deadline_ms", DEADLINE_HEADER, _deadline,
                     lambda a, b: a == b)
     if priority is None and deadline is None:
@@ -91,7 +88,7 @@ def urgency(serve: ServeSpec | None, name: str, body: Mapping[str, Any] | None,
             raise WireError(f"pipeline '{name}' does not let a request choose its priority; "
                             "allow classes in its YAML, e.g. serve: {priorities: [batch, "
                             "standard]}", code="priority_not_allowed")
-        if _rank(priority) not in {_rank(c) for c in allowed}:
+        if rank_of(priority) not in {rank_of(c) for c in allowed}:
             raise WireError(f"'priority' {priority!r} is not allowed by pipeline '{name}'; "
                             f"allowed: {', '.join(str(c) for c in allowed)}",
                             code="priority_not_allowed")
