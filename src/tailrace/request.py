@@ -9,13 +9,10 @@ asked and the one admission granted, its session and conversation. That is a
 answers fills its typed ``Reply`` (finish reason, usage, cost). Nothing else rides in a
 record: stripping the one key gives the user's fields back (``strip``).
 
-Across processes (Ray actors), a request travels as its data: the live parts (the
-caller's cancel flag and token sink) mean nothing elsewhere, so a pickled request
-carries only whether it was cancelled and whether it streams, and the receiving side
-gives it live parts of its own (``Request.bind``; the Ray stage host's are proxies that
-report back to the driver). ``streamed`` counts the pieces handed to the sink so far,
-wherever they were produced: the one place that knows what text a request already
-streamed (a replayed or resumed generation skips that many).
+Across processes (Ray actors), a pickled request carries only whether it was cancelled
+and whether it streams; the receiving side gives it live parts of its own
+(``Request.bind``). ``streamed`` counts the pieces handed to the sink so far, wherever
+they were produced (a replayed or resumed generation skips that many).
 """
 
 from __future__ import annotations
@@ -173,7 +170,7 @@ class Request:
          self.granted, self.session, self.messages, self.tenant, self.trace, self.reply,
          self.streamed) = state
         self.cancel = _cancel_of(cancelled)
-        self.sink = _REMOTE_SINK if streams else None
+        self.sink = _remote_sink if streams else None
         self.ticket = None
 
 
@@ -182,9 +179,6 @@ def _remote_sink(piece: str) -> None:
     own: a piece sent here would go nowhere, so it is a bug to call it."""
     raise RuntimeError("a request's token sink was used before its receiver bound one "
                        "(Request.bind)")
-
-
-_REMOTE_SINK = _remote_sink
 
 
 def request_of(record: Any) -> Request | None:

@@ -153,10 +153,6 @@ class AdmissionStatistics:
     queue_depth: dict[str, int] = field(default_factory=dict)  # by pipeline
     admitted_cost: dict[str, float] = field(default_factory=dict)  # predicted seconds, by pipeline
 
-    @property
-    def rejected_total(self) -> int:
-        return sum(self.rejected.values())
-
 
 @dataclass(slots=True)
 class Pending:

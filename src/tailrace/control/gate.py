@@ -63,13 +63,9 @@ class AdmissionGate:
 
     # -- runtime protocol ------------------------------------------------------------
     async def admit(self, pipeline: str, record: Any) -> Ticket:
-        """Wait until the policy admits ``record``; raises ``AdmissionRejected``.
-
-        The urgency a record's request asked for (``Request.asked``: ``{"priority":
-        CLASS, "deadline_ms": MS}``, either optional; set by the HTTP layer) gives the
-        request its own priority class and a deadline ``deadline_ms`` after its
-        arrival, instead of its pipeline's SLO.
-        """
+        """Wait until the policy admits ``record``; raises ``AdmissionRejected``. The
+        urgency its request asked for (``Request.asked``: ``{"priority": CLASS,
+        "deadline_ms": MS}``) replaces its pipeline SLO's class and deadline."""
         arrival = self._clock()
         asked = request_of(record)
         urgency = asked.asked if asked is not None else None

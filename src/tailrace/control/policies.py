@@ -1,19 +1,11 @@
 """Admission policies behind one interface: ``simultaneous``, ``fcfs``, ``slo``; a registry.
 
-- ``simultaneous`` admits everything at once: the baseline admission is measured against.
-- ``fcfs`` admits up to a concurrency limit; the rest wait in arrival order in a bounded queue;
-  a full queue rejects (``queue_full``) with the time until the next predicted completion.
-  It (like ``simultaneous``) ignores priority classes and deadlines.
-- ``slo`` keeps one deadline-ordered queue per pipeline and priority class (a request's
-  own class, ``Request.priority``, else its pipeline's). Dispatch picks, among the pipelines
-  within ``max_lead`` of the most-behind one in weighted virtual time (predicted seconds
-  admitted / weight), the highest class waiting, then the earliest deadline. Saturated
-  pipelines therefore split capacity by weight whatever their class, an idle pipeline banks
-  no credit, a higher class jumps the line only within its lead, and a lower class never
-  starves. A request whose predicted queueing delay plus cost overshoots its deadline is
-  rejected at once (``deadline_unmeetable``; retry after the overshoot); one that waited
-  until it can no longer finish in time is rejected at dispatch (``deadline_expired``).
-  A system with room admits at once, whatever the prediction.
+docs/control.md has the table of what each admits, queues and rejects. Under ``slo``,
+dispatch picks, among the pipelines within ``max_lead`` of the most-behind one in
+weighted virtual time (predicted seconds admitted / weight), the highest class waiting,
+then the earliest deadline: saturated pipelines split capacity by weight whatever their
+class, an idle pipeline banks no credit, and a lower class never starves. A system with
+room admits at once, whatever the prediction.
 """
 
 from __future__ import annotations
@@ -211,15 +203,9 @@ class SLOPolicy(_Limited):
     def _predicted_delay(self, flow: _Flow, rank: int, cost: float, deadline: float,
                          now: float) -> float:
         """Seconds before a request of class ``rank``, ``cost`` and ``deadline`` in ``flow``
-        is predicted to start.
-
-        It starts when a lane frees up (the earliest in-flight completion when all lanes are
-        busy) and the work queued ahead of it has drained over the lanes: its flow's
-        higher-class and same-class earlier-deadline requests, plus, from each other
-        backlogged flow, its weight's share of what it queues in the same or higher classes
-        (capped by that). Lower classes wait behind it (within ``max_lead``), so they do not
-        delay it.
-        """
+        is predicted to start: when a lane frees up and the work queued ahead of it (its
+        flow's higher classes and earlier deadlines, plus each other backlogged flow's
+        weighted share of its same or higher classes) has drained over the lanes."""
         ahead = 0.0
         band = flow.bands.get(rank)
         if band is not None:

@@ -79,16 +79,12 @@ def count_param(name: str, default: int | None = None, *, required: bool = False
                  check=positive_int)
 
 
-def link_engine(params: dict, ctx: LinkContext, kind: str, *, key: str = "engine",
-                optional: bool = False) -> dict:
+def link_engine(params: dict, ctx: LinkContext, kind: str, *, key: str = "engine") -> dict:
     """Resolve ``params[key]`` (an engine name declared in ``ctx``) to its spec in
     ``params['_' + key]``; ``params`` is changed in place and returned. ``kind``: what the
-    stage calls the engine for ("embed" or "generate"); ``optional``: a missing name is
-    not an error."""
+    stage calls the engine for ("embed" or "generate")."""
     name = params.get(key)
     if name is None:
-        if optional:
-            return params
         raise ValueError(f"needs '{key}' ({ENGINE_HINT})")
     if name not in ctx.engines:
         declared = ", ".join(ctx.engines) or "none"

@@ -2,17 +2,11 @@
 
 ``generate`` calls its engine once per micro-batch (at most ``max_batch`` records, or
 the stage's ``batch`` contract), so concurrent requests share one batched decode.
-With ``messages: FIELD`` (a list of ``{"role", "content"}`` dicts in the record, or
-``_messages``: the conversation a served chat request carries), the stage answers a
-conversation; see ``chat_messages`` for the order and what is dropped when it does not
-fit. With ``json_schema: {...}`` (or a served request's ``response_format``), the
-engine constrains the answer to JSON and every answer is checked afterwards: one that
-is not valid JSON for its schema makes the record an error record.
-A served record's request (``tailrace/request.py``) shapes the call: tokens stream to
-its sink as they are produced (for an OpenAI request, only the answering stage's: the
-one the request ``answers`` names; that stage also reports its finish reason and usage
-in the request's reply), its options and granted priority apply, and once its cancel is
-set the engine stops that sequence at the next token.
+An answer constrained to JSON (``json_schema``, or a served ``response_format``) is
+checked afterwards: one that does not match makes the record an error record. A served
+record's request (``tailrace/request.py``) shapes the call: its options, granted
+priority, token sink and cancel (docs/serving.md, "Conversations" and "Per-request
+options").
 """
 
 from __future__ import annotations
@@ -119,25 +113,10 @@ _SYSTEM_ROLES = ("system", "developer")
 
 def chat_messages(system: str | None, conversation: Any, latest: str,
                   count: Any, limit: int) -> tuple[dict[str, str], ...]:
-    """The chat a ``generate`` stage with ``messages:`` sends, in this order:
-
-    1. one system message: the stage's ``system``, then the conversation's ``system``
-       (and ``developer``) messages, joined by blank lines (omitted if there are none);
-    2. the earlier turns (``user``/``assistant`` messages before the last ``user`` one);
-    3. the latest user turn: ``latest``, the stage's prompt (its ``prompt`` template
-       filled in, with retrieved context etc., or its ``input`` field's text).
-
-    When it does not fit in ``limit`` tokens (the context minus ``max_tokens``; each
-    message counted as its text plus ``MESSAGE_OVERHEAD``), the oldest turns are dropped
-    first (an assistant turn left leading the history goes too); the system message and
-    the latest turn are never dropped: ``ContextOverflow`` if they alone do not fit.
-
-    system:       the stage's system message, or None.
-    conversation: the record's list of ``{"role", "content"}`` messages.
-    latest:       the rendered latest user turn.
-    count:        tokens of a text.
-    limit:        most prompt tokens.
-    """
+    """The chat a ``generate`` stage with ``messages:`` sends (docs/serving.md,
+    "Conversations"): one system message, the earlier turns, then ``latest`` (the
+    rendered prompt). Oldest turns go first when it does not fit in ``limit`` tokens
+    (``count``: a text's tokens, plus ``MESSAGE_OVERHEAD`` a message)."""
     if not isinstance(conversation, (list, tuple)):
         raise FieldError(f"the conversation must be a list of messages, got "
                          f"{type(conversation).__name__}")
@@ -196,24 +175,15 @@ CONVERSATION = "_messages"
 
 
 def answering(record: Any, out: str) -> dict | None:
-    """The served request's options when the stage writing field ``out`` answers it
-    (the request's ``answers``); else None.
-
-    record: the record.
-    out:    the stage's output field.
-    """
+    """The served request's options when the stage writing field ``out`` answers it;
+    else None."""
     req = request_of(record)
     return req.options_for(out) if req is not None else None
 
 
 def stream_of(record: Any, out: str) -> Any:
-    """The request's token sink if the stage writing ``out`` streams to it: the
-    answering stage of a served OpenAI request, or any stage of a request that names
-    none (``/v1/pipelines/NAME/runs?stream=true``); else None.
-
-    record: the record.
-    out:    the stage's output field.
-    """
+    """The request's token sink if the stage writing ``out`` streams to it
+    (``Request.sink_for``); else None."""
     req = request_of(record)
     return req.sink_for(out) if req is not None else None
 
@@ -261,15 +231,9 @@ def report(record: Any, out: str, finish: str | None, usage: dict[str, int]) -> 
 
 def request_options(base: dict[str, Any], opts: dict | None,
                     frozen: frozenset[str]) -> dict[str, Any]:
-    """The sampling settings of one request: the stage's ``base`` (``max_tokens``,
-    ``temperature``, ``stop``), overridden by the request's ``opts`` (None: ``base``),
-    except the ``frozen`` ones; ``max_tokens`` never above the stage's, ``stop`` added
-    to its.
-
-    base:   the stage's settings.
-    opts:   the request's options for this stage (``answering``), or None.
-    frozen: the options the stage keeps from requests.
-    """
+    """The sampling settings of one request: the stage's ``base``, overridden by the
+    request's ``opts`` (None: ``base``) except the ``frozen`` ones; ``max_tokens``
+    never above the stage's, ``stop`` added to its."""
     if opts is None:
         return base
     kw = dict(base)
@@ -373,12 +337,10 @@ def _build_generate(params: dict, ctx: BuildContext) -> OpRuntime:
                 errors.append((rec, StructuredOutputError(why)))
                 continue
             r = {**rec, out: g.text}
+            counts = {"prompt_tokens": g.prompt_tokens, "completion_tokens": g.completion_tokens}
             if usage is not None:
-                r[usage] = {"prompt_tokens": g.prompt_tokens,
-                            "completion_tokens": g.completion_tokens}
+                r[usage] = dict(counts)
             if answering(r, out) is not None:  # it answers a served request
-                counts = {"prompt_tokens": g.prompt_tokens,
-                          "completion_tokens": g.completion_tokens}
                 cached = g.extra.get("cached_tokens")
                 if cached:  # prompt tokens whose KV the engine reused (prefix cache)
                     counts["cached_tokens"] = cached

@@ -20,8 +20,6 @@ from typing import Any
 
 from ..api.pipeline import Contract
 
-_MISSING = object()
-
 
 @dataclass(frozen=True)
 class Param:

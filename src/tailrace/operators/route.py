@@ -13,16 +13,9 @@ Requests routed to the same engine within a micro-batch share one batched engine
 Each output record carries the decision (``route``: engine, confidences, escalated) and
 its cost (``cost``: prompt and completion tokens per engine, including the tokens a
 cascade spent before escalating); ``route_statistics()`` totals them per stage ``label``.
-
-As the answering stage of a served request (the request ``answers`` this stage's
-``output``), route applies the request's options like ``generate`` (each engine's
-``max_tokens`` is the ceiling, ``stop`` adds to its, ``frozen:`` keeps some from
-requests), builds the chat from ``messages: FIELD`` like ``generate``, stops a request
-whose cancel is set at its next token, and reports in the request's reply the final
-answer's finish reason and the tokens over every engine it called. Tokens stream to
-the request's sink: with rules, the chosen engine's as they come; in a cascade, the last
-level's as they come, and an earlier level's answer whole once its confidence keeps it
-(a reply that may still be escalated is never streamed).
+As a served request's answering stage it takes the request's options and conversation
+like ``generate`` and reports the tokens over every engine it called; what streams is in
+docs/serving.md ("Which stage answers").
 """
 
 from __future__ import annotations
@@ -61,9 +54,7 @@ _OPTION_KEYS = {"prompt", "system", "stop", "max_tokens"}
 
 
 def confidence(extra: dict) -> float | None:
-    """The mean token log-probability an engine reported, or None.
-
-    extra: ``Generation.extra``.
+    """The mean token log-probability an engine reported in ``Generation.extra``, or None.
 
     >>> confidence({"mean_logprob": -0.5}), confidence({"logprobs": [-1.0, 0.0]})
     (-0.5, -0.5)

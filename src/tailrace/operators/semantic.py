@@ -5,26 +5,12 @@ The stage upserts (or deletes) documents by id in a process-wide live index that
 as the stage's own records (any source: a JSONL file, the HTTP runs endpoint, a Python
 iterable such as ``follow.follow_jsonl``) or, with ``follow: FILE``, from a JSONL file
 that a background feeder (``follow.Feeder``) tails like ``tail -f`` while the pipeline's
-records pass through.
+records pass through. In follow mode the stage holds its first records until the
+feeder has read the file to its end once, so they see every document it held then.
 
-Freshness bound: a document is visible to every search that starts after the
-``semantic_state`` call that ingested it returns, i.e. at most one micro-batch
-(embedding <= ``max_batch`` documents) after the stage receives it. With ``follow:``, a
-line appended to the file is visible within one feeder poll: at most ``poll_ms`` plus the
-time to embed and upsert one batch of at most ``max_batch`` lines. In follow mode the
-stage holds its first records until the feeder has read the file to its end once, so
-those records see every document the file held when the run started.
-
-Long documents: with ``chunk_tokens: N`` each document is split by the chunker of
-``tailrace ingest`` (``stores/chunking.py``: headings, paragraphs, sentences; N tokens of
-the embedder's tokenizer) and stored as chunks ``ID#0``, ``ID#1``, ... carrying
-``doc_id``, ``heading``, ``start`` and ``end``; a new version of the document replaces all
-of its chunks, and ``deleted: true`` removes them all.
-
-State: the index logs every change before applying it and snapshots periodically
-(``snapshot_every_s``) and when the process exits; on restart it is restored from the
-snapshot plus the log, and a feeder resumes at the file offset saved with its last
-change, so no acknowledged document is lost.
+With ``chunk_tokens: N`` a document is stored as chunks ``ID#0``, ``ID#1``, ...; a new
+version replaces all of them. The freshness bound, chunking and recovery are in
+docs/stateful.md.
 """
 
 from __future__ import annotations
@@ -155,7 +141,6 @@ class Ingester:
             errors.extend((r, e) for r, _ in run)
             return []
         return [r for r, _ in run]
-
 
     def _chunked(self, ids: list, texts: list, docs: list, times: list) -> tuple:
         """Each document as its chunks (ids ``ID#n``, docs with ``doc_id``, ``heading``,

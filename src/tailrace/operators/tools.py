@@ -14,16 +14,10 @@ record an error record saying which and why (``on_error: record``), or is sent b
 model as the tool's result so it can recover (``on_error: model``). A timed-out call is
 abandoned, not killed: Python cannot stop a thread, so its result is discarded.
 
-With ``messages: FIELD`` the conversation starts from the record's chat (e.g.
-``_messages``, a served chat request's conversation, built like ``generate``'s:
-``chat_messages``) and continues with the tool rounds. As the answering stage of a
-served request (the request ``answers`` this stage's ``output``), every round takes the
-request's options like ``generate`` (``max_tokens`` at most the stage's, ``stop`` added,
-``frozen:`` kept from requests); the request's reply gets the answering round's finish
-reason and the tokens of all rounds. A reply is only known not to call a tool once it
-is complete, so the answer goes to the request's sink whole, and never a round that
-calls tools; a set cancel stops the round at its next token (local engines) and ends
-the conversation.
+With ``messages: FIELD`` the conversation starts from the record's chat and continues
+with the tool rounds; as a served request's answering stage, every round takes the
+request's options, and the answer streams whole (docs/serving.md, "Which stage
+answers"). A set cancel stops the round at its next token and ends the conversation.
 """
 
 from __future__ import annotations
@@ -300,7 +294,6 @@ def _build_tool_call(params: dict, ctx: BuildContext) -> OpRuntime:
     if fmt == "json":
         system = (system + "\n\n" if system else "") + JSON_CONVENTION.format(
             tools=runner.describe())
-    if fmt == "json":
         count, limit = chat.engine.count_tokens, chat.engine.context_length - base["max_tokens"]
         if conv_field is not None and not chat.chat:
             raise ValueError(f"tool_call: 'messages: {conv_field}' needs a chat model; engine "

@@ -27,13 +27,11 @@ class Feed:
     crosses the plan as one micro-batch instead of one batch per record. Subclasses
     define ``__aiter__`` (one record at a time, for admission) and ``batches``.
 
-    ``push``: set while the feed is read without admission and the source feeds one
-    channel: ``push(records, alone=False) -> bool`` hands records straight to the first
-    stage when it has room (counted as read), so a record that arrives while the source
-    is idle skips the source task's turn; the feed's owner calls it only then (order
-    kept), on the run's loop. ``alone``: the owner has nothing else in flight: a first
-    stage that can (an idle inline chain ending in a sink) runs the records at once, on
-    the caller's stack (``LocalRun``).
+    ``push(records, alone=False) -> bool``, set while the feed is read without admission
+    into one channel, hands records straight to the first stage when it has room; the
+    owner calls it, on the run's loop, only while the source is idle (order kept).
+    ``alone``: nothing else in flight, so an idle inline first stage may run them at once
+    on the caller's stack (``LocalRun``).
     """
 
     push: Callable[..., bool] | None = None
@@ -111,17 +109,11 @@ async def read_admitted(data: Any, gate: Any, pipeline: str, window: int, meter:
                         check: Callable[[Any], BaseException | None] | None = None) -> None:
     """Admit the input record by record, at most ``window`` waiting at once.
 
-    gate:   the admission gate (``admit(pipeline, record) -> ticket``, ``done(ticket)``).
     send:   ``send(record, ticket, arrived)`` hands an admitted record on (``arrived``:
-            when it was read, ``perf_counter()``: its latency includes the admission
-            wait); the caller owns the ticket from then on (it gives it back when the
-            record ends). It may return an awaitable to finish after the record's window
-            slot is freed (e.g. an end to end acknowledgement).
-    refuse: ``refuse(record, exc)`` for a record that was not admitted (rejected, or
-            refused by ``check``): it becomes an error record there.
-    check:  an exception for a record that cannot be admitted at all, else None.
-    A failing input ends the stream after every record read before it has been admitted
-    or refused; its exception is raised then.
+            ``perf_counter()`` when it was read) and owns its ticket from then on; it may
+            return an awaitable to finish after the record's window slot is freed.
+    refuse: ``refuse(record, exc)`` for a record not admitted (rejected, or by ``check``).
+    A failing input raises its exception once every record read before it is settled.
     """
     slots = asyncio.Semaphore(window)
 

@@ -1,18 +1,9 @@
 """The HTTP face of a ``ServingHub``: OpenAI-compatible endpoints on FastAPI.
 
-``create_app(hub)`` serves ``POST /v1/chat/completions`` and ``/v1/completions``
-(``model`` names a pipeline; ``stream: true`` sends SSE chunks as tokens are produced,
-ending ``data: [DONE]``), ``POST /v1/embeddings`` (a pipeline's embed stage's engine;
-``embeddings.py``), ``GET /v1/models`` (with what each pipeline accepts),
-``POST /v1/pipelines/{name}/runs`` (any JSON record in, the output record out;
-``?stream=true`` for SSE), ``GET /healthz`` and ``GET /readyz``. A request's priority
-and deadline for admission (body fields or ``X-Tailrace-*`` headers) are checked
-against its pipeline's ``serve:`` bounds (``urgency.py``).
-Errors use OpenAI's ``{"error": {"message", "type", "code"}}``. A client that
-disconnects cancels its work: the record's ``_cancel`` event is set and the answering
-stage (generate, route or tool_call) frees its engine sequence at the next token.
-
-The app does not start or stop the hub; its owner does (``tailrace serve``, tests).
+``create_app(hub)`` serves ``/v1/chat/completions``, ``/v1/completions``,
+``/v1/embeddings``, ``/v1/models``, ``/v1/pipelines/{name}/runs``, ``/healthz`` and
+``/readyz`` (docs/serving.md); errors use OpenAI's ``{"error": {"message", "type",
+"code"}}``. The app does not start or stop the hub; its owner does (``tailrace serve``).
 ``create_app`` only builds the app's state (``app_state.py``, read once from the hub)
 and registers the routes; each route is a handler over that state (``handlers.py``).
 """
@@ -68,10 +59,7 @@ def _over(state: AppState, handler: Handler) -> Callable[[Request], Awaitable[Re
 
 
 def create_app(hub: ServingHub) -> FastAPI:
-    """The FastAPI app serving ``hub``'s pipelines (see the module docstring).
-
-    hub: the services, shared gate, API key and body limit.
-    """
+    """The FastAPI app serving ``hub``'s pipelines (see the module docstring)."""
     app = FastAPI(title="tailrace", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.hub = hub
     state = AppState.of(hub)

@@ -59,10 +59,7 @@ class AppState:
 
     @classmethod
     def of(cls, hub: ServingHub) -> AppState:
-        """The state of an app serving ``hub``'s pipelines.
-
-        hub: the services, shared gate, API key and body limit.
-        """
+        """The state of an app serving ``hub``'s pipelines."""
         plans = {name: s.plan for name, s in hub.services.items()}
         bindings = {name: bind(plan) for name, plan in plans.items()}
         serves = {name: getattr(getattr(plan, "pipeline", None), "serve", None)

@@ -1,27 +1,10 @@
 """Binding a compiled pipeline to the OpenAI API: the part of serving that reads a plan
 (its operators and their params), so ``openai_wire.py`` knows only the wire format.
 
-How a pipeline answers an OpenAI request (``Binding``):
-
-- the request's text becomes the input record ``{FIELD: text}``; FIELD is the first of
-  the source's declared ``fields:``, else the first field the first stage reads;
-- the answering stage is the last stage before the sink whose operator declares it can
-  answer (``OpDef.answers``: generate, route, tool_call; ``answering_stage``; parallel
-  candidates, or an earlier one writing the same output field, are a ``problem``: 400
-  ``pipeline_not_chat``);
-- the request's options go in its ``Request`` (``tailrace/request.py``: ``options``,
-  for the stage ``answers`` names by its output field), which applies them within its
-  YAML limits; options it lists under ``frozen:``, or a ``response_format`` its engine
-  cannot enforce, are a 400 (``request_options``); a chat request's conversation goes
-  in ``Request.messages`` (``messages: _messages``);
-- the answer is that stage's ``output`` field (``answer_of``); usage is what the stage
-  reports in the request's ``reply`` (summed over tool rounds and cascade levels), else
-  its ``usage:`` field, else the engine's tokenizer counts (``usage_of``); the finish
-  reason is the reply's, else inferred from ``max_tokens``.
-
-Token budgets, as each operator declares them (``Answers``): ``output_tokens``
-(tenants' reservations, the admission cost model) and ``piece_budget`` (the bound on a
-streamed request's pieces). Nothing here knows an operator by name.
+The request's text fills the first of the source's declared ``fields:`` (else the first
+field the first stage reads); the answer is the answering stage's ``output`` field; the
+rules are in docs/serving.md ("Which stage answers"). Token budgets come from what each
+operator declares (``OpDef.answers``): nothing here knows an operator by name.
 """
 
 from __future__ import annotations
@@ -45,13 +28,9 @@ def answering_ops(plan: Plan) -> list:
 
 
 def output_tokens(plan: Plan) -> int:
-    """Most tokens the plan's model stages generate for one record (one attempt each,
-    as each operator declares: ``Answers.output_tokens``: a generate stage's
-    ``max_tokens``; a route's largest times its cascade's levels; a tool_call's times
-    its rounds). Tenants' token reservations and the admission cost model use it.
-
-    plan: the compiled plan.
-    """
+    """Most tokens the plan's model stages generate for one record, one attempt each
+    (``Answers.output_tokens``); tenants' reservations and the admission cost model
+    use it."""
     return sum(o.op.answers.output_tokens(o.params) for o in answering_ops(plan))
 
 
@@ -106,15 +85,9 @@ def _downstream(ops: list) -> dict[str, set[str]]:
 
 
 def answering_stage(plan: Plan) -> tuple[Any, str | None]:
-    """The op that answers OpenAI requests, or ``(None, why not)``.
-
-    It is the last ``generate``, ``route`` or ``tool_call`` stage before the sink: of
-    those from which the sink can be reached, the one no other is downstream of. Two
-    such stages on parallel branches (a fan-out), or an earlier one writing the same
-    output field (the request's options would reach both), make it ambiguous.
-
-    plan: the compiled pipeline.
-    """
+    """The op that answers OpenAI requests, or ``(None, why not)``: of the answering
+    ops that reach the sink, the one no other is downstream of. Two on parallel
+    branches, or an earlier one writing the same output field, make it ambiguous."""
     ops = [o for s in plan.stages for o in s.ops]
     reach = _downstream(ops)
     sinks = {o.id for o in ops if o.op.kind == "sink"}
@@ -141,11 +114,7 @@ def answering_stage(plan: Plan) -> tuple[Any, str | None]:
 
 
 def bind(plan: Plan) -> Binding:
-    """Work out a pipeline's ``Binding`` from its compiled plan (``answering_stage``
-    chooses the stage that answers).
-
-    plan: the compiled pipeline.
-    """
+    """Work out a pipeline's ``Binding`` from its compiled plan."""
     ops = [o for s in plan.stages for o in s.ops]
     field = None
     source = next(o for o in ops if o.op.kind == "source")
@@ -169,13 +138,8 @@ def bind(plan: Plan) -> Binding:
 
 def request_options(b: Binding, req: WireRequest, name: str) -> dict[str, Any]:
     """A request's sampling options for the answering stage (``Request.options``); 400
-    naming an option the pipeline froze, or a ``response_format`` its engine cannot
-    enforce (or whose schema it cannot).
-
-    b:    the pipeline's binding.
-    req:  the parsed request.
-    name: the pipeline's name (for the message).
-    """
+    naming an option the pipeline froze, or a ``response_format`` (or schema) its
+    engine cannot enforce. ``name``: the pipeline's, for the message."""
     for k in req.options:
         if k in b.frozen:
             asked = "max_tokens/max_completion_tokens" if k == "max_tokens" else k
@@ -209,14 +173,9 @@ def _count(engine: Any, text: str) -> int:
 
 def usage_of(b: Binding, record: dict, reply: Reply, text: str,
              answer: str) -> dict[str, Any]:
-    """Prompt/completion/total tokens of one answer (see the module docstring).
-
-    b:      the pipeline's binding.
-    record: the output record.
-    reply:  what the answering stage reported (``Request.reply``).
-    text:   the request's input text.
-    answer: the answer text.
-    """
+    """Prompt/completion/total tokens of one answer: what the answering stage reported
+    (``reply``), else its ``usage:`` field in ``record``, else the engine's tokenizer
+    counts of ``text`` (the input) and ``answer``."""
     u = reply.usage
     if not isinstance(u, dict):
         u = record.get(b.usage_field) if b.usage_field else None
@@ -233,14 +192,8 @@ def usage_of(b: Binding, record: dict, reply: Reply, text: str,
 
 
 def finish_reason(b: Binding, usage: dict[str, Any], reply: Reply | None = None) -> str:
-    """The engine's finish reason (``stop``, ``length``, ``cancelled``) as the answering
-    stage reported it (``Reply.finish``); without one, ``"length"`` when the answer used
-    all of ``max_tokens``, else ``"stop"``.
-
-    b:      the pipeline's binding.
-    usage:  the answer's usage.
-    reply:  what the answering stage reported.
-    """
+    """The finish reason the answering stage reported (``Reply.finish``); without one,
+    ``"length"`` when the answer used all of ``max_tokens``, else ``"stop"``."""
     reported = reply.finish if reply is not None else None
     if isinstance(reported, str):
         return reported
@@ -249,12 +202,8 @@ def finish_reason(b: Binding, usage: dict[str, Any], reply: Reply | None = None)
 
 
 def answer_of(b: Binding, out: dict) -> str:
-    """The answer text in an output record (the answering stage's output field); a
-    ``ServiceError`` when a later stage dropped or replaced it.
-
-    b:   the pipeline's binding.
-    out: the output record.
-    """
+    """The answer text in an output record; a ``ServiceError`` when a later stage
+    dropped or replaced it."""
     answer = out.get(b.answer_field) if b.answer_field else None
     if not isinstance(answer, str):
         raise ServiceError(f"the output record has no text field '{b.answer_field}' (a later "
@@ -263,29 +212,17 @@ def answer_of(b: Binding, out: dict) -> str:
 
 
 def piece_budget(plan: Plan) -> int:
-    """Most text pieces one request may stream: twice what the plan's answering stages
-    stream per attempt (``Answers.stream_pieces``: ``max_tokens``, a route one piece
-    more since a cascade level sends its answer whole) times ``1 + retries`` attempts,
-    since an engine sends a piece per token (the slack covers servers that split a
-    token's text).
-
-    plan: the compiled plan.
-    """
+    """Most text pieces one request may stream: twice what the answering stages stream
+    per attempt (``Answers.stream_pieces``) times ``1 + retries`` attempts, since an
+    engine sends a piece per token (the slack covers servers that split a token)."""
     tokens = sum(o.op.answers.stream_pieces(o.params) * (1 + o.contract.retries)
                  for o in answering_ops(plan))
     return 2 * tokens + 16
 
 
 def accepts(plan: Plan, b: Binding) -> dict[str, Any]:
-    """What ``GET /v1/models`` says a pipeline accepts: its ``endpoints``, the
-    ``input_field`` requests fill, the ``answering_stage`` (id and kind) or why none
-    answers (``not_chat``) and, where it has one, the answering stage's ``max_tokens``
-    ceiling (and every generate stage's, by id), the sampling ``options`` a request may
-    set and those the stage keeps ``frozen``.
-
-    plan: the compiled pipeline.
-    b:    its OpenAI binding.
-    """
+    """The ``metadata`` ``GET /v1/models`` lists for a pipeline (docs/serving.md,
+    under "Embeddings")."""
     endpoints = ["chat.completions", "completions"] if b.problem is None else []
     if embed_spec(plan) is not None:
         endpoints.append("embeddings")

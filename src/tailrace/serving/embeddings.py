@@ -1,16 +1,9 @@
 """``POST /v1/embeddings`` over a served pipeline's embedding engine.
 
-``model`` names a served pipeline with an ``embed`` stage; the request's texts go to
-that stage's engine (the first ``embed`` stage in plan order), opened as the stage
-opens it (``open_engine`` on the stage's linked spec: the same shared engine or pool),
-not through the pipeline's stages. ``model`` may instead name an engine (its name under
-``engines:``) that an ``embed`` stage of a served pipeline uses (``engine_specs``); a
-pipeline of the same name wins. ``input`` is a string or a list of strings (at most
-``MAX_INPUTS``); token-id arrays are refused. ``encoding_format`` is ``float`` (default)
-or ``base64`` (little-endian float32 bytes, as OpenAI sends them); ``dimensions`` must
-equal the engine's dimension; ``user`` is accepted and ignored. Any other field is a
-400 naming it. Usage counts the texts with the engine's tokenizer (``count_tokens``),
-else the shared 4-characters-a-token estimate.
+``model`` names a served pipeline with an ``embed`` stage, or an engine such a stage
+uses (a pipeline of the same name wins); the texts go to that stage's engine, opened as
+the stage opens it (the same shared engine or pool), not through the pipeline's stages.
+docs/serving.md ("Embeddings") lists the fields.
 """
 
 from __future__ import annotations
@@ -45,10 +38,7 @@ def _is_tokens(v: Any) -> bool:
 
 
 def parse_embeddings(body: dict) -> EmbeddingRequest:
-    """Parse an embeddings request; raises ``WireError`` (400) naming the bad field.
-
-    body: the decoded JSON object.
-    """
+    """Parse an embeddings request; raises ``WireError`` (400) naming the bad field."""
     unknown = [k for k in body if k not in FIELDS]
     if unknown:
         raise WireError(f"'{unknown[0]}' is not supported on /v1/embeddings (fields: "
@@ -91,10 +81,7 @@ def parse_embeddings(body: dict) -> EmbeddingRequest:
 
 
 def embed_spec(plan: Plan) -> dict | None:
-    """The linked engine spec of the plan's first ``embed`` stage, or None.
-
-    plan: the compiled pipeline.
-    """
+    """The linked engine spec of the plan's first ``embed`` stage, or None."""
     for s in plan.stages:
         for o in s.ops:
             if o.op.name == "embed" and o.params.get("_engine"):
@@ -104,10 +91,7 @@ def embed_spec(plan: Plan) -> dict | None:
 
 def engine_specs(plans: list[Plan]) -> dict[str, dict]:
     """Every engine an ``embed`` stage of ``plans`` uses, by its name under ``engines:``
-    (the first spec of a name wins: engines of one name are one shared engine).
-
-    plans: the served pipelines' compiled plans.
-    """
+    (the first spec of a name wins: engines of one name are one shared engine)."""
     out: dict[str, dict] = {}
     for plan in plans:
         for s in plan.stages:
@@ -133,12 +117,8 @@ def _wrong_dims(req: EmbeddingRequest, dim: int) -> WireError:
 
 
 def embed_texts(spec: dict, req: EmbeddingRequest) -> tuple[Any, int]:
-    """Embed ``req``'s texts with ``spec``'s engine: (float32 matrix, prompt tokens).
-    Blocking: call it in a worker thread.
-
-    spec: the embed stage's linked engine spec.
-    req:  the parsed request.
-    """
+    """Embed ``req``'s texts with ``spec``'s engine: (float32 matrix, prompt tokens; the
+    engine's tokenizer, else the shared estimate). Blocking: call it in a worker thread."""
     import numpy as np
 
     from ..engines import open_engine
@@ -160,12 +140,7 @@ def embed_texts(spec: dict, req: EmbeddingRequest) -> tuple[Any, int]:
 
 
 def embeddings_body(req: EmbeddingRequest, vecs: Any, tokens: int) -> dict[str, Any]:
-    """The response object: one ``embedding`` per input, in input order.
-
-    req:    the parsed request.
-    vecs:   the float32 ``(len(texts), dim)`` matrix.
-    tokens: prompt tokens of all the texts.
-    """
+    """The response object: one ``embedding`` per row of ``vecs``, in input order."""
     data = []
     for i, v in enumerate(vecs):
         emb: Any = (base64.b64encode(v.astype("<f4").tobytes()).decode("ascii")

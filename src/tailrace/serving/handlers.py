@@ -96,23 +96,11 @@ def request_record(state: AppState, name: str, fields: dict[Any, Any], request: 
                    ) -> tuple[dict[Any, Any], Envelope]:
     """What an HTTP request submits to pipeline ``name``: the record, ``fields``
     (updated in place) with the pipeline's ``serve:`` fields (the tenant's last: the
-    caller cannot choose it), and its ``Request``: the conversation, the sampling
-    options for the answering stage, the priority and deadline asked (``urgency.py``),
-    the session (``sessions.py``) and the tenant. Checks them (400 naming a bad one),
-    then charges the tenant's limits (429 over them).
+    caller cannot choose it), and its ``Request``. Checks them (400 naming a bad one),
+    then charges the tenant for ``text`` and ``n`` records' output tokens (429 over).
 
-    state:    the app's state.
-    name:     the pipeline.
-    fields:   the user fields: ``{input_field: text}`` (OpenAI), or the ``/runs`` body.
-    request:  the HTTP request (its headers).
-    tenant:   the caller's tenant, or None.
-    body:     the OpenAI request's JSON object; None for ``/runs``, whose body is the
-              record (priority, deadline and session then come from headers only).
-    text:     the texts the tenant is charged for.
-    n:        records the request makes (each reserves the pipeline's output tokens).
-    options:  the options of ``request_options`` (OpenAI requests).
-    answers:  the answering stage's output field (OpenAI requests).
-    messages: the chat conversation.
+    body: the OpenAI request's JSON object; None for ``/runs``, whose body is the
+          record (priority, deadline and session then come from headers only).
     """
     serve = state.serves[name]
     headers = request.headers

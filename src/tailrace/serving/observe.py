@@ -1,19 +1,10 @@
 """Observability of a serving hub: ``/metrics``, ``/dashboard`` and request tracing.
 
-``install_observability(app, hub)`` (called at the end of ``create_app``) mounts:
-
-- ``GET /metrics``: Prometheus text (``tailrace.observability.prometheus``), read from the
-  services' live statistics, the admission gate and the engine pools at scrape time;
-- ``GET /dashboard``: a live page (``static/``: plain HTML, CSS and JS, no build step) that
-  polls ``GET /dashboard/data``, the JSON built here by ``dashboard_data(hub)``;
-- with an API key, ``/metrics`` (unless ``metrics_public``) and the dashboard need it
-  (``security.py``: the bearer header, or ``/dashboard?key=KEY`` once and a cookie);
-- a middleware for ``/v1/*`` that times each request (``tailrace_http_*`` metrics) and,
-  while tracing is on, opens its server span; ``PipelineService.submit`` puts its
-  context in the request (``Request.trace``) so the stage spans join that trace.
-
-Tracing turns on here if ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set (or earlier through
-``configure_tracing``). Everything here reads statistics snapshots; nothing runs per record.
+``install_observability(app, hub)`` (called at the end of ``create_app``) mounts
+``/metrics`` (Prometheus text read at scrape time), ``/dashboard`` (a static page,
+``static/``, polling ``/dashboard/data``) and a ``/v1/*`` middleware that times each
+request and, while tracing is on, opens its server span (docs/observability.md).
+Everything here reads statistics snapshots; nothing runs per record.
 """
 
 from __future__ import annotations
@@ -72,10 +63,7 @@ def _depths(service: Any) -> dict[str, int]:
 
 
 def stage_histograms(run: Any) -> dict[str, StageHistograms]:
-    """Operator id -> its live histograms merged over replicas, read from a ``LocalRun``.
-
-    run: the running ``LocalRun``.
-    """
+    """Operator id -> its live histograms merged over replicas, read from a ``LocalRun``."""
     out: dict[str, StageHistograms] = {}
     workers = getattr(run, "workers", None)  # another runtime: no live meters here
     if not isinstance(workers, dict):
@@ -94,11 +82,7 @@ def stage_histograms(run: Any) -> dict[str, StageHistograms]:
 
 
 def scrape(hub: Any, http: HttpMeter | None = None) -> Scrape:
-    """What ``/metrics`` reports now.
-
-    hub: the serving hub.
-    http: the app's HTTP meter, if any.
-    """
+    """What ``/metrics`` reports now (``http``: the app's HTTP meter, if any)."""
     pipelines = []
     for svc in list(hub.services.values()):
         run = _live_run(svc)
@@ -133,10 +117,7 @@ def _graph(plan: Any) -> tuple[list[dict], list[dict]]:
 
 
 def arrivals(stats: Any) -> int:
-    """Records that entered a pipeline so far (a live run counts them at its sources).
-
-    stats: the pipeline's ``RunStats``.
-    """
+    """Records that entered a pipeline so far (a live run counts them at its sources)."""
     return max(stats.records_in, sum(s.records_out for s in stats.stages if s.op == "source"))
 
 
@@ -193,11 +174,7 @@ def _http_data(http: HttpMeter | None) -> list[dict[str, Any]]:
 
 def dashboard_data(hub: Any, http: HttpMeter | None = None) -> dict[str, Any]:
     """The JSON the dashboard polls: per pipeline its graph and live per-stage figures,
-    plus admission, engine pool and HTTP figures.
-
-    hub: the serving hub.
-    http: the app's HTTP meter, if any.
-    """
+    plus admission, engine pool and HTTP figures."""
     a = _admission(hub)
     admission = None if a is None else {
         "policy": a.policy, "admitted": a.admitted, "completed": a.completed,
@@ -229,10 +206,7 @@ _ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models"})
 
 
 def route_of(path: str) -> str:
-    """A low-cardinality route name for a ``/v1/`` path (pipeline names become ``{name}``).
-
-    path: the request path.
-    """
+    """A low-cardinality route name for a ``/v1/`` path (pipeline names become ``{name}``)."""
     if path in _ROUTES:
         return path
     parts = path.split("/")
@@ -242,12 +216,8 @@ def route_of(path: str) -> str:
 
 
 class ObserveMiddleware:
-    """ASGI middleware for ``/v1/*``: times every request into the HTTP meter, and opens
-    a server span for it while tracing is on.
-
-    app: the ASGI application to wrap.
-    meter: where request durations and statuses go.
-    """
+    """ASGI middleware for ``/v1/*``: times every request into ``meter``, and opens a
+    server span for it while tracing is on."""
 
     def __init__(self, app: Any, meter: HttpMeter) -> None:
         self.app = app
@@ -291,16 +261,6 @@ class ObserveMiddleware:
 
 # -- mounting ------------------------------------------------------------------------------
 
-def metrics_text(registry: Any) -> bytes:
-    """The Prometheus exposition of a registry.
-
-    registry: a ``prometheus_client.CollectorRegistry``.
-    """
-    from prometheus_client import generate_latest
-
-    return generate_latest(registry)
-
-
 def _refusal(e: Any) -> Any:
     from starlette.responses import Response
 
@@ -312,13 +272,13 @@ def _refusal(e: Any) -> Any:
 
 def install_observability(app: Any, hub: Any, keys: KeyCheck | None = None) -> None:
     """Mount ``/metrics``, ``/dashboard`` (+ ``/dashboard/data``) and request tracing.
-
-    app:  the FastAPI (or Starlette) application of ``create_app``.
-    hub:  its ``ServingHub``.
-    keys: who may read them (default: the hub's ``api_key`` and ``metrics_public``);
-          see ``security.py``.
-    """
-    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector
+    ``keys``: who may read them (default: the hub's ``api_key`` and ``metrics_public``)."""
+    from prometheus_client import (
+        CONTENT_TYPE_LATEST,
+        CollectorRegistry,
+        ProcessCollector,
+        generate_latest,
+    )
     from starlette.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response
 
     if not tracing_enabled():
@@ -339,7 +299,7 @@ def install_observability(app: Any, hub: Any, keys: KeyCheck | None = None) -> N
         refused = keys.metrics(request.headers)
         if refused is not None:
             return _refusal(refused)
-        return Response(metrics_text(registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     def dashboard(request: Any) -> Response:
         refused, remember = keys.dashboard(request.headers, request.cookies,

@@ -1,21 +1,10 @@
 """The OpenAI wire format: request parsing, response and SSE chunk shaping, error bodies.
 
-What a request says, parsed (``WireRequest``):
-
-- its text: the last ``user`` message (chat: the whole conversation too, text only), or
-  the ``prompt`` (a list of prompts: each its own record and choice);
-- the sampling options it sets (``max_tokens``/``max_completion_tokens``,
-  ``temperature``, ``top_p``, ``stop``, ``seed``, ``presence_penalty``,
-  ``frequency_penalty``) and a chat request's ``response_format`` (``json_object``,
-  ``json_schema``: a malformed one, or an invalid JSON Schema, is a 400 naming the
-  field); ``priority`` and ``deadline_ms`` are admission's (``urgency.py``);
-- fields tailrace cannot honour (``n > 1``, ``logprobs``, ``tools``, ``logit_bias``,
-  image or audio parts, unknown fields) are a 400 naming the field; ``IGNORED`` fields
-  are accepted and ignored by design (docs/serving.md, "Request fields", lists every
-  field).
-
-How a pipeline answers a parsed request (which field, which stage, usage, finish reason)
-is ``binding.py``'s: this module knows nothing of plans or operators.
+A parsed request (``WireRequest``) is its text (the last ``user`` message, or the
+``prompt``), a chat request's conversation and the sampling options it sets; a field
+tailrace cannot honour is a 400 naming it (docs/serving.md, "Request fields", lists
+every field). How a pipeline answers is ``binding.py``'s: this module knows nothing of
+plans or operators.
 """
 
 from __future__ import annotations
@@ -51,21 +40,15 @@ class WireError(Exception):
 
 
 def error_body(message: str, status: int, code: str) -> dict[str, Any]:
-    """OpenAI's error JSON: ``{"error": {"message", "type", "code"}}``.
-
-    message: the one-line reason.
-    status:  the HTTP status (chooses ``type``).
-    code:    the short machine-readable reason.
-    """
+    """OpenAI's error JSON: ``{"error": {"message", "type", "code"}}``; ``status``
+    chooses the ``type``."""
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "api_error"),
                       "code": code}}
 
 
 def retry_headers(retry_after: float | None) -> dict[str, str]:
-    """``Retry-After`` (whole seconds, at least 1) and ``retry-after-ms`` headers.
-
-    retry_after: seconds, or None for no headers.
-    """
+    """``Retry-After`` (whole seconds, at least 1) and ``retry-after-ms`` headers (none
+    for None)."""
     if retry_after is None:
         return {}
     return {"Retry-After": str(max(1, math.ceil(retry_after))),
@@ -270,13 +253,8 @@ _CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 def parse_chat(body: dict) -> WireRequest:
     """Parse a chat completion request; raises ``WireError`` (400) naming the bad field.
-
-    The conversation keeps ``system``/``developer``, ``user`` and ``assistant`` messages
-    (text only); it must end with a ``user`` message. ``tool``/``function`` messages and
-    assistant ``tool_calls`` are refused: no tool stage answers them here.
-
-    body: the decoded JSON object.
-    """
+    The conversation (text only) must end with a ``user`` message; tool messages and
+    assistant ``tool_calls`` are refused: no tool stage answers them here."""
     model, stream, include_usage = _common(body, True)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -316,15 +294,8 @@ MAX_PROMPTS = 64
 
 
 def parse_completion(body: dict) -> WireRequest:
-    """Parse a (legacy) completion request; raises ``WireError`` (400).
-
-    ``prompt`` is a string or a list of at most ``MAX_PROMPTS`` strings; each prompt of a
-    list is its own record (they go through the pipeline together and share its
-    micro-batches) and its own choice, by index. A list is not streamed (400). Token-id
-    prompts are refused.
-
-    body: the decoded JSON object.
-    """
+    """Parse a (legacy) completion request; raises ``WireError`` (400). Each prompt of
+    a list is its own record and its own choice, by index; a list is not streamed."""
     model, stream, include_usage = _common(body, False)
     prompt = body.get("prompt")
     prompts: tuple[str, ...] = ()
@@ -354,15 +325,7 @@ def parse_completion(body: dict) -> WireRequest:
 # -- responses ---------------------------------------------------------------------------
 def completion_body(req: WireRequest, rid: str, created: int, answer: str, finish: str,
                     usage: dict[str, Any]) -> dict[str, Any]:
-    """The non-streaming response object.
-
-    req:     the parsed request.
-    rid:     the response id.
-    created: Unix seconds.
-    answer:  the answer text.
-    finish:  the finish reason.
-    usage:   token counts.
-    """
+    """The non-streaming response object (``created``: Unix seconds)."""
     if req.chat:
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None,
                                   "message": {"role": "assistant", "content": answer}}
@@ -377,13 +340,7 @@ def completion_body(req: WireRequest, rid: str, created: int, answer: str, finis
 def completions_body(req: WireRequest, rid: str, created: int,
                      answers: list[tuple[str, str, dict[str, Any]]]) -> dict[str, Any]:
     """The response to a completion request with a list of prompts: one choice per
-    prompt (by index), usage summed over them.
-
-    req:     the parsed request.
-    rid:     the response id.
-    created: Unix seconds.
-    answers: (answer, finish reason, usage) of each prompt, in prompt order.
-    """
+    prompt (``answers``: its answer, finish reason and usage, in order), usage summed."""
     choices = [{"index": i, "text": a, "finish_reason": f, "logprobs": None}
                for i, (a, f, _) in enumerate(answers)]
     usage: dict[str, Any] = {k: sum(u[k] for _, _, u in answers)
@@ -399,16 +356,8 @@ def completions_body(req: WireRequest, rid: str, created: int,
 def chunk(req: WireRequest, rid: str, created: int, text: str | None,
           finish: str | None = None, *, role: bool = False,
           usage: dict[str, Any] | None = None) -> bytes:
-    """One streamed SSE chunk (``text`` None and ``usage`` given: the usage-only chunk).
-
-    req:     the parsed request.
-    rid:     the response id (the same in every chunk).
-    created: Unix seconds.
-    text:    the new text piece.
-    finish:  the finish reason on the last chunk.
-    role:    include ``role: assistant`` (first chat chunk).
-    usage:   token counts (last chunks, when the client asked for them).
-    """
+    """One streamed SSE chunk (``text`` None and ``usage`` given: the usage-only chunk;
+    ``role``: the first chat chunk, with ``role: assistant``)."""
     choices: list[dict[str, Any]]
     if text is None and usage is not None:
         choices = []

@@ -150,16 +150,8 @@ async def sse_response(request: Request, service: PipelineService, record: dict,
                        env: Envelope | None = None) -> Response:
     """Submit ``record`` and stream ``events(relay, first piece)`` as server-sent events,
     then ``[DONE]``. A failure before the first piece gets its own HTTP status; a client
-    that goes away stops the generation for it.
-
-    request: the HTTP request (watched for a disconnect).
-    service: the pipeline's service.
-    record:  the record to submit.
-    budget:  most pieces that may wait for the client (``piece_budget``).
-    events:  the SSE events of the relay, from its first piece.
-    env:     the record's request (its options, urgency, session...; its reply once
-             answered).
-    """
+    that goes away stops the generation for it. ``budget``: most pieces that may wait
+    for the client (``piece_budget``); ``env``: the record's request."""
     relay = Relay(service, record, budget, env)
     try:
         first = await relay.first(request)

@@ -1,20 +1,10 @@
 """What the HTTP server guards: who may read what, and what error text may say.
 
-``KeyCheck`` is the hub's API key as the routes check it. With a key, every route but
-``/healthz``, ``/readyz`` and the dashboard's static files (the same for every server)
-needs ``Authorization: Bearer KEY``; ``/metrics`` is open only when the hub says
-``metrics_public`` (for Prometheus scrapers that cannot send a header). A browser opens
-the dashboard once as ``/dashboard?key=KEY``: the answer is a redirect to ``/dashboard``
-that sets an HttpOnly, SameSite=Strict cookie for ``/dashboard`` holding an HMAC of the
-key (never the key itself), which the page and its data polls then send.
-
-``Redactor`` takes secrets and upstream addresses out of text sent to clients: the API
-key, values of secret-looking environment variables (``*KEY*``, ``*TOKEN*``,
-``*SECRET*``, ``*PASSWORD*``, ``*CREDENTIAL*``) and of variables an engine spec names
-(``api_key_env``), secret fields of engine specs (``api_key``, ``token``, ...), every URL
-(``scheme://...``) and the ``host:port`` of every engine endpoint. The full text stays in
-the pipeline's error record (``tailrace run``, the Python API); the client gets the
-redacted one.
+``KeyCheck`` is the hub's API key as the routes check it (a browser opens the dashboard
+once with ``?key=KEY`` and then holds a cookie with an HMAC of the key, never the key);
+``Redactor`` takes secrets and upstream addresses out of text sent to clients, while the
+full text stays in the pipeline's error record. docs/serving.md ("API key and what
+errors reveal") says which routes need the key and what is redacted.
 """
 
 from __future__ import annotations
@@ -68,11 +58,8 @@ class KeyCheck:
         return hmac.compare_digest(token.strip().encode(), self._key)
 
     def bearer(self, headers: Mapping[str, str], *, dashboard: bool = False) -> WireError | None:
-        """Why a request with these headers may not pass (401), or None.
-
-        headers:   the request's headers.
-        dashboard: the request is for the dashboard (its refusal says how to open it).
-        """
+        """Why a request with these headers may not pass (401), or None; ``dashboard``:
+        the request is for the dashboard (its refusal says how to open it)."""
         if self._key is None:
             return None
         scheme, _, token = headers.get("authorization", "").partition(" ")
@@ -98,12 +85,8 @@ class KeyCheck:
 
     def dashboard(self, headers: Mapping[str, str], cookies: Mapping[str, str],
                   query_key: str | None) -> tuple[WireError | None, bool]:
-        """(why a dashboard request may not pass or None, whether to set the cookie).
-
-        headers:   the request's headers.
-        cookies:   its cookies.
-        query_key: its ``?key=`` value, if any.
-        """
+        """(why a dashboard request may not pass or None, whether to set the cookie);
+        ``query_key``: its ``?key=`` value, if any."""
         if self.operator_only:
             return self._closed("/dashboard"), False
         if self._key is None:
@@ -165,11 +148,8 @@ def _walk(spec: Any, secrets: set[str], hosts: set[str], env: Mapping[str, str])
 
 def hub_redactor(hub: Any, env: Mapping[str, str] | None = None) -> Redactor:
     """The ``Redactor`` for a hub: its API key, secret environment values, and the
-    secrets and endpoints of its pipelines' engine specs.
-
-    hub: the ``ServingHub``.
-    env: the environment (default ``os.environ``).
-    """
+    secrets and endpoints of its pipelines' engine specs (``env``: default
+    ``os.environ``)."""
     env = os.environ if env is None else env
     secrets = {v for k, v in env.items() if _SECRET_NAME.search(k) and v}
     key = getattr(hub, "api_key", None)

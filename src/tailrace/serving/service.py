@@ -1,30 +1,13 @@
 """Long-running pipeline hosts: one compiled plan served continuously to many callers.
 
-A ``PipelineService`` runs ONE plan on its own thread and event loop for as long as it
-is started. Its source reads an endless async stream that ``submit`` feeds; every
-record points at its ``Request`` (``tailrace/request.py``: id, cancel signal, token
-sink, options, urgency, session, conversation) under the one reserved key ``REQUEST``,
-which the runtime passes along untouched. The output record (user fields only) or
-error record reaches the waiting caller, routed by the request's id.
-
-An output or error record reaches the waiting caller on the caller's own event loop,
-after the runtime has finished the step that produced it: by the time ``submit``
-returns, the record is counted in ``stats()`` and its admission ticket is back.
-A record that ends without an output — a filter's drop, a flat_map's empty expansion,
-a stage that replaced it without keeping its request — is answered at once with
-``RecordDropped`` naming the stage (the runtime reports records whose request no
-output carries); one folded into a ``batch`` window's list gets ``ServiceTimeout``.
-A caller that gives up (cancelled, timed out, disconnected) before its record is
-admitted costs nothing more:
-the feed skips the record, or admission gives the ticket straight back and the record
-ends as a ``CallerGone`` error record; once admitted, it runs on for nobody.
-``ServingHub`` (``hub.py``) holds the services of one process.
-
-``runtime="ray"`` runs the plan on a Ray cluster instead, this process its driver: the
-stages run in stage-host actors, fed by the same feed and answered the same way; a
-request crosses actors as its data and each host binds live parts of its own
-(``runtime/ray/served.py``), so a disconnect still stops the generation and tokens
-still stream.
+A ``PipelineService`` runs ONE plan for as long as it is started. Its source reads an
+endless feed that ``submit`` fills; every record carries its ``Request``
+(``tailrace/request.py``) under the one reserved key ``REQUEST``, and its output or
+error record is routed back to the waiting caller by the request's id, on the caller's
+own loop, after the runtime has counted it and freed its admission ticket. A record
+that ends without an output is answered at once with ``RecordDropped`` (one folded
+into a ``batch`` window's list gets ``ServiceTimeout``). docs/serving.md ("In
+Python", "On Ray") has the whole contract.
 """
 
 from __future__ import annotations
@@ -141,15 +124,9 @@ class _Door:
 class PipelineService:
     """Hosts one compiled pipeline continuously; callers ``submit``.
 
-    By default the pipeline runs on a thread and event loop of its own (``start()``).
-    ``start(loop)`` runs it instead as tasks on ``loop``, the caller's running loop (the
-    HTTP server's, under ``tailrace serve``): callers on that loop then reach the
-    pipeline and get their answers with no thread hop; blocking stages still run in
-    their own threads, and the engines load in a worker thread so the loop keeps serving.
-    Either way, a lone query (no other request waiting, nothing else ready on the
-    caller's loop) whose first stage is an idle inline chain ending in a sink runs that
-    stage on the caller's own stack, metered as its worker would: no task switch, and
-    no thread hand-off to a service on its own thread (``own_loop.py``).
+    ``start()`` runs the pipeline on a thread and event loop of its own; ``start(loop)``
+    as tasks on the caller's running loop. Either way a lone query may run an idle
+    inline first stage on the caller's own stack (``own_loop.py``).
 
     plan_or_pipeline: a ``Pipeline`` (compiled here) or a compiled ``Plan``; its source
                       must be declared without data and its sink without a target.
@@ -515,13 +492,8 @@ class PipelineService:
         return waiter
 
     def _reply(self, waiter: _Waiter, value: Any, exc: BaseException | None) -> None:
-        """Answer ``waiter`` once the runtime's current step is over.
-
-        The runtime hands a record to the sink (or the error/drop hook) before it counts
-        it and frees its admission ticket, in the same step on the service loop; the
-        answer is queued behind that step, so a caller that reads the statistics or the
-        gate right after its answer sees its record counted and its ticket back.
-        """
+        """Answer ``waiter`` once the runtime's current step is over: the runtime hands a
+        record to the sink before it counts it and frees its ticket, in the same step."""
         if threading.get_ident() == self._loop_thread:
             assert self._loop is not None
             if waiter.loop is self._loop:  # the caller shares the loop: its task wakes

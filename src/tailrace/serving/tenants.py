@@ -32,12 +32,8 @@ from .openai_wire import WireError
 def request_fields(serve: ServeSpec | None, body: Mapping[str, Any],
                    headers: Mapping[str, str]) -> dict[str, Any]:
     """The record fields ``serve.fields`` takes from one request; 400 for a source of
-    the wrong type (``user`` or a ``metadata`` value that is not a string).
-
-    serve:   the pipeline's ``serve:`` (None: nothing).
-    body:    the request's JSON object (OpenAI request, or the /runs record).
-    headers: its headers (case-insensitive mapping).
-    """
+    the wrong type (``user`` or a ``metadata`` value that is not a string). ``body``:
+    the OpenAI request's JSON object, or the /runs record."""
     if serve is None or not serve.fields:
         return {}
     out: dict[str, Any] = {}

@@ -1,14 +1,9 @@
 """A request's own priority class and deadline for admission, within its pipeline's bounds.
 
-A request to ``/v1/chat/completions`` or ``/v1/completions`` may carry the body fields
-``priority`` (``interactive``, ``standard``, ``batch`` or an integer class; higher is more
-urgent) and ``deadline_ms`` (milliseconds from its arrival); any request, ``/runs``
-included (whose body is the record), may send them as the headers
-``X-Tailrace-Priority`` and ``X-Tailrace-Deadline-Ms``. A body field and its header that
-disagree, a malformed value, a class the pipeline's ``serve.priorities`` does not list, a
-deadline outside its ``serve.deadline_ms`` range, or either one on a pipeline that
-declares no such bound: 400 naming the field. ``urgency`` returns what the record's
-transient ``_urgency`` field carries to the admission gate (``AdmissionGate.admit``).
+The body fields ``priority`` and ``deadline_ms`` (OpenAI requests) or the headers
+``X-Tailrace-Priority`` and ``X-Tailrace-Deadline-Ms`` (any request) ask for them, within
+what the pipeline's ``serve:`` allows (docs/serving.md, "Priority and deadline");
+``urgency`` returns what the request carries to the admission gate (``Request.asked``).
 """
 
 from __future__ import annotations
@@ -19,15 +14,12 @@ from typing import Any
 
 from ..api import ServeSpec
 from ..api.pipeline import PRIORITY_CLASSES
+from ..control.slo import rank_of
 from .openai_wire import WireError
 
 PRIORITY_HEADER = "X-Tailrace-Priority"
 DEADLINE_HEADER = "X-Tailrace-Deadline-Ms"
 _CLASSES = "'interactive', 'standard', 'batch' or an integer class (higher is more urgent)"
-
-
-def _rank(priority: str | int) -> int:
-    return PRIORITY_CLASSES[priority] if isinstance(priority, str) else priority
 
 
 def _priority(value: Any, where: str, header: bool) -> str | int:
@@ -82,14 +74,9 @@ def urgency(serve: ServeSpec | None, name: str, body: Mapping[str, Any] | None,
             headers: Mapping[str, str]) -> dict[str, Any] | None:
     """The request's ``{"priority": CLASS, "deadline_ms": MS}`` (the keys it set), or None
     when it set neither; 400 naming the field for a bad, conflicting or disallowed value.
-
-    serve:   the pipeline's ``serve:`` (its ``priorities`` and ``deadline_ms`` bounds).
-    name:    the pipeline's name (for messages).
-    body:    the OpenAI request's JSON object, or None (``/runs``: headers only).
-    headers: the request's headers (case-insensitive mapping).
-    """
+    ``body``: the OpenAI request's JSON object, or None (``/runs``: headers only)."""
     priority = _one(body, headers, "priority", PRIORITY_HEADER, _priority,
-                    lambda a, b: _rank(a) == _rank(b))
+                    lambda a, b: rank_of(a) == rank_of(b))
     deadline = _one(body, headers, "deadline_ms", DEADLINE_HEADER, _deadline,
                     lambda a, b: a == b)
     if priority is None and deadline is None:
@@ -101,7 +88,7 @@ def urgency(serve: ServeSpec | None, name: str, body: Mapping[str, Any] | None,
             raise WireError(f"pipeline '{name}' does not let a request choose its priority; "
                             "allow classes in its YAML, e.g. serve: {priorities: [batch, "
                             "standard]}", code="priority_not_allowed")
-        if _rank(priority) not in {_rank(c) for c in allowed}:
+        if rank_of(priority) not in {rank_of(c) for c in allowed}:
             raise WireError(f"'priority' {priority!r} is not allowed by pipeline '{name}'; "
                             f"allowed: {', '.join(str(c) for c in allowed)}",
                             code="priority_not_allowed")
