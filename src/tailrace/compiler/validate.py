@@ -61,12 +61,10 @@ def check_params(spec: StageSpec, op: OpDef) -> dict[str, Any]:
                 raise _err(spec, f"operator '{op.name}' needs '{p.name}' ({p.doc or p.want})")
             out[p.name] = p.default
             continue
-        if p.callable and callable(v):
-            out[p.name] = v
-        elif not isinstance(v, p.types) or (isinstance(v, bool) and object not in p.types):
+        if not (p.callable and callable(v)) and (
+                not isinstance(v, p.types) or (isinstance(v, bool) and object not in p.types)):
             raise _err(spec, f"'{p.name}' must be {p.want or p.types[0].__name__}, got {v!r}")
-        else:
-            out[p.name] = v
+        out[p.name] = v
         if p.check is not None and not p.check(v):
             raise _err(spec, f"'{p.name}' must be {p.want}, got {v!r}")
         if p.callable:
@@ -234,8 +232,7 @@ def _find_cycle(stuck: list[str], specs: dict[str, StageSpec]) -> list[str]:
     while node not in path:
         path.append(node)
         node = next(u for u in ups[node] if u in ups)
-    cyc = path[path.index(node):] + [node]
-    return list(reversed(cyc))
+    return list(reversed(path[path.index(node):] + [node]))
 
 
 def check_fields(p: Pipeline, order: list[str], io: dict[str, tuple]) -> None:
@@ -264,8 +261,7 @@ def check_fields(p: Pipeline, order: list[str], io: dict[str, tuple]) -> None:
         for f in reads or ():
             if known is not None and f in known:
                 continue
-            upstream_writers = [w for w in writers.get(f, []) if w in anc]
-            if known is None and upstream_writers:
+            if known is None and any(w in anc for w in writers.get(f, [])):
                 continue
             elsewhere = [w for w in writers.get(f, []) if w not in anc and w != sid]
             if elsewhere:
@@ -276,10 +272,7 @@ def check_fields(p: Pipeline, order: list[str], io: dict[str, tuple]) -> None:
                 have = ", ".join(sorted(known)) or "none"
                 raise _err(s, f"reads unknown field '{f}'{_hint(f, known)} (fields available "
                            f"here: {have})")
-        if writes is None:
-            avail[sid] = None
-        else:
-            avail[sid] = None if known is None else known | set(writes)
+        avail[sid] = None if known is None or writes is None else known | set(writes)
 
 
 def link_ops(p: Pipeline, ops: dict[str, Any], io: dict[str, tuple]) -> None:
