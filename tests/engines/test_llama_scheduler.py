@@ -10,8 +10,7 @@ import numpy as np
 from tailrace.engines.base import GenerationRequest
 from tailrace.engines.call import Call
 from tailrace.engines.llama_cpp.prefix_cache import PrefixCache
-from tailrace.engines.llama_cpp.scheduler import Scheduler
-from tailrace.engines.llama_cpp.sequence import Job, Seq, State
+from tailrace.engines.llama_cpp.scheduler import Job, Scheduler, Seq, State
 
 
 def job(name: str, priority: int = 0, deadline: float | None = None, prompt: int = 10,

@@ -14,6 +14,7 @@ Records are any Python objects. Stages that name record fields (``input=``,
 
 from __future__ import annotations
 
+import difflib
 import math
 import sys
 from collections.abc import Callable, Iterable
@@ -182,6 +183,12 @@ def make_serve(raw: Any) -> ServeSpec:
     return ServeSpec(tuple(out), tenant,
                      _serve_priorities(priorities) if priorities is not None else None,
                      _serve_deadline(deadline) if deadline is not None else None)
+
+
+def did_you_mean(word: str, choices: Any) -> str:
+    """``"; did you mean 'x'?"`` when a close match exists, else ``""``."""
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1)
+    return f"; did you mean '{close[0]}'?" if close else ""
 
 
 def _caller_location() -> str:

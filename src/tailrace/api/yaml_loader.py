@@ -8,7 +8,6 @@ time to the input JSONL) and writes every terminal stage's records to an implici
 
 from __future__ import annotations
 
-import difflib
 import re
 from typing import Any
 
@@ -21,6 +20,7 @@ from .pipeline import (
     Pipeline,
     ServeSpec,
     StageSpec,
+    did_you_mean,
     make_contract,
     make_serve,
 )
@@ -45,12 +45,6 @@ def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode) -> _Map:
 
 
 _LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
-def did_you_mean(word: str, choices: Any) -> str:
-    """``"; did you mean 'x'?"`` when a close match exists, else ``""``."""
-    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1)
-    return f"; did you mean '{close[0]}'?" if close else ""
 
 
 def load_pipeline(path: str) -> Pipeline:

@@ -174,13 +174,8 @@ class Plan:
 def _mode(op: PlanOp) -> str:
     c = op.contract
     fn = op.params.get("fn")
-    if op.op.kind in ("source", "sink", "collect"):
-        base_async = False
-    elif fn is not None:
-        base_async = is_async_callable(fn)
-    else:
-        base_async = False
-    if base_async:
+    if op.op.kind not in ("source", "sink", "collect") and fn is not None \
+            and is_async_callable(fn):
         return "async"
     if (c.blocking or op.op.blocking or max(c.replicas, c.max_replicas or 0) > 1
             or c.timeout_ms is not None):

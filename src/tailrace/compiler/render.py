@@ -12,9 +12,7 @@ FORMATS = ("text", "json", "mermaid")
 
 
 def _param(name: str, v: Any) -> Any:
-    if name == "data":
-        return None if v is None else f"<{type(v).__name__}>"
-    if name == "target":
+    if name in ("data", "target"):
         return None if v is None else f"<{type(v).__name__}>"
     if callable(v):
         return qualname(v)
@@ -30,9 +28,8 @@ def plan_to_dict(plan: Any) -> dict[str, Any]:
         for o in s.ops:
             params = {k: _param(k, v) for k, v in o.params.items()
                       if v is not None and not k.startswith("_")}
-            contract = {k: v for k, v in asdict(o.contract).items()}
             ops.append({"id": o.id, "op": o.op.name, "state": o.op.state,
-                        "params": params, "contract": contract})
+                        "params": params, "contract": asdict(o.contract)})
         stages.append({"id": s.id, "ops": ops, "upstream": list(s.upstream),
                        "replicas": s.replicas, "max_replicas": s.max_replicas or s.replicas,
                        "mode": s.mode, "queue": s.queue,

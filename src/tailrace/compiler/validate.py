@@ -5,20 +5,14 @@ Every failure is a ``PlanError`` naming the stage, its location and the likely f
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import numbers
 from typing import Any
 
-from ..api.pipeline import Pipeline, StageSpec
+from ..api.pipeline import Pipeline, StageSpec, did_you_mean
 from ..errors import PlanError, TailraceError
 from ..operators import OpDef, known_ops, lookup, resolve
 from ..operators.registry import LinkContext
-
-
-def _hint(word: str, choices: Any) -> str:
-    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1)
-    return f"; did you mean '{close[0]}'?" if close else ""
 
 
 def _err(spec: StageSpec, msg: str) -> PlanError:
@@ -29,7 +23,7 @@ def check_op(spec: StageSpec) -> OpDef:
     try:
         return lookup(spec.op)
     except LookupError:
-        raise _err(spec, f"unknown operator '{spec.op}'{_hint(spec.op, known_ops())} "
+        raise _err(spec, f"unknown operator '{spec.op}'{did_you_mean(spec.op, known_ops())} "
                    f"(known: {', '.join(known_ops())}; or a dotted path to a "
                    "tailrace.Operator subclass)") from None
     except ValueError as e:
@@ -52,8 +46,9 @@ def check_params(spec: StageSpec, op: OpDef) -> dict[str, Any]:
         if k not in by_name:
             allowed = ", ".join(by_name) or "none"
             raise _err(spec, f"unknown parameter '{k}' for operator '{op.name}'"
-                       f"{_hint(k, list(by_name))} (its parameters: {allowed}; contract keys: "
-                       "replicas, batch, timeout_ms, retries, queue, blocking, placement)")
+                       f"{did_you_mean(k, list(by_name))} (its parameters: {allowed}; "
+                       "contract keys: replicas, batch, timeout_ms, retries, queue, blocking, "
+                       "placement)")
     for p in op.params:
         v = spec.params.get(p.name)
         if v is None:
@@ -61,12 +56,10 @@ def check_params(spec: StageSpec, op: OpDef) -> dict[str, Any]:
                 raise _err(spec, f"operator '{op.name}' needs '{p.name}' ({p.doc or p.want})")
             out[p.name] = p.default
             continue
-        if p.callable and callable(v):
-            out[p.name] = v
-        elif not isinstance(v, p.types) or (isinstance(v, bool) and object not in p.types):
+        if not (p.callable and callable(v)) and (
+                not isinstance(v, p.types) or (isinstance(v, bool) and object not in p.types)):
             raise _err(spec, f"'{p.name}' must be {p.want or p.types[0].__name__}, got {v!r}")
-        else:
-            out[p.name] = v
+        out[p.name] = v
         if p.check is not None and not p.check(v):
             raise _err(spec, f"'{p.name}' must be {p.want}, got {v!r}")
         if p.callable:
@@ -176,7 +169,7 @@ def check_graph(p: Pipeline) -> list[str]:
         for ref in s.upstream:
             sid, _, port = ref.partition(".")
             if sid not in specs:
-                raise _err(s, f"'after' names unknown stage '{sid}'{_hint(sid, specs)}")
+                raise _err(s, f"'after' names unknown stage '{sid}'{did_you_mean(sid, specs)}")
             if sid == s.id:
                 raise _err(s, f"cycle: {s.id} -> {s.id}; a stage cannot consume itself")
             up = specs[sid]
@@ -239,8 +232,7 @@ def _find_cycle(stuck: list[str], specs: dict[str, StageSpec]) -> list[str]:
     while node not in path:
         path.append(node)
         node = next(u for u in ups[node] if u in ups)
-    cyc = path[path.index(node):] + [node]
-    return list(reversed(cyc))
+    return list(reversed(path[path.index(node):] + [node]))
 
 
 def check_fields(p: Pipeline, order: list[str], io: dict[str, tuple]) -> None:
@@ -269,8 +261,7 @@ def check_fields(p: Pipeline, order: list[str], io: dict[str, tuple]) -> None:
         for f in reads or ():
             if known is not None and f in known:
                 continue
-            upstream_writers = [w for w in writers.get(f, []) if w in anc]
-            if known is None and upstream_writers:
+            if known is None and any(w in anc for w in writers.get(f, [])):
                 continue
             elsewhere = [w for w in writers.get(f, []) if w not in anc and w != sid]
             if elsewhere:
@@ -279,12 +270,9 @@ def check_fields(p: Pipeline, order: list[str], io: dict[str, tuple]) -> None:
                            f"stage after '{elsewhere[0]}'")
             if known is not None:
                 have = ", ".join(sorted(known)) or "none"
-                raise _err(s, f"reads unknown field '{f}'{_hint(f, known)} (fields available "
-                           f"here: {have})")
-        if writes is None:
-            avail[sid] = None
-        else:
-            avail[sid] = None if known is None else known | set(writes)
+                raise _err(s, f"reads unknown field '{f}'{did_you_mean(f, known)} (fields "
+                           f"available here: {have})")
+        avail[sid] = None if known is None or writes is None else known | set(writes)
 
 
 def link_ops(p: Pipeline, ops: dict[str, Any], io: dict[str, tuple]) -> None:

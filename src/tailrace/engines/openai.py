@@ -300,11 +300,8 @@ class OpenAIEngine:
 
     def _run_one(self, index: int, req: GenerationRequest, on_token: TokenCallback | None,
                  cancel: threading.Event) -> Generation:
-        """Stream one request and collect its text, usage and finish reason.
-
-        index: the request's position in its batch (passed to ``on_token``).
-        cancel: set when another request of the batch failed; stops this one early.
-        """
+        """Stream request ``index`` of its batch and collect its text, usage and finish
+        reason; ``cancel`` (another request of the batch failed) stops it early."""
         if cancel.is_set():  # another request failed before this one started
             return Generation("", 0, 0, "stop", extra={"cancelled": True})
         chat = req.messages is not None

@@ -238,40 +238,35 @@ def pool_families(pools: Iterable[Any]) -> list[Any]:
     up = gauge("replicas_up", "Healthy replicas")
     busy = gauge("replicas_busy", "Replicas running at least one batch")
     util = gauge("utilization", "Busy replicas / healthy replicas (0..1)")
-    queued = gauge("queued", "Requests waiting for a batch or replica")
-    batches = counter("batches", "Engine batches formed")
-    retries = counter("retries", "Batches retried on another replica")
-    failed = counter("failed_calls", "Calls that got an error")
-    in_flight = gauge("replica_in_flight", "Batches the replica is running", "replica")
-    work = gauge("replica_outstanding_tokens",
-                 "Predicted tokens of the batches the replica is running", "replica")
-    served = counter("replica_requests", "Requests the replica answered", "replica")
-    prompt = counter("prompt_tokens", "Prompt tokens of the generations the replica returned",
-                     "replica")
-    hits = counter("cache_hit_tokens", "Prompt tokens the replica's engine read from its "
-                   "prefix cache", "replica")
-    ratio = gauge("cache_hit_ratio", "Cache hit tokens / prompt tokens of the replica (0..1)",
-                  "replica")
+    # (family, the PoolStatistics / ReplicaStatistics field it reports)
+    per_pool = [(gauge("queued", "Requests waiting for a batch or replica"), "queued"),
+                (counter("batches", "Engine batches formed"), "batches"),
+                (counter("retries", "Batches retried on another replica"), "retries"),
+                (counter("failed_calls", "Calls that got an error"), "failed_calls")]
+    per_replica = [
+        (gauge("replica_in_flight", "Batches the replica is running", "replica"), "in_flight"),
+        (gauge("replica_outstanding_tokens",
+               "Predicted tokens of the batches the replica is running", "replica"),
+         "outstanding_work"),
+        (counter("replica_requests", "Requests the replica answered", "replica"), "requests"),
+        (counter("prompt_tokens", "Prompt tokens of the generations the replica returned",
+                 "replica"), "prompt_tokens"),
+        (counter("cache_hit_tokens", "Prompt tokens the replica's engine read from its "
+                 "prefix cache", "replica"), "cached_tokens"),
+        (gauge("cache_hit_ratio", "Cache hit tokens / prompt tokens of the replica (0..1)",
+               "replica"), "cache_hit_ratio")]
     for p in pools:
         live = [r for r in p.replicas if r.healthy and not r.down]
         n_busy = sum(1 for r in live if r.in_flight > 0)
         up.add_metric([p.name], len(live))
         busy.add_metric([p.name], n_busy)
         util.add_metric([p.name], n_busy / len(live) if live else 0.0)
-        queued.add_metric([p.name], p.queued)
-        batches.add_metric([p.name], p.batches)
-        retries.add_metric([p.name], p.retries)
-        failed.add_metric([p.name], p.failed_calls)
+        for family, attr in per_pool:
+            family.add_metric([p.name], getattr(p, attr))
         for r in p.replicas:
-            rid = [p.name, str(r.id)]
-            in_flight.add_metric(rid, r.in_flight)
-            work.add_metric(rid, r.outstanding_work)
-            served.add_metric(rid, r.requests)
-            prompt.add_metric(rid, r.prompt_tokens)
-            hits.add_metric(rid, r.cached_tokens)
-            ratio.add_metric(rid, r.cache_hit_ratio)
-    return [up, busy, util, queued, batches, retries, failed, in_flight, work, served, prompt,
-            hits, ratio]
+            for family, attr in per_replica:
+                family.add_metric([p.name, str(r.id)], getattr(r, attr))
+    return [up, busy, util, *(f for f, _ in per_pool), *(f for f, _ in per_replica)]
 
 
 def merged(histograms: Iterable[Histogram]) -> Histogram:

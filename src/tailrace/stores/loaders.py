@@ -134,12 +134,11 @@ def load_pdf(path: Path, doc_id: str) -> list[dict]:
         title = str(info.title) if info is not None and info.title else ""
     except Exception as e:  # pypdf raises many types for damaged files
         raise StoreError(f"{path}: not a readable PDF ({type(e).__name__}: {e})") from None
-    pages, parts, pos = [], [], 0
+    pages, pos = [], 0
     for t in texts:
         pages.append(pos)
-        parts.append(t)
         pos += len(t) + 2
-    text = "\n\n".join(parts)
+    text = "\n\n".join(texts)
     if not text.strip():
         raise StoreError(f"{path}: the PDF has no text layer (scanned pages need OCR first)")
     return [_doc(doc_id, title or path.stem, text, {"page_count": len(texts)}, pages)]
@@ -222,8 +221,7 @@ def load(path: Path, doc_id: str, cols: Columns = Columns()) -> list[dict]:
         if suffix == ".csv":
             return load_csv(path, doc_id, cols)
         if suffix == ".txt":
-            text = _read_text(path)
-            return [_doc(doc_id, path.stem, text)]
+            return [_doc(doc_id, path.stem, _read_text(path))]
     except OSError as e:
         raise StoreError(f"{path}: cannot read ({e.strerror or e})") from None
     raise StoreError(f"{path}: unsupported file type '{suffix}' (supported: "

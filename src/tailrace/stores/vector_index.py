@@ -203,6 +203,8 @@ class VectorIndex:
     def search_rows(self, queries: Any, k: int, *,
                     allow: Selection | None = None) -> list[list[tuple[int, float]]]:
         """``search`` as ``(row, cosine)`` pairs."""
+        import numpy as np
+
         matrix = self._matrix(queries, "queries")
         self._check_k(k)
         n = len(self) if allow is None else len(allow)
@@ -224,7 +226,7 @@ class VectorIndex:
                 sims = matrix[short] @ allow.vectors["rows"].T
                 top = self._top(sims, want)
                 ids[short] = allow.rows[top]
-                scores[short] = self._take(sims, top)
+                scores[short] = np.take_along_axis(sims, top, axis=1)
         return [[(int(i), float(s)) for s, i in zip(srow, irow, strict=True) if i >= 0]
                 for srow, irow in zip(scores.tolist(), ids.tolist(), strict=True)]
 
@@ -235,12 +237,6 @@ class VectorIndex:
         part = np.argpartition(-sims, k - 1, axis=1)[:, :k]
         order = np.argsort(-np.take_along_axis(sims, part, axis=1), axis=1, kind="stable")
         return np.take_along_axis(part, order, axis=1)
-
-    @staticmethod
-    def _take(sims: Any, top: Any) -> Any:
-        import numpy as np
-
-        return np.take_along_axis(sims, top, axis=1)
 
     def sparse(self) -> SparseIndex:
         """The BM25 index over the documents: loaded from the saved ``sparse/`` folder, or
@@ -293,9 +289,9 @@ class VectorIndex:
         hits ``{"score": fused, **doc}``: the dense and sparse top ``fusion.candidates``
         fused by weighted reciprocal rank, best first."""
         self._check_k(k)
-        if len(texts) != len(self._matrix(queries, "queries")):
-            raise StoreError(f"hybrid_search got {len(self._matrix(queries, 'queries'))} "
-                             f"query vectors but {len(texts)} query texts")
+        n = len(self._matrix(queries, "queries"))
+        if len(texts) != n:
+            raise StoreError(f"hybrid_search got {n} query vectors but {len(texts)} query texts")
         depth = max(k, fusion.candidates)
         dense = self.search_rows(queries, depth, allow=allow)
         sparse = self.sparse().search(texts, depth, None if allow is None else allow.mask)

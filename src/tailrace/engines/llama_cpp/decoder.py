@@ -18,7 +18,7 @@ from ..base import Generation
 from .grammar import GrammarMask
 from .prefix_cache import PrefixCache
 from .sampling import Sampler, TextStream
-from .sequence import Job, Seq, State
+from .scheduler import Job, Seq, State
 from .vocab import Vocab
 
 

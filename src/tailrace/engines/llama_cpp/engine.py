@@ -32,11 +32,9 @@ from ..call import Call
 from ..models import MODELS, model_info, model_path
 from .decoder import Decoder
 from .grammar import Grammars, grammar_text
-from .lib import llama_lib
 from .prefix_cache import PrefixCache
-from .scheduler import Scheduler
-from .sequence import Job, Seq
-from .vocab import Vocab
+from .scheduler import Job, Scheduler, Seq
+from .vocab import Vocab, llama_lib
 
 #: llama.cpp's most sequences per context (LLAMA_MAX_SEQ)
 MAX_SEQUENCES = 256

@@ -16,14 +16,8 @@ from ..base import GenerationRequest
 
 
 def penalise(logits: Any, counts: dict[int, int], presence: float, frequency: float) -> Any:
-    """A copy of ``logits`` with OpenAI's penalties: each token generated ``c`` times so
-    far loses ``c * frequency + presence``.
-
-    logits:    a float32 numpy vector over the vocabulary (not modified).
-    counts:    token id -> times generated.
-    presence:  penalty for having appeared at all.
-    frequency: penalty per appearance.
-    """
+    """A copy of ``logits`` (float32 over the vocabulary) with OpenAI's penalties: each
+    token generated ``counts[token]`` times so far loses ``c * frequency + presence``."""
     import numpy as np
 
     out = logits.copy()
@@ -35,14 +29,9 @@ def penalise(logits: Any, counts: dict[int, int], presence: float, frequency: fl
 
 
 def sample(logits: Any, temperature: float, rng: Any, top_p: float = 1.0) -> int:
-    """The next token id from one row of logits.
-
-    logits:      a float32 numpy vector over the vocabulary (not modified).
-    temperature: 0 (or less) means greedy argmax; otherwise softmax(logits / temperature).
-    rng:         a ``numpy.random.Generator``; unused when greedy.
-    top_p:       below 1: sample only among the most likely tokens whose probabilities
-                 add up to at least ``top_p`` (nucleus sampling).
-    """
+    """The next token id from one row of logits (not modified): greedy argmax at
+    ``temperature`` 0 (``rng`` unused), else a draw from softmax(logits / temperature),
+    below ``top_p`` 1 among the most likely tokens holding ``top_p`` of the mass."""
     if temperature <= 0.0:
         return int(logits.argmax())
     import numpy as np
@@ -114,11 +103,8 @@ class TextStream:
     __slots__ = ("_decoder", "_stops", "_longest", "text", "emitted", "stopped")
 
     def __init__(self, stops: tuple[str, ...] | list[str] = ()):
-        """Start an empty stream.
-
-        stops: strings that end the text; the first one found, and everything after it,
-               is dropped.
-        """
+        """stops: strings that end the text; the first one found, and everything after
+        it, is dropped."""
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._stops = tuple(dict.fromkeys(s for s in stops if s))
         self._longest = max((len(s) for s in self._stops), default=0)
@@ -127,10 +113,8 @@ class TextStream:
         self.stopped = False  # a stop string was found
 
     def feed(self, data: bytes) -> str:
-        """Add one token's bytes; return the newly releasable text (often '').
-
-        data: the token's piece as raw bytes (may end inside a UTF-8 character).
-        """
+        """Add one token's bytes (may end inside a UTF-8 character); return the newly
+        releasable text (often '')."""
         if self.stopped:
             return ""
         new = self._decoder.decode(data)

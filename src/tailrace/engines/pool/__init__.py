@@ -3,8 +3,8 @@
 ``pool`` the pool and the process-wide pools by engine name; ``batching`` cross-caller
 batches and ``dispatch`` which replica gets one (pure policies); ``state`` the pool's
 bookkeeping; ``replicas`` the transports (a spawned process, or threads in this one),
-``messages`` what they carry, ``worker`` the replica process and ``engine`` what a
-replica does with its own engine.
+``messages`` what they carry, ``engine`` what a replica does with its own engine (and
+the replica process).
 """
 
 from .batching import Batcher

@@ -110,11 +110,8 @@ class Batcher:
         return now >= self._oldest() + self.max_wait_s
 
     def take(self, now: float) -> list[Any]:
-        """The next batch: the oldest items, within the size and token budget ([] if none).
-
-        now: the current time in seconds (taking does not depend on it; kept for symmetry
-             with ``ready`` so callers pass one clock reading to both).
-        """
+        """The next batch: the oldest items, within the size and token budget ([] if none);
+        ``now`` only mirrors ``ready`` (callers pass one clock reading to both)."""
         batch: list[Any] = []
         used = 0
         budget = self.max_batch_tokens

@@ -401,14 +401,13 @@ class EnginePool:
         return [r.load() for r in self._replicas if r.id not in exclude]
 
     def _route(self, batch: Batch, *, front: bool) -> bool:
-        """Send ``batch`` (to replicas it has not failed on, while such a one is healthy);
-        False if it (or a part) had to be held back (at the front of ``_held`` if
-        ``front``) because no replica can take it now.
+        """Send ``batch`` (to replicas it has not failed on, while one is healthy); False
+        if it (or a part) had to be held back (at the front of ``_held`` if ``front``).
 
-        ``prefix_affinity`` chooses per request, not per batch: a batch mixes callers whose
-        prefixes live on different replicas, so it is split into one engine call per
-        chosen replica (llama.cpp decodes a replica's concurrent calls together, so the
-        split costs calls, not decode steps). Embedding batches go whole (no prefix).
+        ``prefix_affinity`` chooses per request: a batch mixing callers whose prefixes live
+        on different replicas is split into one engine call per chosen replica (llama.cpp
+        decodes a replica's concurrent calls together: the split costs calls, not decode
+        steps). Embedding batches go whole (no prefix).
         """
         untried = batch.tried and any(r.healthy and r.id not in batch.tried for r in self._replicas)
         loads = self._loads(batch.tried if untried else frozenset())

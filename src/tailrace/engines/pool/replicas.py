@@ -3,7 +3,7 @@
 Process topology of one ``EnginePool`` (pool.py)::
 
     pipeline threads --generate()/embed()--> pool loop thread
-        --GenerateBatch/EmbedBatch/Shutdown-->  replica process 0 .. N-1 (spawn; worker.py:
+        --GenerateBatch/EmbedBatch/Shutdown-->  replica process 0 .. N-1 (spawn; engine.py:
         <--Ready/StartFailed/TokenPiece/BatchResult--  its own engine, serve batches)
     endpoint (or isolation="thread") replicas: one engine per replica in the pool's process,
     batches run on that replica's threads, same messages (messages.py), no pickling.
@@ -21,9 +21,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .engine import serve, start_engine
+from .engine import serve, start_engine, worker_main
 from .messages import Cancel, Deliver, EmbedBatch, Exited, GenerateBatch, Shutdown, ToReplica
-from .worker import worker_main
 
 
 class ProcessReplica:
