@@ -27,7 +27,7 @@ from ...observability import Histogram, StageMeter
 from ...operators import BuildContext, OpRuntime
 from ..lineage import Trace, ids
 from ..stage import StageWorker
-from .credits import Link, gather_acks
+from .credits import Link, gather_acks, send_all
 from .messages import BatchKey, InstallSpec, Lineage, MeterReport
 
 
@@ -267,17 +267,11 @@ class HostedWorker:
                                              ids(part_ids, esrc, fan, errors=True)))
             counts: dict[int, int] = {}  # ordinals per input, across ports
             for port, recs in ports.items():
-                if recs:
-                    src = trace.src.get(port)
-                    links = self.links.get(port)
-                    if links:
-                        out_ids = ids(part_ids, src, fan, counts=counts)
-                        if len(links) == 1:
-                            await links[0].send(out_key, recs, out_ids, born, acks)
-                            continue
-                        for link in links:  # each consumer gets a copy: a hop of its own
-                            await link.send(out_key + (link.route.target,), recs, out_ids,
-                                            born, acks)
+                links = self.links.get(port)
+                if recs and links:
+                    await send_all(links, out_key, recs,
+                                   ids(part_ids, trace.src.get(port), fan, counts=counts),
+                                   born, acks)
         if token is None:
             return acks, None
         return acks, (self.index, key, token, fanned_ids)

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ...request import Request
+from ...runtime.ray.credits import encode as pack  # a hub call's arguments or answer
 from ..errors import ServiceError, ServiceUnavailable
 from ..hub import ServingHub
 from ..service import Cancel, PipelineService
@@ -49,17 +50,6 @@ POLL_S = 0.5
 #: seconds a replica reuses one snapshot of the hub's figures (a /metrics scrape reads
 #: every pipeline's statistics: one actor call for all of them)
 FIGURES_TTL_S = 0.25
-
-
-def pack(value: Any) -> bytes:
-    """Pickle a hub call's arguments or answer (cloudpickle for what pickle cannot do,
-    e.g. a record holding a lambda)."""
-    try:
-        return pickle.dumps(value, protocol=5)
-    except Exception:  # noqa: BLE001 - fall back to the slower, more capable pickler
-        from ray import cloudpickle
-
-        return cloudpickle.dumps(value, protocol=5)
 
 
 def hub_name(app: str) -> str:
