@@ -1,25 +1,18 @@
 """The driver of a Ray run: places the plan on hosts, feeds it, delivers its results.
 
-The driver process keeps what is bound to the caller: sources (iterables, async
-generators, JSONL readers) and sinks (lists, callables, writers). Every other stage runs
-in ``StageHost`` actors. The driver reads the source in micro-batches and pushes them
-under each edge's credit window; a source batch is done when its push is acknowledged
-end to end. One long-polling ``drain`` per host brings back sink records, error records,
-fan-out commits and meter snapshots; the ledger de-duplicates records by lineage
-(``ledger.py``), so replays after an actor restart never reach a sink or the error
-handler twice, even when the replayed stages emit different records.
+The driver process keeps what is bound to the caller: sources and sinks (and the
+stages ``driver_stages`` puts here); every other stage runs in ``StageHost`` actors.
+It pushes source micro-batches under each edge's credit window; a source batch is done
+when its push is acknowledged end to end. One long-polling ``drain`` per host brings
+back sink records, error records, fan-out commits and meter snapshots, which the ledger
+de-duplicates by lineage (``ledger.py``): a replay never reaches a sink twice.
 
-Under admission each record waits for the gate in a task of its own (open-loop: a
-queued record does not delay the next arrival), but at most ``ADMISSION_WAITS`` of them
-at once: the source stops reading while that many wait, so memory stays flat whatever
-the input size. A record's ticket is released exactly once, when its source batch is
-acknowledged end to end (output, error record or drop alike) or the run ends.
-
-A served run (``drop_key``, ``PipelineService(runtime="ray")``) keeps each record's live
-request here by its id while the record crosses actors as data (``served.py``): a
-cancelled caller's flag is pushed to the hosts, streamed pieces come back with the
-drains. A source batch acknowledged end to end whose record no output or error record
-answered was dropped by a stage (a filter, an empty flat_map): ``on_drop`` hears of it.
+Under admission each record waits for the gate in a task of its own (open-loop), at
+most ``ADMISSION_WAITS`` at once, so memory stays flat; its ticket is released exactly
+once, when its source batch is acknowledged end to end or the run ends. A served run
+(``drop_key``) keeps each record's live request here while the record crosses actors as
+data (``served.py``); a batch acknowledged with no output or error record for its
+record was dropped by a stage, and ``on_drop`` hears of it.
 """
 
 from __future__ import annotations

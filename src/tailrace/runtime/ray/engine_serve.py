@@ -3,29 +3,14 @@ deployment, one replica = one engine, autoscaled by Serve between declared bound
 
 ``open_cluster_engine`` opens such a spec as a ``ServeEngine``. The first stage host that
 needs it asks the cluster's ``Deployer`` actor (calls one at a time, so hosts opening the
-engine together create it once) to run the Serve application named ``actor_name(name,
-spec)`` (one deployment, ``engine``), whose replicas each open the spec without
-``cluster:``; every later stage host, pipeline and ingress replica that opens the same
-spec finds it by that name and shares it. Serve places the replicas by their
-``ray_actor_options`` (``num_cpus``, ``num_gpus``, ``memory``, ``resources``), restarts
-the ones that die, and, given ``min_replicas``/``max_replicas``, adds and removes
-replicas on ongoing requests (its autoscaler; Ray, or the Ray autoscaler on a cluster
-that has one, finds them room). Every call goes through Serve's request router, which
-sends it to the less loaded of two replicas by their queue lengths, probed from each
-replica: the work of every caller on the cluster, not of this handle's calls only.
-
-One Serve call per request, so the router spreads a batch over replicas and a request
-can be cancelled alone. ``generate`` without ``on_token`` makes plain calls; with one,
-streaming calls (``EngineReplica.stream``): pieces of a request in order, the first at
-once, later ones joined per ``STREAM_INTERVAL_S``, handed to ``on_token`` by the calling
-thread. When ``on_token`` returns False for a request, its call is cancelled, which stops
-that sequence in its replica; the caller's ``Generation`` for it is built from the text it
-was handed (``finish_reason`` "cancelled", token counts by the engine's tokenizer). A
-caller that leaves early cancels all of its calls. An engine error keeps its message; a
-replica that dies is retried while nothing of that request has been handed on, else it is
-one-line ``EngineError``, never a hang. An engine that cannot open fails with its own
-error, and its deployment is deleted. A deployment outlives the run, like any Serve
-application (warm for the next run); ``shutdown_engines`` deletes it.
+engine together create it once) to run the Serve application ``actor_name(name, spec)``
+(one deployment, ``engine``), whose replicas each open the spec without ``cluster:``;
+every later opener of the same spec finds it by that name. Serve places, restarts and
+autoscales the replicas; its request router sends each call to the less loaded of two
+replicas, by queue lengths probed from the replicas (every caller's work, not this
+handle's only). One Serve call per request, so a batch spreads over replicas and a
+request can be cancelled alone. Streaming, cancellation and failures: docs/ray.md,
+"Engine replicas across the cluster".
 """
 
 from __future__ import annotations

@@ -1,36 +1,19 @@
 """Engines shared by the cluster: one Ray actor per named engine, used by every stage.
 
-On the Ray runtime a stage opens its engines with its host's opener
-(``host.open_shared_engine``, the ``BuildContext.open_engine`` of a ``StageHost``): a
-``ClusterEngine``, a handle on the named actor ``tailrace-engine-NAME`` in the
+A stage on Ray opens its engines with its host's opener (``host.open_shared_engine``):
+a ``ClusterEngine``, a handle on the named actor ``tailrace-engine-NAME`` in the
 ``tailrace`` namespace, created by the first stage that needs it and found by name by
-every later one — every stage replica and every pipeline of the job shares one engine
-(or one engine pool, when the spec says ``replicas:``), and the model loads once per
-cluster instead of once per stage host. The actor is threaded, so concurrent calls from
-many stages reach the engine together (llama.cpp decodes them in one batch).
+every later one, so the model (or engine pool, with ``replicas:``) loads once per
+cluster instead of once per stage host. The actor is threaded: concurrent calls from
+many stages reach the engine together (llama.cpp decodes them in one batch). Tokens are
+counted in the stage's process (``token_counter``), so prompt checks cost no remote call.
 
-Tokens are counted in the stage's process (``token_counter``: the model's vocabulary
-only), so prompt checks cost no remote call.
-
-Tokens stream out of the actor. ``ClusterEngine.generate(requests, on_token)`` calls the
-actor's ``stream`` method, a Ray streaming generator: the engine runs on a thread of the
-actor with an ``on_token`` that queues pieces, and the generator yields whatever has
-queued since its last yield, pieces of one request joined, in order, then the
-generations. The first piece goes at once; later yields are at least
-``STREAM_INTERVAL_S`` apart (each yield is a Ray object, ~1.5 ms of CPU here: one per
-token would cost more than a small model's decoding), and a consumer that is busy gets
-fewer, larger pieces. Ray's generator back-pressure (``STREAM_WINDOW`` unconsumed
-yields) holds the generator, never the engine: what queues meanwhile is at most the
-generations' own text. When the caller's ``on_token`` returns False for a request, the
-handle tells the actor (``cancel``) and the engine stops that sequence ("cancelled"); a
-caller that leaves the stream early cancels all of them. Without an ``on_token`` the
-call stays one plain whole-batch actor call (cheaper). An engine error reaches the
-caller as the engine's own ``EngineError``; an actor that dies mid-stream is a one-line
-``EngineError`` (retried on the restarted actor while no piece has been handed on yet),
-never a hang.
-
-An engine spec with ``cluster:`` is no actor of this module: ``open_cluster_engine``
-opens it as a Ray Serve deployment whose replicas spread over the nodes
+With an ``on_token``, ``generate`` is a Ray streaming generator (``EngineActor.stream``)
+whose yields join the pieces queued since the last one: a Ray object costs ~1.5 ms of
+CPU, so one per token would cost more than a small model's decoding
+(``STREAM_INTERVAL_S``); Ray's back-pressure (``STREAM_WINDOW``) holds the generator,
+never the engine. Cancellation, errors and retries: docs/ray.md, "Tokens stream from
+engine actors". A spec with ``cluster:`` is a Ray Serve deployment instead
 (``engine_serve.py``).
 """
 

@@ -1,19 +1,13 @@
 """Where stage replicas run: placement options, and the pool of ``StageHost`` actors.
 
 Stages without placement options share general-purpose hosts (no reserved resources;
-up to one per cluster CPU, more only when a stage has more replicas). Stages that ask for
-resources (``num_cpus``, ``num_gpus``, ``memory``, custom ``resources``) get hosts that
-reserve them, one replica per host. ``strategy: spread`` pins replica *i* of a stage to
-the *i*-th alive node (round robin; a replica whose node is lost is not moved during the
-run, the next run places it on the alive nodes); ``pack`` (the default) lets Ray fill the
-driver's node first. Hosts are kept per Ray session and
-reused by later runs of this process.
-
-``where: driver`` runs a stage in the driver's own process instead (``driver_stages``):
-only a single-replica stage of inline code fed by the driver (a source, or another such
-stage), which then costs no actor hop. A served run puts such stages there unless told
-``where: host``: a request pays every hop in its latency, while a batch run keeps its
-stages on hosts so that the driver's one core feeds them instead of doing their work.
+up to one per cluster CPU, more only when a stage has more replicas); a stage that
+reserves resources gets a host of its own per replica; ``strategy: spread`` pins replica
+*i* to the *i*-th alive node (docs/ray.md, "Placement"). Hosts are kept per Ray session
+and reused by later runs of this process. ``where: driver`` runs a stage in the driver's
+process (``driver_stages``): a served run puts qualifying stages there by default, since
+a request pays every actor hop in its latency, while a batch run keeps them on hosts so
+that the driver's one core feeds them instead of doing their work.
 """
 
 from __future__ import annotations

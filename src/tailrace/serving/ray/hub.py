@@ -5,23 +5,15 @@ A room of its own because both sides of that crossing must agree on it (method n
 what a reply holds, how a stream and a cancellation travel) and nothing else does:
 the ingress only builds the app over ``RemoteHub``, the server only creates the actor.
 
-The hub actor (``HubActor``, ``tailrace-hub-APP`` in the ``tailrace`` namespace) holds a
-``ServingHub`` of ``PipelineService(runtime="ray")`` — the driver of every pipeline's
-plan (stage-host actors with per-edge credit windows, shared engine actors) — and their
-ONE admission gate, so SLO policies decide with the global view at no extra actor round
-trip: the call that hands a request over is the one that is admitted.
-
-A request's answer returns to the replica that holds it as the reply of its own actor
-call (``HubActor.submit``); a streamed request is a Ray streaming generator
-(``HubActor.stream``) that yields the text pieces gathered since its last yield, in
-order, then the outcome, with Ray's generator back-pressure (``STREAM_WINDOW``). A
-client that disconnects cancels its replica's call: Ray cancels the hub's coroutine,
-whose ``submit`` sets the request's cancel, and the engine stops the sequence; the
-request crosses as its data (``tailrace/request.py``), its reply comes back with the
-output.
-Errors cross as values (``ServiceError`` pickles with its status, code and record).
-A replica polls the hub's readiness (``POLL_S``) and reads its figures on demand
-(cached ``FIGURES_TTL_S``).
+The hub actor (``HubActor``, ``tailrace-hub-APP``) holds the ``ServingHub`` of every
+pipeline's ``PipelineService(runtime="ray")`` and their ONE admission gate, so SLO
+policies decide with the global view at no extra round trip: the call that hands a
+request over is the one that is admitted. A request's answer is the reply of its own
+actor call (``HubActor.submit``); a streamed one is a Ray streaming generator
+(``HubActor.stream``). A client that disconnects cancels its replica's call, and Ray
+cancels the hub's coroutine, which stops the generation. The request crosses as its
+data (``tailrace/request.py``); errors cross as values (``ServiceError`` pickles with
+its status, code and record).
 """
 
 from __future__ import annotations
