@@ -29,9 +29,8 @@ from typing import Any
 from ...engines.base import Generation, GenerationRequest, TokenCallback
 from ...engines.cluster import serve_options
 from ...engines.opener import open_engine
-from ...engines.tokens import token_counter
 from ...errors import EngineError
-from .engines import NAMESPACE, STREAM_INTERVAL_S, STREAM_RETRIES, actor_name, engine_info
+from .engines import NAMESPACE, EngineHandle, actor_name, engine_info
 
 #: the deployment of an engine's Serve application (the application is the engine's)
 DEPLOYMENT = "engine"
@@ -200,7 +199,7 @@ def _engine_error(e: BaseException) -> BaseException:
     return cause if isinstance(cause, EngineError) else e
 
 
-class ServeEngine:
+class ServeEngine(EngineHandle):
     """A stage's handle on an engine's Serve deployment; speaks the engine protocols.
 
     name: the engine's name; spec: its spec with ``cluster:``; body: the replica class
@@ -209,11 +208,8 @@ class ServeEngine:
     def __init__(self, name: str, spec: dict[str, Any], body: type = EngineReplica) -> None:
         import ray
 
-        self.name = name
-        self._spec = {k: v for k, v in spec.items() if not k.startswith("_")}
+        super().__init__(name, spec)
         self.app = actor_name(name, self._spec)
-        self.interval = STREAM_INTERVAL_S
-        self.retries = STREAM_RETRIES
         try:
             info: dict[str, Any] = ray.get(_deployer().ensure.remote(
                 self.app, name, self._spec, body))
@@ -223,11 +219,7 @@ class ServeEngine:
                 err = EngineError(f"engine '{name}' failed to start on the cluster: "
                                   f"{_one_line(e)}")
             raise err from None
-        self.model: str = info["model"]
-        self.context_length: int | None = info["context_length"]
-        self.dim: int | None = info["dim"]
-        self.chat: bool = info["chat"]
-        self._count: Any = None
+        self._describe(info)
         self._handle: Any = None
         self._lock = threading.Lock()
 
@@ -239,12 +231,6 @@ class ServeEngine:
 
                 self._handle = serve.get_deployment_handle(DEPLOYMENT, self.app)
             return self._handle
-
-    def count_tokens(self, text: str) -> int:
-        if self._count is None:
-            self._count = token_counter({k: v for k, v in self._spec.items()
-                                         if k != "cluster"})
-        return int(self._count(text))
 
     def _call(self, method: str, arg: Any) -> Any:
         """A plain call, tried again on another replica if its replica died."""
@@ -335,9 +321,6 @@ class ServeEngine:
 
     def embed(self, texts: Sequence[str]) -> Any:
         return self._call("embed", list(texts))
-
-    def close(self) -> None:
-        """The deployment is the cluster's: stages do not stop it (``shutdown_engines``)."""
 
 
 def _read(i: int, call: Any, put: Callable[[tuple], None]) -> None:

@@ -173,38 +173,58 @@ def actor_options(name: str, spec: dict[str, Any]) -> dict[str, Any]:
             "max_task_retries": 2}
 
 
-class ClusterEngine:
+class EngineHandle:
+    """What a stage's handles on a cluster engine (an actor, a Serve deployment) share:
+    the engine's figures (``engine_info``, told by where it runs), tokens counted in the
+    stage's own process, and no ``close`` (``shutdown_engines`` stops the engine)."""
+
+    interval = STREAM_INTERVAL_S  # a streaming call's seconds between yields
+    retries = STREAM_RETRIES  # a streamed call whose engine died before any piece
+
+    def __init__(self, name: str, spec: dict[str, Any]) -> None:
+        self.name = name
+        self._spec = {k: v for k, v in spec.items() if not k.startswith("_")}
+        self._count: Any = None
+
+    def _describe(self, info: dict[str, Any]) -> None:
+        self.model: str = info["model"]
+        self.context_length: int | None = info["context_length"]
+        self.dim: int | None = info["dim"]
+        self.chat: bool = info["chat"]
+
+    def count_tokens(self, text: str) -> int:
+        if self._count is None:
+            self._count = token_counter({k: v for k, v in self._spec.items()
+                                         if k != "cluster"})
+        return int(self._count(text))
+
+    def close(self) -> None:
+        """The engine is the cluster's: stages do not stop it."""
+
+
+class ClusterEngine(EngineHandle):
     """A stage's handle on a shared engine actor; speaks the engine protocols."""
 
     def __init__(self, name: str, spec: dict[str, Any]) -> None:
         import ray
 
-        self.name = name
-        self._spec = {k: v for k, v in spec.items() if not k.startswith("_")}
-        self._actor: Any = self._named_actor()
+        super().__init__(name, spec)
+        self._renew()
         try:
-            info: dict[str, Any] = ray.get(self._actor.describe.remote())
+            self._describe(ray.get(self._actor.describe.remote()))
         except Exception as e:  # the engine could not be opened in its actor
             raise EngineError(f"engine '{name}' failed to start on the cluster: "
                               f"{getattr(e, 'cause', None) or e}") from None
-        self.model: str = info["model"]
-        self.context_length: int | None = info["context_length"]
-        self.dim: int | None = info["dim"]
-        self.chat: bool = info["chat"]
-        self._count: Any = None
 
-    def _named_actor(self) -> Any:
+    def _renew(self) -> None:
         """The named actor: found if alive (or restarting), else created. An actor is
         owned by the process that created it and dies with it, whatever its restarts:
-        when that stage host dies, the next caller creates it anew (``_renew``)."""
+        when that stage host dies, the next caller creates it anew."""
         import ray
 
         remote: Any = ray.remote(EngineActor)
-        return remote.options(**actor_options(self.name, self._spec)).remote(
+        self._actor: Any = remote.options(**actor_options(self.name, self._spec)).remote(
             self.name, self._spec)
-
-    def _renew(self) -> None:
-        self._actor = self._named_actor()
 
     def _call(self, method: str, *args: Any) -> Any:
         """A whole call; on an actor that died for good (its owner, another stage host,
@@ -218,14 +238,8 @@ class ClusterEngine:
             self._renew()
             return ray.get(getattr(self._actor, method).remote(*args))
 
-    def count_tokens(self, text: str) -> int:
-        if self._count is None:
-            self._count = token_counter(self._spec)
-        return int(self._count(text))
-
     def generate(self, requests: Sequence[GenerationRequest],
                  on_token: TokenCallback | None = None) -> list[Generation]:
-
         if on_token is None:  # nothing to stream to: one whole-batch call
             gens: list[Generation] = self._call("generate", list(requests))
             return gens
@@ -238,7 +252,7 @@ class ClusterEngine:
             except RayActorError as e:
                 if isinstance(e, ActorDiedError):
                     self._renew()  # dead for good (or restarting: the same actor again)
-                if delivered[0] or attempt >= STREAM_RETRIES:
+                if delivered[0] or attempt >= self.retries:
                     raise EngineError(
                         f"engine '{self.name}': its actor died while streaming "
                         f"({type(e).__name__}); the generation is lost") from None
@@ -254,7 +268,7 @@ class ClusterEngine:
         refs = self._actor.stream.options(
             num_returns="streaming", max_task_retries=0,
             _generator_backpressure_num_objects=STREAM_WINDOW).remote(
-            call_id, requests, STREAM_INTERVAL_S)
+            call_id, requests, self.interval)
         refused: set[int] = set()
         finished = False
         try:
@@ -277,11 +291,7 @@ class ClusterEngine:
                     self._actor.cancel.remote(call_id, None)
 
     def embed(self, texts: Sequence[str]) -> Any:
-
         return self._call("embed", list(texts))
-
-    def close(self) -> None:
-        """The actor is the cluster's: stages do not stop it (``shutdown_engines`` does)."""
 
 
 _HANDLES: Registry[Any] = Registry("cluster engine handles")
