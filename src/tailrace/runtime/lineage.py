@@ -42,15 +42,6 @@ class Trace:
         self.fanned = False
 
 
-def is_fan_out(op_name: str) -> bool:
-    """Does this operator emit any number of records per input (so its outputs need
-    ordinals and its replays a commit)?
-
-    op_name: the operator's registered name.
-    """
-    return op_name == "flat_map"
-
-
 def error_positions(before: list, errs: list) -> list[int]:
     """Positions in ``before`` of the inputs named by ``errs`` (``(input, exc)`` pairs or
     ``ErrorRecord``s), matched by identity in any order; an error naming no input of the

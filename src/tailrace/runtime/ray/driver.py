@@ -90,17 +90,11 @@ class _DriverBox(Entries):
 class RayRun:
     """One run of a plan on Ray; ``execute()`` runs it to completion.
 
-    plan:       the compiled plan (the same one the local runtime runs).
-    inputs:     data for sources declared without it, by operator id.
-    outputs:    targets for sinks declared without one, by operator id.
-    on_error:   receives each ``ErrorRecord``.
-    admission:  an admission gate each source record waits for (or None).
-    placements: stage index -> ``StagePlacement``.
+    plan, inputs, outputs, on_error, admission: as ``run_on_ray``.
+    placements: stage index -> ``StagePlacement`` (``parse_placement``).
     on_drop:    ``on_drop(stage ids, records)`` for source records that ended without an
-                output or error record (a served run: the caller is answered at once);
-                needs ``drop_key``.
-    drop_key:   with ``on_drop``: the field every record keeps (its request, ``REQUEST``);
-                a served run's live requests stay here (see the module doc).
+                output or error record (a served run: the caller is answered at once).
+    drop_key:   the field every record keeps (its request, ``REQUEST``): a served run.
     on_ready:   called once every stage replica is installed (engines opened).
     """
 

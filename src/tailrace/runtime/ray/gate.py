@@ -20,6 +20,7 @@ import time
 import uuid
 import weakref
 from functools import cache
+from operator import itemgetter
 from typing import Any
 
 from ...control.admission import AdmissionRejected, AdmissionStatistics, Ticket
@@ -43,10 +44,6 @@ class GateUnavailable(TailraceError):
         self.retry_after = retry_after
 
 
-def _given_prompt_tokens(fields: dict[str, Any]) -> int:
-    return fields["prompt_tokens"]
-
-
 class GateActor:
     """The cluster's admission policy (``make_policy(policy, **options)``) behind one actor.
 
@@ -58,7 +55,7 @@ class GateActor:
     def __init__(self, policy: str, options: dict[str, Any], max_tokens: dict[str, int],
                  lease_s: float = 10.0, poll_s: float = 0.005) -> None:
         self.gate = AdmissionGate(make_policy(policy, **options), max_tokens=max_tokens,
-                                  prompt_tokens=_given_prompt_tokens, poll_s=poll_s)
+                                  prompt_tokens=itemgetter("prompt_tokens"), poll_s=poll_s)
         self.tickets: dict[str, Ticket] = {}  # ticket id -> admitted, not yet released
         self.pending: dict[str, asyncio.Task] = {}  # ticket id -> waiting for admission
         self.cancelled: set[str] = set()  # cancels that arrived before their admit

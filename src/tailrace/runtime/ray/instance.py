@@ -31,19 +31,6 @@ from .credits import Link, gather_acks, send_all
 from .messages import BatchKey, InstallSpec, Lineage, MeterReport
 
 
-def snapshot(m: StageMeter) -> StageMeter:
-    """A copy of a meter that its replica keeps updating."""
-    c = StageMeter(m.stage, m.op, replicas=m.replicas, queue_bound=m.queue_bound,
-                   fused_into=m.fused_into)
-    for name in ("records_in", "records_out", "errors", "retries", "timeouts",
-                 "max_queue_depth"):
-        setattr(c, name, getattr(m, name))
-    c.queue_wait.merge(m.queue_wait)
-    c.service.merge(m.service)
-    c.batch_size.merge(m.batch_size)
-    return c
-
-
 class Stream:
     """The order in which one producer link's pushes enter a replica's queue.
 
@@ -295,7 +282,7 @@ class HostedWorker:
     # -- reporting and shutdown -----------------------------------------------------------
     def report(self) -> MeterReport:
         """A snapshot of this replica's meters (copied: the loop keeps counting)."""
-        meters = [snapshot(m) for m in self.meters]
+        meters = [StageMeter.combined([m]) for m in self.meters]
         meters[0].max_queue_depth = self.max_depth
         sink_depth = {link.route.target: link.window.max_used
                       for links in self.links.values() for link in links if link.route.sink}
