@@ -1,16 +1,14 @@
 """``StageHost``: the Ray actor that runs stage replicas, and its outbox to the driver.
 
-A host is an asyncio actor. It runs any number of stage replicas (``HostedWorker``s),
-of one run or of several, each with its own queue and loop; hosts are kept by the driver
-and reused across runs, so a run costs a few calls instead of an actor start (~1 s) per
-stage. Results for the driver's sinks, error records and meter snapshots go to the run's
-``Outbox`` on the host, which the driver drains with long-polling ``drain`` calls; a
-sink delivery is acknowledged to its producer when the driver's next ``drain`` says it
-has handled it. The actor restarts after a crash (``max_restarts=-1``); it then knows no
-stage replicas, answers ``NEED_INSTALL`` to pushes, and producers reinstall and replay.
-A served run's records point at their requests, which arrive as data; the host gives
-them live parts of its own (``served.py``): ``cancel`` sets the flags of requests whose
-callers gave up, and streamed pieces travel to the driver with the next drain.
+A host is an asyncio actor running any number of stage replicas (``HostedWorker``s) of
+one run or several; hosts are kept by the driver and reused across runs, so a run costs
+a few calls instead of an actor start (~1 s) per stage. Results for the driver's sinks,
+error records, commits and meter snapshots go to the run's ``Outbox``, which the driver
+drains with long-polling ``drain`` calls; an entry is acknowledged to its producer when
+the next ``drain`` says the driver has handled it. A restarted actor knows no replicas
+and answers ``NEED_INSTALL``: producers reinstall and replay. A served run's requests
+get live parts of this host (``served.py``): cancel flags, and streamed pieces that
+travel with the next drain.
 """
 
 from __future__ import annotations
