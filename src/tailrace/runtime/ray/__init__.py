@@ -1,17 +1,9 @@
 """The Ray runtime: the same compiled Plan on a Ray cluster (``tr.run(p, runtime="ray")``).
 
-Layout, one responsibility per module:
-
-- ``connect``: import Ray lazily, reach the cluster or fail in one line.
-- ``messages``: what crosses actors (install specs, routes, outbox entries).
-- ``credits``: per-edge credit windows and at-least-once pushes with replay.
-- ``instance``: one stage replica (bounded queue, the shared ``StageWorker`` with a
-  lineage ``Trace``, ``runtime/lineage.py``) inside a host.
-- ``host``: the ``StageHost`` actor and its outbox to the driver.
-- ``placement``: placement options and the pool of hosts.
-- ``ledger``: the driver's de-duplication by lineage (exactly once across replays).
-- ``driver``: sources, admission, sinks, the run's life cycle.
-- ``served``: a served run's requests across actors (live in the driver, bound on hosts).
+One responsibility per module (docs/architecture.md, "The same plan on Ray", walks
+them): ``driver``, ``install``, ``placement``, ``host``, ``instance``, ``credits``,
+``messages``, ``ledger``, ``served``, ``autoscale``, ``connect``; engines shared by the
+cluster in ``engines`` and ``engine_serve``, the cluster's admission gate in ``gate``.
 
 The runs in progress are listed only where a caller asks for it: it holds an
 ``ActiveRuns`` and passes it in (``runs=``); no module keeps them.

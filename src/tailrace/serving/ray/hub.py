@@ -315,12 +315,7 @@ def remote_hub(app_name: str, plans: list[Any], gated: bool,
                options: dict[str, Any]) -> RemoteHub:
     """An ingress replica's ``RemoteHub`` on the hub actor of Serve application
     ``app_name`` (runs in the replica; call ``hub.link.refresh`` and ``hub.link.start``
-    on its loop before serving).
-
-    plans:   the served plans (their names and shapes: bindings, limits).
-    gated:   whether the hub has an admission gate.
-    options: ``ServingHub`` options (api_key, max_body_bytes, metrics_public, tenants).
-    """
+    on its loop before serving). Arguments as ``ingress.build_ingress_app``."""
     import ray
 
     actor = ray.get_actor(hub_name(app_name), namespace=NAMESPACE)
