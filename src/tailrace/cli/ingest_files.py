@@ -334,11 +334,7 @@ def _embed(todo: list[SourceFile], pipeline: Pipeline, cache: Path, runtime: str
     def on_error(err: ErrorRecord) -> None:
         rec = err.input if isinstance(err.input, dict) else {}
         key = rec.get("key") or rec.get("file")
-        path = rec.get("path") or (by_key[key].path if key in by_key else "?")
-        if key is not None:
-            errors.setdefault(key, err.message)
-        else:
-            errors.setdefault(path, err.message)
+        errors.setdefault(key if key is not None else rec.get("path") or "?", err.message)
 
     with bar:
         result = run(pipeline, input=[{"path": s.path, "key": s.key, "mtime": s.mtime}

@@ -6,12 +6,9 @@ at once and prints its URL; engines load in the background (``/readyz`` turns 20
 they have). Ctrl-C (or SIGTERM) drains the pipelines (every waiting request gets its
 answer, or 503 after 30 s) and stops.
 
-``--runtime ray [--address HOST:PORT] [--ingress-replicas N | --ingress-autoscale MIN:MAX]``
-serves on a Ray cluster (``serving/ray/``): the pipelines' stages run in stage-host
-actors driven by one hub actor, which also holds the admission gate; the HTTP ingress is
-a Ray Serve application of N replicas behind Serve's proxy on ``--host:--port``, each
-holding at most ``--ingress-max-outstanding`` requests (more get 429 at once). This
-process only deploys it, waits for Ctrl-C and takes it down (draining first).
+``--runtime ray`` serves on a Ray cluster (``serving/ray/``; docs/ray.md, "Serving on a
+cluster"): this process only deploys the hub actor and the Ray Serve ingress, waits for
+Ctrl-C and takes them down (draining first).
 """
 
 from __future__ import annotations

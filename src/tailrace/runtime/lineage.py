@@ -1,14 +1,10 @@
 """Record lineage inside a stage replica: which input record each output and error came from.
 
-Every record that crosses an actor carries a *lineage id*, sent beside the records as one
-list per push (a ``range`` straight from the source: no per-record object there). A
-source record's id is its index within its source batch; a record keeps its id through
-every one-to-one operator (``map``, ``filter``, ``branch``, a ``batch`` contract, ...;
-a ``batch`` stage's group keeps its first member's id), and the outputs and errors of a
-*fan-out* stage (one with a ``flat_map``) get ``(parent id, ordinal)``: outputs count
-0, 1, ... and errors -1, -2, ... per parent. The driver de-duplicates by these ids, not
-by positions in micro-batches, so a replay that keeps, drops or fans out records
-differently is still delivered once per id (``ledger.py``).
+Every record that crosses an actor carries a *lineage id* (docs/ray.md, "Fault
+tolerance"), sent beside the records as one list per push (a ``range`` straight from
+the source: no per-record object there). One-to-one operators keep it; the outputs and
+errors of a *fan-out* stage (a ``flat_map``) get ``(parent id, ordinal)``, outputs
+counting 0, 1, ... and errors -1, -2, ... per parent (``ids``).
 
 The stage worker (``stage.py``) tracks lineage when it is given a ``Trace`` (the Ray
 runtime does; the local one does not need it): when every operator kept every record
@@ -44,15 +40,6 @@ class Trace:
         self.src: dict[str | None, Src] = {}
         self.esrc: list[int] = []
         self.fanned = False
-
-
-def is_fan_out(op_name: str) -> bool:
-    """Does this operator emit any number of records per input (so its outputs need
-    ordinals and its replays a commit)?
-
-    op_name: the operator's registered name.
-    """
-    return op_name == "flat_map"
 
 
 def error_positions(before: list, errs: list) -> list[int]:

@@ -29,15 +29,7 @@ from ..compiler import PlanOp, PlanStage
 from ..errors import PlanError
 from ..observability import StageMeter
 from ..operators import OpRuntime
-from .lineage import (
-    Trace,
-    compose,
-    error_positions,
-    fan_out,
-    is_fan_out,
-    kept_positions,
-    split_branch,
-)
+from .lineage import Trace, compose, error_positions, fan_out, kept_positions, split_branch
 from .policy import call_with_policy
 
 Ports = dict[str | None, list]
@@ -140,7 +132,8 @@ class StageWorker:
         self.ops = stage.ops
         self.rts = rts
         self.execution = stage.execution
-        self.fans = tuple(is_fan_out(o.op.name) for o in stage.ops[:len(rts)])
+        # fan-out operators: their outputs need ordinals, their replays a commit (lineage)
+        self.fans = tuple(o.op.name == "flat_map" for o in stage.ops[:len(rts)])
         self.drop_hook = drop_hook
         self.drop_key = drop_key
         self.meters = [stage_meter(stage, j) for j in range(len(stage.ops))]

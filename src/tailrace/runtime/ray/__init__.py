@@ -1,17 +1,9 @@
 """The Ray runtime: the same compiled Plan on a Ray cluster (``tr.run(p, runtime="ray")``).
 
-Layout, one responsibility per module:
-
-- ``connect``: import Ray lazily, reach the cluster or fail in one line.
-- ``messages``: what crosses actors (install specs, routes, outbox entries).
-- ``credits``: per-edge credit windows and at-least-once pushes with replay.
-- ``instance``: one stage replica (bounded queue, the shared ``StageWorker`` with a
-  lineage ``Trace``, ``runtime/lineage.py``) inside a host.
-- ``host``: the ``StageHost`` actor and its outbox to the driver.
-- ``placement``: placement options and the pool of hosts.
-- ``ledger``: the driver's de-duplication by lineage (exactly once across replays).
-- ``driver``: sources, admission, sinks, the run's life cycle.
-- ``served``: a served run's requests across actors (live in the driver, bound on hosts).
+One responsibility per module (docs/architecture.md, "The same plan on Ray", walks
+them): ``driver``, ``install``, ``placement``, ``host``, ``instance``, ``credits``,
+``messages``, ``ledger``, ``served``, ``autoscale``, ``connect``; engines shared by the
+cluster in ``engines`` and ``engine_serve``, the cluster's admission gate in ``gate``.
 
 The runs in progress are listed only where a caller asks for it: it holds an
 ``ActiveRuns`` and passes it in (``runs=``); no module keeps them.
@@ -81,16 +73,9 @@ def serving_run(plan: Plan, *, inputs: dict[str, Any], outputs: dict[str, Any],
     on_ready:          called once every stage replica is installed.
     Other arguments as ``run_on_ray``; raises ``RayUnavailable``, ``PlanError``.
     """
-    import_ray()
-    from .driver import RayRun
-    from .placement import parse_placement
-
-    placements = parse_placement(plan, placement)
-    rr = RayRun(plan, inputs=inputs, outputs=outputs, on_error=on_error,
-                admission=admission, placements=placements, on_drop=on_drop,
-                drop_key=drop_key, on_ready=on_ready)  # serialisation checked here
-    connect(address)
-    return rr
+    return _ray_run(plan, address, placement, inputs=inputs, outputs=outputs,
+                    on_error=on_error, admission=admission, on_drop=on_drop,
+                    drop_key=drop_key, on_ready=on_ready)
 
 
 def run_on_ray(plan: Plan, *, inputs: dict[str, Any], outputs: dict[str, Any],
@@ -111,17 +96,23 @@ def run_on_ray(plan: Plan, *, inputs: dict[str, Any], outputs: dict[str, Any],
     Raises ``RayUnavailable`` (no Ray, unreachable address), ``PlanError`` (e.g. an
     operator that cannot be serialised) before any actor starts, ``RayInterrupted``.
     """
-    import_ray()
-    from .driver import RayRun
-    from .placement import parse_placement
-
-    placements = parse_placement(plan, placement)
-    rr = RayRun(plan, inputs=inputs, outputs=outputs, on_error=on_error,
-                admission=admission, placements=placements)  # serialisation checked here
-    connect(address)
+    rr = _ray_run(plan, address, placement, inputs=inputs, outputs=outputs,
+                  on_error=on_error, admission=admission)
     t0 = perf_counter()
     try:
         asyncio.run(rr.execute() if runs is None else runs.execute(rr))
     except (KeyboardInterrupt, asyncio.CancelledError):
         raise RayInterrupted(rr.stats(perf_counter() - t0, True)) from None
     return rr.stats(perf_counter() - t0, False)
+
+
+def _ray_run(plan: Plan, address: str | None, placement: dict | None, **options: Any) -> Any:
+    """A ``RayRun`` of ``plan`` (its operators' serialisation checked), this process
+    connected to Ray."""
+    import_ray()
+    from .driver import RayRun
+    from .placement import parse_placement
+
+    rr = RayRun(plan, placements=parse_placement(plan, placement), **options)
+    connect(address)
+    return rr

@@ -304,6 +304,17 @@ def picklable(x: Any) -> bool:
     return True
 
 
+async def send_all(links: list[Link], key: BatchKey, records: list, lin: Lineage,
+                   born: float, acks: list) -> None:
+    """Send one batch on every link of a port; with several consumers each gets a copy,
+    a hop of its own on the route."""
+    if len(links) == 1:
+        await links[0].send(key, records, lin, born, acks)
+        return
+    for link in links:
+        await link.send(key + (link.route.target,), records, lin, born, acks)
+
+
 async def gather_acks(acks: list[Any]) -> None:
     """Wait for every ack; raises the first failure.
 

@@ -1,25 +1,18 @@
 """The driver of a Ray run: places the plan on hosts, feeds it, delivers its results.
 
-The driver process keeps what is bound to the caller: sources (iterables, async
-generators, JSONL readers) and sinks (lists, callables, writers). Every other stage runs
-in ``StageHost`` actors. The driver reads the source in micro-batches and pushes them
-under each edge's credit window; a source batch is done when its push is acknowledged
-end to end. One long-polling ``drain`` per host brings back sink records, error records,
-fan-out commits and meter snapshots; the ledger de-duplicates records by lineage
-(``ledger.py``), so replays after an actor restart never reach a sink or the error
-handler twice, even when the replayed stages emit different records.
+The driver process keeps what is bound to the caller: sources and sinks (and the
+stages ``driver_stages`` puts here); every other stage runs in ``StageHost`` actors.
+It pushes source micro-batches under each edge's credit window; a source batch is done
+when its push is acknowledged end to end. One long-polling ``drain`` per host brings
+back sink records, error records, fan-out commits and meter snapshots, which the ledger
+de-duplicates by lineage (``ledger.py``): a replay never reaches a sink twice.
 
-Under admission each record waits for the gate in a task of its own (open-loop: a
-queued record does not delay the next arrival), but at most ``ADMISSION_WAITS`` of them
-at once: the source stops reading while that many wait, so memory stays flat whatever
-the input size. A record's ticket is released exactly once, when its source batch is
-acknowledged end to end (output, error record or drop alike) or the run ends.
-
-A served run (``drop_key``, ``PipelineService(runtime="ray")``) keeps each record's live
-request here by its id while the record crosses actors as data (``served.py``): a
-cancelled caller's flag is pushed to the hosts, streamed pieces come back with the
-drains. A source batch acknowledged end to end whose record no output or error record
-answered was dropped by a stage (a filter, an empty flat_map): ``on_drop`` hears of it.
+Under admission each record waits for the gate in a task of its own (open-loop), at
+most ``ADMISSION_WAITS`` at once, so memory stays flat; its ticket is released exactly
+once, when its source batch is acknowledged end to end or the run ends. A served run
+(``drop_key``) keeps each record's live request here while the record crosses actors as
+data (``served.py``); a batch acknowledged with no output or error record for its
+record was dropped by a stage, and ``on_drop`` hears of it.
 """
 
 from __future__ import annotations
@@ -41,7 +34,8 @@ from ..ingress import input_failed, read, read_admitted
 from ..stage import sink_runtime, sink_target, stage_meter, write_sink
 from ..stats import RayRunStats, build_stats
 from .autoscale import Elastic
-from .credits import Link, cause, gather_acks, ray_errors
+from .credits import Link, cause, gather_acks, ray_errors, send_all
+from .host import Entries
 from .install import install, preflight
 from .instance import HostedWorker
 from .ledger import Ledger
@@ -77,40 +71,30 @@ class _Sink:
         self.op_id, self.rt, self.meter, self.queued, self.first = op_id, rt, meter, queued, first
 
 
-class _DriverBox:
-    """The outbox of the stage replicas that run in the driver (``driver_stages``):
-    their entries go straight to the run's ledger, acknowledged at once."""
+class _DriverBox(Entries):
+    """The outbox of the driver's sources and of the stage replicas that run in it
+    (``driver_stages``): each entry goes through the run's ledger now, its
+    acknowledgement (the returned future) done at once."""
 
     def __init__(self, run: RayRun) -> None:
         self.run = run
-        self.reroutes: dict[int, tuple] = {}  # no replica here was installed late
+        self.reroutes = {}  # no replica here was installed late
 
-    def deliver(self, target: int, key: BatchKey, records: list, lin: Lineage,
-                born: float) -> asyncio.Future:
-        return self.run.deliver(target, key, records, lin, born)
-
-    def fail(self, stage: int, key: BatchKey, errors: list, lin: Lineage) -> asyncio.Future:
-        return self.run.local_entry(Failures(stage, key, errors, lin))
-
-    def commit(self, stage: int, key: BatchKey, token: int,
-               parents: Lineage) -> asyncio.Future:
-        return self.run.local_entry(Commit(stage, key, token, parents))
+    def put(self, entry: Delivery | Failures | Commit) -> asyncio.Future:
+        self.run.take(entry)
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done
 
 
 class RayRun:
     """One run of a plan on Ray; ``execute()`` runs it to completion.
 
-    plan:       the compiled plan (the same one the local runtime runs).
-    inputs:     data for sources declared without it, by operator id.
-    outputs:    targets for sinks declared without one, by operator id.
-    on_error:   receives each ``ErrorRecord``.
-    admission:  an admission gate each source record waits for (or None).
-    placements: stage index -> ``StagePlacement``.
+    plan, inputs, outputs, on_error, admission: as ``run_on_ray``.
+    placements: stage index -> ``StagePlacement`` (``parse_placement``).
     on_drop:    ``on_drop(stage ids, records)`` for source records that ended without an
-                output or error record (a served run: the caller is answered at once);
-                needs ``drop_key``.
-    drop_key:   with ``on_drop``: the field every record keeps (its request, ``REQUEST``);
-                a served run's live requests stay here (see the module doc).
+                output or error record (a served run: the caller is answered at once).
+    drop_key:   the field every record keeps (its request, ``REQUEST``): a served run.
     on_ready:   called once every stage replica is installed (engines opened).
     """
 
@@ -273,10 +257,8 @@ class RayRun:
                 elif type(e) is Pieces:
                     if self.served is not None:
                         self.served.pieces(e.pieces)
-                elif type(e) is Commit:
-                    self._hand_over(self.ledger.commit(e))
                 else:
-                    self._hand_over(self.ledger.offer(e))
+                    self.take(e)
             ack = d.last_seq
             if d.closed:
                 return
@@ -300,7 +282,7 @@ class RayRun:
             acks: list = []
             if self.served is not None:
                 self.served.hold(records)
-            await self._send(links, key, records, time.time(), acks)
+            await send_all(links, key, records, range(len(records)), time.time(), acks)
             t = asyncio.ensure_future(self._settle(key, acks, None, records))
             pending.add(t)
             t.add_done_callback(pending.discard)
@@ -318,16 +300,6 @@ class RayRun:
             self.records_in += meter.records_out
         while pending:
             await asyncio.gather(*list(pending))
-
-    async def _send(self, links: list[Link], key: BatchKey, records: list, born: float,
-                    acks: list) -> None:
-        """Push one source batch (lineage ids: its positions) to the first stages."""
-        lin = range(len(records))
-        if len(links) == 1:
-            await links[0].send(key, records, lin, born, acks)
-            return
-        for link in links:  # each consumer gets a copy: a hop of its own
-            await link.send(key + (link.route.target,), records, lin, born, acks)
 
     async def _admitted(self, i: int, data: Any, links: list[Link],
                         meter: StageMeter) -> None:
@@ -355,7 +327,7 @@ class RayRun:
                     req.granted = urgency(ticket)
                 served.hold(records)
             try:
-                await self._send(links, key, records, born, acks)
+                await send_all(links, key, records, range(len(records)), born, acks)
             except BaseException:
                 self.ledger.settle(key)
                 if served is not None:
@@ -397,6 +369,10 @@ class RayRun:
                     h.handle.cancel.remote(self.run_id, rids)
 
     # -- sinks and errors (in the driver) -------------------------------------------------
+    def take(self, e: Any) -> None:
+        """An outbox entry, through the ledger: what it lets through to the sinks."""
+        self._hand_over(self.ledger.commit(e) if type(e) is Commit else self.ledger.offer(e))
+
     def _hand_over(self, entries: list) -> None:
         """Entries the ledger let through: to the sinks and the error handler."""
         served = self.served
@@ -433,31 +409,16 @@ class RayRun:
         self.records_out += ok
         self.latency.record(max(0.0, time.time() - born) * 1e6, ok)
 
-    def deliver(self, target: int, key: BatchKey, records: list, lin: Lineage,
-                 born: float) -> asyncio.Future:
-        """A source or a stage in the driver feeding a sink: no actor in between."""
-        return self.local_entry(Delivery(target, key, records, lin, born, time.time()))
-
-    def local_entry(self, entry: Delivery | Failures | Commit) -> asyncio.Future:
-        """An outbox entry made in this process: through the ledger now; the returned
-        future (its acknowledgement) is done."""
-        self._hand_over(self.ledger.commit(entry) if type(entry) is Commit
-                        else self.ledger.offer(entry))
-        done = asyncio.get_running_loop().create_future()
-        done.set_result(None)
-        return done
-
     def _errors(self, errors: list) -> None:
         for err in errors:
             self.errors += 1
             self.on_error(err)
 
     def unsendable(self, key: BatchKey, records: list, lin: Lineage,
-                    exc: BaseException) -> None:
+                   exc: BaseException) -> asyncio.Future:
         sid = self.plan.stages[key[0]].ops[0].id
-        self._hand_over(self.ledger.offer(Failures(key[0], key, [
-            ErrorRecord.from_exception(sid, x, TypeError(
-                f"record cannot be sent to a Ray actor: {exc}")) for x in records], lin)))
+        return self.box.fail(key[0], key, [ErrorRecord.from_exception(sid, x, TypeError(
+            f"record cannot be sent to a Ray actor: {exc}")) for x in records], lin)
 
     # -- statistics -----------------------------------------------------------------------
     def stats(self, wall: float, interrupted: bool) -> RayRunStats:

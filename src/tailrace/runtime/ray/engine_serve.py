@@ -3,29 +3,14 @@ deployment, one replica = one engine, autoscaled by Serve between declared bound
 
 ``open_cluster_engine`` opens such a spec as a ``ServeEngine``. The first stage host that
 needs it asks the cluster's ``Deployer`` actor (calls one at a time, so hosts opening the
-engine together create it once) to run the Serve application named ``actor_name(name,
-spec)`` (one deployment, ``engine``), whose replicas each open the spec without
-``cluster:``; every later stage host, pipeline and ingress replica that opens the same
-spec finds it by that name and shares it. Serve places the replicas by their
-``ray_actor_options`` (``num_cpus``, ``num_gpus``, ``memory``, ``resources``), restarts
-the ones that die, and, given ``min_replicas``/``max_replicas``, adds and removes
-replicas on ongoing requests (its autoscaler; Ray, or the Ray autoscaler on a cluster
-that has one, finds them room). Every call goes through Serve's request router, which
-sends it to the less loaded of two replicas by their queue lengths, probed from each
-replica: the work of every caller on the cluster, not of this handle's calls only.
-
-One Serve call per request, so the router spreads a batch over replicas and a request
-can be cancelled alone. ``generate`` without ``on_token`` makes plain calls; with one,
-streaming calls (``EngineReplica.stream``): pieces of a request in order, the first at
-once, later ones joined per ``STREAM_INTERVAL_S``, handed to ``on_token`` by the calling
-thread. When ``on_token`` returns False for a request, its call is cancelled, which stops
-that sequence in its replica; the caller's ``Generation`` for it is built from the text it
-was handed (``finish_reason`` "cancelled", token counts by the engine's tokenizer). A
-caller that leaves early cancels all of its calls. An engine error keeps its message; a
-replica that dies is retried while nothing of that request has been handed on, else it is
-one-line ``EngineError``, never a hang. An engine that cannot open fails with its own
-error, and its deployment is deleted. A deployment outlives the run, like any Serve
-application (warm for the next run); ``shutdown_engines`` deletes it.
+engine together create it once) to run the Serve application ``actor_name(name, spec)``
+(one deployment, ``engine``), whose replicas each open the spec without ``cluster:``;
+every later opener of the same spec finds it by that name. Serve places, restarts and
+autoscales the replicas; its request router sends each call to the less loaded of two
+replicas, by queue lengths probed from the replicas (every caller's work, not this
+handle's only). One Serve call per request, so a batch spreads over replicas and a
+request can be cancelled alone. Streaming, cancellation and failures: docs/ray.md,
+"Engine replicas across the cluster".
 """
 
 from __future__ import annotations
@@ -44,9 +29,8 @@ from typing import Any
 from ...engines.base import Generation, GenerationRequest, TokenCallback
 from ...engines.cluster import serve_options
 from ...engines.opener import open_engine
-from ...engines.tokens import token_counter
 from ...errors import EngineError
-from .engines import NAMESPACE, STREAM_INTERVAL_S, STREAM_RETRIES, actor_name, engine_info
+from .engines import NAMESPACE, EngineHandle, actor_name, engine_info
 
 #: the deployment of an engine's Serve application (the application is the engine's)
 DEPLOYMENT = "engine"
@@ -215,7 +199,7 @@ def _engine_error(e: BaseException) -> BaseException:
     return cause if isinstance(cause, EngineError) else e
 
 
-class ServeEngine:
+class ServeEngine(EngineHandle):
     """A stage's handle on an engine's Serve deployment; speaks the engine protocols.
 
     name: the engine's name; spec: its spec with ``cluster:``; body: the replica class
@@ -224,11 +208,8 @@ class ServeEngine:
     def __init__(self, name: str, spec: dict[str, Any], body: type = EngineReplica) -> None:
         import ray
 
-        self.name = name
-        self._spec = {k: v for k, v in spec.items() if not k.startswith("_")}
+        super().__init__(name, spec)
         self.app = actor_name(name, self._spec)
-        self.interval = STREAM_INTERVAL_S
-        self.retries = STREAM_RETRIES
         try:
             info: dict[str, Any] = ray.get(_deployer().ensure.remote(
                 self.app, name, self._spec, body))
@@ -238,11 +219,7 @@ class ServeEngine:
                 err = EngineError(f"engine '{name}' failed to start on the cluster: "
                                   f"{_one_line(e)}")
             raise err from None
-        self.model: str = info["model"]
-        self.context_length: int | None = info["context_length"]
-        self.dim: int | None = info["dim"]
-        self.chat: bool = info["chat"]
-        self._count: Any = None
+        self._describe(info)
         self._handle: Any = None
         self._lock = threading.Lock()
 
@@ -254,12 +231,6 @@ class ServeEngine:
 
                 self._handle = serve.get_deployment_handle(DEPLOYMENT, self.app)
             return self._handle
-
-    def count_tokens(self, text: str) -> int:
-        if self._count is None:
-            self._count = token_counter({k: v for k, v in self._spec.items()
-                                         if k != "cluster"})
-        return int(self._count(text))
 
     def _call(self, method: str, arg: Any) -> Any:
         """A plain call, tried again on another replica if its replica died."""
@@ -350,9 +321,6 @@ class ServeEngine:
 
     def embed(self, texts: Sequence[str]) -> Any:
         return self._call("embed", list(texts))
-
-    def close(self) -> None:
-        """The deployment is the cluster's: stages do not stop it (``shutdown_engines``)."""
 
 
 def _read(i: int, call: Any, put: Callable[[tuple], None]) -> None:

@@ -1,36 +1,19 @@
 """Engines shared by the cluster: one Ray actor per named engine, used by every stage.
 
-On the Ray runtime a stage opens its engines with its host's opener
-(``host.open_shared_engine``, the ``BuildContext.open_engine`` of a ``StageHost``): a
-``ClusterEngine``, a handle on the named actor ``tailrace-engine-NAME`` in the
+A stage on Ray opens its engines with its host's opener (``host.open_shared_engine``):
+a ``ClusterEngine``, a handle on the named actor ``tailrace-engine-NAME`` in the
 ``tailrace`` namespace, created by the first stage that needs it and found by name by
-every later one — every stage replica and every pipeline of the job shares one engine
-(or one engine pool, when the spec says ``replicas:``), and the model loads once per
-cluster instead of once per stage host. The actor is threaded, so concurrent calls from
-many stages reach the engine together (llama.cpp decodes them in one batch).
+every later one, so the model (or engine pool, with ``replicas:``) loads once per
+cluster instead of once per stage host. The actor is threaded: concurrent calls from
+many stages reach the engine together (llama.cpp decodes them in one batch). Tokens are
+counted in the stage's process (``token_counter``), so prompt checks cost no remote call.
 
-Tokens are counted in the stage's process (``token_counter``: the model's vocabulary
-only), so prompt checks cost no remote call.
-
-Tokens stream out of the actor. ``ClusterEngine.generate(requests, on_token)`` calls the
-actor's ``stream`` method, a Ray streaming generator: the engine runs on a thread of the
-actor with an ``on_token`` that queues pieces, and the generator yields whatever has
-queued since its last yield, pieces of one request joined, in order, then the
-generations. The first piece goes at once; later yields are at least
-``STREAM_INTERVAL_S`` apart (each yield is a Ray object, ~1.5 ms of CPU here: one per
-token would cost more than a small model's decoding), and a consumer that is busy gets
-fewer, larger pieces. Ray's generator back-pressure (``STREAM_WINDOW`` unconsumed
-yields) holds the generator, never the engine: what queues meanwhile is at most the
-generations' own text. When the caller's ``on_token`` returns False for a request, the
-handle tells the actor (``cancel``) and the engine stops that sequence ("cancelled"); a
-caller that leaves the stream early cancels all of them. Without an ``on_token`` the
-call stays one plain whole-batch actor call (cheaper). An engine error reaches the
-caller as the engine's own ``EngineError``; an actor that dies mid-stream is a one-line
-``EngineError`` (retried on the restarted actor while no piece has been handed on yet),
-never a hang.
-
-An engine spec with ``cluster:`` is no actor of this module: ``open_cluster_engine``
-opens it as a Ray Serve deployment whose replicas spread over the nodes
+With an ``on_token``, ``generate`` is a Ray streaming generator (``EngineActor.stream``)
+whose yields join the pieces queued since the last one: a Ray object costs ~1.5 ms of
+CPU, so one per token would cost more than a small model's decoding
+(``STREAM_INTERVAL_S``); Ray's back-pressure (``STREAM_WINDOW``) holds the generator,
+never the engine. Cancellation, errors and retries: docs/ray.md, "Tokens stream from
+engine actors". A spec with ``cluster:`` is a Ray Serve deployment instead
 (``engine_serve.py``).
 """
 
@@ -190,38 +173,58 @@ def actor_options(name: str, spec: dict[str, Any]) -> dict[str, Any]:
             "max_task_retries": 2}
 
 
-class ClusterEngine:
+class EngineHandle:
+    """What a stage's handles on a cluster engine (an actor, a Serve deployment) share:
+    the engine's figures (``engine_info``, told by where it runs), tokens counted in the
+    stage's own process, and no ``close`` (``shutdown_engines`` stops the engine)."""
+
+    interval = STREAM_INTERVAL_S  # a streaming call's seconds between yields
+    retries = STREAM_RETRIES  # a streamed call whose engine died before any piece
+
+    def __init__(self, name: str, spec: dict[str, Any]) -> None:
+        self.name = name
+        self._spec = {k: v for k, v in spec.items() if not k.startswith("_")}
+        self._count: Any = None
+
+    def _describe(self, info: dict[str, Any]) -> None:
+        self.model: str = info["model"]
+        self.context_length: int | None = info["context_length"]
+        self.dim: int | None = info["dim"]
+        self.chat: bool = info["chat"]
+
+    def count_tokens(self, text: str) -> int:
+        if self._count is None:
+            self._count = token_counter({k: v for k, v in self._spec.items()
+                                         if k != "cluster"})
+        return int(self._count(text))
+
+    def close(self) -> None:
+        """The engine is the cluster's: stages do not stop it."""
+
+
+class ClusterEngine(EngineHandle):
     """A stage's handle on a shared engine actor; speaks the engine protocols."""
 
     def __init__(self, name: str, spec: dict[str, Any]) -> None:
         import ray
 
-        self.name = name
-        self._spec = {k: v for k, v in spec.items() if not k.startswith("_")}
-        self._actor: Any = self._named_actor()
+        super().__init__(name, spec)
+        self._renew()
         try:
-            info: dict[str, Any] = ray.get(self._actor.describe.remote())
+            self._describe(ray.get(self._actor.describe.remote()))
         except Exception as e:  # the engine could not be opened in its actor
             raise EngineError(f"engine '{name}' failed to start on the cluster: "
                               f"{getattr(e, 'cause', None) or e}") from None
-        self.model: str = info["model"]
-        self.context_length: int | None = info["context_length"]
-        self.dim: int | None = info["dim"]
-        self.chat: bool = info["chat"]
-        self._count: Any = None
 
-    def _named_actor(self) -> Any:
+    def _renew(self) -> None:
         """The named actor: found if alive (or restarting), else created. An actor is
         owned by the process that created it and dies with it, whatever its restarts:
-        when that stage host dies, the next caller creates it anew (``_renew``)."""
+        when that stage host dies, the next caller creates it anew."""
         import ray
 
         remote: Any = ray.remote(EngineActor)
-        return remote.options(**actor_options(self.name, self._spec)).remote(
+        self._actor: Any = remote.options(**actor_options(self.name, self._spec)).remote(
             self.name, self._spec)
-
-    def _renew(self) -> None:
-        self._actor = self._named_actor()
 
     def _call(self, method: str, *args: Any) -> Any:
         """A whole call; on an actor that died for good (its owner, another stage host,
@@ -235,14 +238,8 @@ class ClusterEngine:
             self._renew()
             return ray.get(getattr(self._actor, method).remote(*args))
 
-    def count_tokens(self, text: str) -> int:
-        if self._count is None:
-            self._count = token_counter(self._spec)
-        return int(self._count(text))
-
     def generate(self, requests: Sequence[GenerationRequest],
                  on_token: TokenCallback | None = None) -> list[Generation]:
-
         if on_token is None:  # nothing to stream to: one whole-batch call
             gens: list[Generation] = self._call("generate", list(requests))
             return gens
@@ -255,7 +252,7 @@ class ClusterEngine:
             except RayActorError as e:
                 if isinstance(e, ActorDiedError):
                     self._renew()  # dead for good (or restarting: the same actor again)
-                if delivered[0] or attempt >= STREAM_RETRIES:
+                if delivered[0] or attempt >= self.retries:
                     raise EngineError(
                         f"engine '{self.name}': its actor died while streaming "
                         f"({type(e).__name__}); the generation is lost") from None
@@ -271,7 +268,7 @@ class ClusterEngine:
         refs = self._actor.stream.options(
             num_returns="streaming", max_task_retries=0,
             _generator_backpressure_num_objects=STREAM_WINDOW).remote(
-            call_id, requests, STREAM_INTERVAL_S)
+            call_id, requests, self.interval)
         refused: set[int] = set()
         finished = False
         try:
@@ -294,11 +291,7 @@ class ClusterEngine:
                     self._actor.cancel.remote(call_id, None)
 
     def embed(self, texts: Sequence[str]) -> Any:
-
         return self._call("embed", list(texts))
-
-    def close(self) -> None:
-        """The actor is the cluster's: stages do not stop it (``shutdown_engines`` does)."""
 
 
 _HANDLES: Registry[Any] = Registry("cluster engine handles")

@@ -1,21 +1,14 @@
 """One admission gate for the cluster: a named Ray actor owning the policy, and its client.
 
-Several driver processes (e.g. Ray Serve ingress replicas, each hosting a driver-side
-``PipelineService``) share one ``max_in_flight`` only if one policy sees all of them. The
-``GateActor`` (``tailrace-gate-NAME`` in the ``tailrace`` namespace, created by whichever
-client comes first, found by the others) owns that policy inside an ``AdmissionGate``;
-queued admissions wait inside the actor, so a request costs one actor round trip to be
-admitted and a fire-and-forget message to be released. ``ClusterGate`` is the client: the
-same protocol as ``AdmissionGate`` (``admit``, ``done``, ``statistics``, ``close``), so
-``PipelineService`` and ``tr.run(..., runtime="ray")`` take it unchanged.
-
-Tickets are named by the client (``OWNER-N``): releasing one id twice is a no-op the actor
-counts, and a caller cancelled while its request waits tells the actor, which frees the
-ticket exactly once whether it was still queued or admitted meanwhile. The actor is not
-restarted: when it dies, admissions fail at once with ``GateUnavailable`` (HTTP 503 with
-Retry-After); a new ``ClusterGate`` of the same name starts an empty one. Leases: each
-client renews its owner id every ``lease_s / 4``; the tickets (and queued waits) of a
-client not heard from for ``lease_s`` (a driver process that died) are freed.
+Several driver processes (e.g. Serve ingress replicas, each hosting a driver-side
+``PipelineService``) share one ``max_in_flight`` only if one policy sees all of them: the
+``GateActor`` (``tailrace-gate-NAME``, created by the first client, found by the others)
+owns it inside an ``AdmissionGate``, and ``ClusterGate`` is the client, with
+``AdmissionGate``'s protocol (``admit``, ``done``, ``statistics``, ``close``). Tickets are
+named by the client (``OWNER-N``), so a repeated release or a cancel while queued frees
+a ticket exactly once; the actor is not restarted (``GateUnavailable``: HTTP 503), and
+clients renew a lease every ``lease_s / 4`` so a dead client's tickets are freed
+(docs/ray.md, "One gate for the cluster").
 """
 
 from __future__ import annotations
@@ -27,6 +20,7 @@ import time
 import uuid
 import weakref
 from functools import cache
+from operator import itemgetter
 from typing import Any
 
 from ...control.admission import AdmissionRejected, AdmissionStatistics, Ticket
@@ -50,10 +44,6 @@ class GateUnavailable(TailraceError):
         self.retry_after = retry_after
 
 
-def _given_prompt_tokens(fields: dict[str, Any]) -> int:
-    return fields["prompt_tokens"]
-
-
 class GateActor:
     """The cluster's admission policy (``make_policy(policy, **options)``) behind one actor.
 
@@ -65,7 +55,7 @@ class GateActor:
     def __init__(self, policy: str, options: dict[str, Any], max_tokens: dict[str, int],
                  lease_s: float = 10.0, poll_s: float = 0.005) -> None:
         self.gate = AdmissionGate(make_policy(policy, **options), max_tokens=max_tokens,
-                                  prompt_tokens=_given_prompt_tokens, poll_s=poll_s)
+                                  prompt_tokens=itemgetter("prompt_tokens"), poll_s=poll_s)
         self.tickets: dict[str, Ticket] = {}  # ticket id -> admitted, not yet released
         self.pending: dict[str, asyncio.Task] = {}  # ticket id -> waiting for admission
         self.cancelled: set[str] = set()  # cancels that arrived before their admit

@@ -1,16 +1,14 @@
 """``StageHost``: the Ray actor that runs stage replicas, and its outbox to the driver.
 
-A host is an asyncio actor. It runs any number of stage replicas (``HostedWorker``s),
-of one run or of several, each with its own queue and loop; hosts are kept by the driver
-and reused across runs, so a run costs a few calls instead of an actor start (~1 s) per
-stage. Results for the driver's sinks, error records and meter snapshots go to the run's
-``Outbox`` on the host, which the driver drains with long-polling ``drain`` calls; a
-sink delivery is acknowledged to its producer when the driver's next ``drain`` says it
-has handled it. The actor restarts after a crash (``max_restarts=-1``); it then knows no
-stage replicas, answers ``NEED_INSTALL`` to pushes, and producers reinstall and replay.
-A served run's records point at their requests, which arrive as data; the host gives
-them live parts of its own (``served.py``): ``cancel`` sets the flags of requests whose
-callers gave up, and streamed pieces travel to the driver with the next drain.
+A host is an asyncio actor running any number of stage replicas (``HostedWorker``s) of
+one run or several; hosts are kept by the driver and reused across runs, so a run costs
+a few calls instead of an actor start (~1 s) per stage. Results for the driver's sinks,
+error records, commits and meter snapshots go to the run's ``Outbox``, which the driver
+drains with long-polling ``drain`` calls; an entry is acknowledged to its producer when
+the next ``drain`` says the driver has handled it. A restarted actor knows no replicas
+and answers ``NEED_INSTALL``: producers reinstall and replay. A served run's requests
+get live parts of this host (``served.py``): cancel flags, and streamed pieces that
+travel with the next drain.
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ from dataclasses import replace
 from functools import cache
 from typing import Any
 
-from .credits import picklable
+from .credits import encode, picklable
 from .instance import HostedWorker
 from .messages import (
     NEED_INSTALL,
@@ -51,7 +49,31 @@ FLUSH_S = 0.2
 MAX_CONCURRENCY = 10_000
 
 
-class Outbox:
+class Entries:
+    """A run's outbox to the driver as its stage replicas see it: each call makes one
+    entry (``put``) and returns the driver's acknowledgement of it."""
+
+    #: elastic consumer stage -> (hosts, specs, active) of its replicas (``reroute``)
+    reroutes: dict[int, tuple]
+
+    def put(self, entry: Any) -> asyncio.Future:
+        raise NotImplementedError
+
+    def deliver(self, target: int, key: BatchKey, records: list, lin: Lineage,
+                born: float) -> asyncio.Future:
+        """Records for the sink of stage ``target``."""
+        return self.put(Delivery(target, key, records, lin, born, time.time()))
+
+    def fail(self, stage: int, key: BatchKey, errors: list, lin: Lineage) -> asyncio.Future:
+        """Error records of stage ``stage`` on route ``key``."""
+        return self.put(Failures(stage, key, errors, lin))
+
+    def commit(self, stage: int, key: BatchKey, token: int, parents: Lineage) -> asyncio.Future:
+        """A fan-out stage's execution of a push is complete."""
+        return self.put(Commit(stage, key, token, parents))
+
+
+class Outbox(Entries):
     """One run's entries for the driver on one host, acknowledged by sequence number."""
 
     def __init__(self) -> None:
@@ -64,32 +86,16 @@ class Outbox:
         self.requests: HostRequests | None = None  # a served run's (first install)
         # streamed pieces not yet drained: request key -> (first's position, pieces)
         self.pieces: dict[Any, tuple[int, list[str]]] = {}
-        # elastic consumer stage -> (hosts, specs, active) of its replicas (``reroute``)
-        self.reroutes: dict[int, tuple] = {}
+        self.reroutes = {}
         self.flusher = asyncio.ensure_future(self._flush())
 
-    def _put(self, entry: Any) -> asyncio.Future:
+    def put(self, entry: Any) -> asyncio.Future:
         self.seq += 1
         self.entries.append(entry)
         fut = asyncio.get_running_loop().create_future()
         self.pending.append((self.seq, fut))
         self.wake.set()
         return fut
-
-    def deliver(self, target: int, key: BatchKey, records: list, lin: Lineage,
-                born: float) -> asyncio.Future:
-        """Records for the sink of stage ``target``; the future is the driver's ack."""
-        return self._put(Delivery(target, key, records, lin, born, time.time()))
-
-    def fail(self, stage: int, key: BatchKey, errors: list, lin: Lineage) -> asyncio.Future:
-        """Error records of stage ``stage`` on route ``key``; the future is the driver's
-        ack."""
-        return self._put(Failures(stage, key, errors, lin))
-
-    def commit(self, stage: int, key: BatchKey, token: int, parents: Lineage) -> asyncio.Future:
-        """A fan-out stage's execution of a push is complete; the future is the driver's
-        ack."""
-        return self._put(Commit(stage, key, token, parents))
 
     def piece(self, rid: Any, piece: str, at: int = 1) -> None:
         """A streamed text piece of request ``rid`` for the driver (on the loop); ``at``:
@@ -260,13 +266,7 @@ def pack(d: Drained) -> bytes:
     d: the answer.
     """
     try:
-        return pickle.dumps(d, protocol=5)
-    except Exception:  # noqa: BLE001 - e.g. a lambda in a record: try cloudpickle
-        pass
-    from ray import cloudpickle
-
-    try:
-        return cloudpickle.dumps(d, protocol=5)
+        return encode(d)
     except Exception:  # noqa: BLE001 - find the records that cannot be sent
         pass
     entries: list = []
@@ -288,7 +288,7 @@ def pack(d: Drained) -> bytes:
                 for err in e.errors]))
         else:
             entries.append(e)
-    return cloudpickle.dumps(d._replace(entries=entries), protocol=5)
+    return encode(d._replace(entries=entries))
 
 
 @cache

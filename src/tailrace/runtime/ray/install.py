@@ -23,7 +23,7 @@ from .credits import Link, cause, ray_errors
 from .host import open_shared_engine
 from .instance import HostedWorker
 from .messages import InstallSpec, Route
-from .placement import HostHandle, host_pool
+from .placement import host_pool
 
 if TYPE_CHECKING:
     from .driver import RayRun
@@ -31,12 +31,6 @@ if TYPE_CHECKING:
 #: Seconds an install waits for a stage host that is restarting (a pooled host killed
 #: by an earlier run) before the run fails.
 INSTALL_WAIT_S = 30.0
-
-
-def chunk_size(s: PlanStage) -> int:
-    """Records per push into stage ``s`` (its ``Execution``'s)."""
-    assert s.execution is not None, "a source has no pushes into it"
-    return s.execution.push
 
 
 def shipped(stage: PlanStage) -> PlanStage:
@@ -79,26 +73,27 @@ def preflight(plan: Plan, host_stages: list[int]) -> dict[int, PlanStage]:
     return out
 
 
-def route(run: RayRun, consumer: int, assignment: dict, holders: dict) -> Route:
-    """The edge into stage ``consumer``: a sink the driver runs, its replica in the
-    driver, or its replicas on hosts."""
+def route(run: RayRun, consumer: int, assignment: dict, holders: dict,
+          sink: bool = False) -> Route:
+    """The edge into stage ``consumer``: its sink the driver runs (``sink``, or a stage
+    that is only a sink), its replica in the driver, or its replicas on hosts."""
     s = run.plan.stages[consumer]
+    assert s.execution is not None, "a source has no pushes into it"
+    edge = (s.queue, s.execution.push, s.id)  # window, records per push, label
+    if sink or (consumer not in run.local and consumer not in run.host_stages):
+        return Route(consumer, True, (), (), *edge)
     if consumer in run.local:
-        return Route(consumer, False, (None,), ([],), s.queue, chunk_size(s), s.id,
-                     run.local[consumer])
-    if consumer not in run.host_stages:  # a sink the driver runs
-        return Route(consumer, True, (), (), s.queue, chunk_size(s), s.id)
+        return Route(consumer, False, (None,), ([],), *edge, run.local[consumer])
     hosts = tuple(assignment[(consumer, r)].handle for r in range(s.replicas))
-    return Route(consumer, False, hosts, holders[consumer], s.queue, chunk_size(s), s.id)
+    return Route(consumer, False, hosts, holders[consumer], *edge)
 
 
 def routes(run: RayRun, i: int, assignment: dict,
            holders: dict) -> dict[str | None, tuple[Route, ...]]:
     """Stage ``i``'s output edges by port (its own sink, if fused, under None)."""
-    s = run.plan.stages[i]
     out: dict[str | None, tuple[Route, ...]] = {}
-    if s.ops[-1].op.kind == "sink":
-        out[None] = (Route(i, True, (), (), s.queue, chunk_size(s), s.id),)
+    if run.plan.stages[i].ops[-1].op.kind == "sink":
+        out[None] = (route(run, i, assignment, holders, sink=True),)
     for port, stage_ids in run.consumers[i].items():
         out[port] = tuple(route(run, c, assignment, holders) for c in stage_ids)
     return out
@@ -128,12 +123,9 @@ async def install(run: RayRun) -> None:
         run.local[i] = HostedWorker(spec, 0, run.box, node, open_shared_engine)
     for i in run.source_meters:
         run.source_links[i] = [
-            Link(route(run, c, assignment, holders), run.run_id, run.deliver,
+            Link(route(run, c, assignment, holders), run.run_id, run.box.deliver,
                  run.unsendable) for c in run.consumers[i].get(None, [])]
-    seen: dict[int, HostHandle] = {}
-    for h in assignment.values():
-        seen.setdefault(id(h), h)
-    run.hosts = list(seen.values())
+    run.hosts = list({id(h): h for h in assignment.values()}.values())
     calls = [(i, r, h.handle.install.remote(list(holders[i][r]), r))
              for (i, r), h in assignment.items()]
     for i, r, ref in calls:

@@ -27,21 +27,8 @@ from ...observability import Histogram, StageMeter
 from ...operators import BuildContext, OpRuntime
 from ..lineage import Trace, ids
 from ..stage import StageWorker
-from .credits import Link, gather_acks
+from .credits import Link, gather_acks, send_all
 from .messages import BatchKey, InstallSpec, Lineage, MeterReport
-
-
-def snapshot(m: StageMeter) -> StageMeter:
-    """A copy of a meter that its replica keeps updating."""
-    c = StageMeter(m.stage, m.op, replicas=m.replicas, queue_bound=m.queue_bound,
-                   fused_into=m.fused_into)
-    for name in ("records_in", "records_out", "errors", "retries", "timeouts",
-                 "max_queue_depth"):
-        setattr(c, name, getattr(m, name))
-    c.queue_wait.merge(m.queue_wait)
-    c.service.merge(m.service)
-    c.batch_size.merge(m.batch_size)
-    return c
 
 
 class Stream:
@@ -267,17 +254,11 @@ class HostedWorker:
                                              ids(part_ids, esrc, fan, errors=True)))
             counts: dict[int, int] = {}  # ordinals per input, across ports
             for port, recs in ports.items():
-                if recs:
-                    src = trace.src.get(port)
-                    links = self.links.get(port)
-                    if links:
-                        out_ids = ids(part_ids, src, fan, counts=counts)
-                        if len(links) == 1:
-                            await links[0].send(out_key, recs, out_ids, born, acks)
-                            continue
-                        for link in links:  # each consumer gets a copy: a hop of its own
-                            await link.send(out_key + (link.route.target,), recs, out_ids,
-                                            born, acks)
+                links = self.links.get(port)
+                if recs and links:
+                    await send_all(links, out_key, recs,
+                                   ids(part_ids, trace.src.get(port), fan, counts=counts),
+                                   born, acks)
         if token is None:
             return acks, None
         return acks, (self.index, key, token, fanned_ids)
@@ -301,7 +282,7 @@ class HostedWorker:
     # -- reporting and shutdown -----------------------------------------------------------
     def report(self) -> MeterReport:
         """A snapshot of this replica's meters (copied: the loop keeps counting)."""
-        meters = [snapshot(m) for m in self.meters]
+        meters = [StageMeter.combined([m]) for m in self.meters]
         meters[0].max_queue_depth = self.max_depth
         sink_depth = {link.route.target: link.window.max_used
                       for links in self.links.values() for link in links if link.route.sink}

@@ -1,14 +1,11 @@
 """The driver's ledger: what each source batch has delivered, so that replays never
 deliver a record twice and never mix two executions of one input.
 
-Delivery between actors is at-least-once: a producer pushes a batch again to the
-restarted actor of a consumer that died. A replayed stage may behave differently (a
-non-deterministic ``filter``, ``flat_map`` or ``generate``), so the driver cannot compare
-positions in micro-batches; it compares lineage (``lineage.py``). An outbox entry (sink
-records, error records) arrives with its *route*, ``(source, seq, hop, ...)``: a hop is
-the consuming stage's index where a port feeds several stages (each gets a copy of the
-records), or ``(stage, token)`` where a fan-out stage ran (``token`` names that one
-execution of that push), and one lineage id per record. The rules:
+Delivery between actors is at-least-once, and a replayed stage may behave differently
+(a non-deterministic ``filter``, ``flat_map`` or ``generate``), so the driver compares
+lineage (``lineage.py``), not positions in micro-batches. An outbox entry arrives with
+its route (``messages.BatchKey``: a fan-out hop's ``token`` names one execution of that
+push) and one lineage id per record. The rules:
 
 1. **First delivery wins, per lineage id.** Once a record (output or error) with id ``l``
    was delivered on a route, a later one with id ``l`` on the same route is a replay and

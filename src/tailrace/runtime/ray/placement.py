@@ -1,19 +1,13 @@
 """Where stage replicas run: placement options, and the pool of ``StageHost`` actors.
 
 Stages without placement options share general-purpose hosts (no reserved resources;
-up to one per cluster CPU, more only when a stage has more replicas). Stages that ask for
-resources (``num_cpus``, ``num_gpus``, ``memory``, custom ``resources``) get hosts that
-reserve them, one replica per host. ``strategy: spread`` pins replica *i* of a stage to
-the *i*-th alive node (round robin; a replica whose node is lost is not moved during the
-run, the next run places it on the alive nodes); ``pack`` (the default) lets Ray fill the
-driver's node first. Hosts are kept per Ray session and
-reused by later runs of this process.
-
-``where: driver`` runs a stage in the driver's own process instead (``driver_stages``):
-only a single-replica stage of inline code fed by the driver (a source, or another such
-stage), which then costs no actor hop. A served run puts such stages there unless told
-``where: host``: a request pays every hop in its latency, while a batch run keeps its
-stages on hosts so that the driver's one core feeds them instead of doing their work.
+up to one per cluster CPU, more only when a stage has more replicas); a stage that
+reserves resources gets a host of its own per replica; ``strategy: spread`` pins replica
+*i* to the *i*-th alive node (docs/ray.md, "Placement"). Hosts are kept per Ray session
+and reused by later runs of this process. ``where: driver`` runs a stage in the driver's
+process (``driver_stages``): a served run puts qualifying stages there by default, since
+a request pays every actor hop in its latency, while a batch run keeps them on hosts so
+that the driver's one core feeds them instead of doing their work.
 """
 
 from __future__ import annotations
@@ -47,14 +41,6 @@ class StagePlacement:
         return bool(self.num_cpus or self.num_gpus or self.memory or self.resources)
 
 
-def _check(where: str | None, opts: Any) -> dict:
-    """Validate one entry of the placement mapping (``where``: its stage id, or None)."""
-    problem = placement_problem(opts)
-    if problem:
-        raise PlanError(problem, stage=where)
-    return opts
-
-
 def parse_placement(plan: Plan, placement: dict | None) -> dict[int, StagePlacement]:
     """Stage index -> placement: each stage's ``placement`` contract, overridden by
     ``{stage or operator id: {option: value}}`` given to the run.
@@ -70,7 +56,9 @@ def parse_placement(plan: Plan, placement: dict | None) -> dict[int, StagePlacem
     for sid, opts in placement.items():
         if sid != "*" and sid not in ids:
             raise PlanError(f"placement names unknown stage '{sid}'; stages: {', '.join(ids)}")
-        _check(None if sid == "*" else sid, opts)
+        problem = placement_problem(opts)
+        if problem:
+            raise PlanError(problem, stage=None if sid == "*" else sid)
     out: dict[int, StagePlacement] = {}
     for i, s in enumerate(plan.stages):
         if s.ops[0].op.kind == "source" or all(o.op.kind == "sink" for o in s.ops):
@@ -98,11 +86,7 @@ def driver_stages(plan: Plan, placements: dict[int, StagePlacement], served: boo
     served:     a served run: qualifying stages without ``where`` run there too.
     Raises ``PlanError`` for a stage that says ``where: driver`` and cannot.
     """
-    producers: dict[int, list[int]] = {i: [] for i in range(len(plan.stages))}
-    for i, ports in plan.consumers().items():
-        for cs in ports.values():
-            for c in cs:
-                producers[c].append(i)
+    index = {s.id: i for i, s in enumerate(plan.stages)}
     out: set[int] = set()
     for i, s in enumerate(plan.stages):
         if s.ops[0].op.kind == "source" or all(o.op.kind == "sink" for o in s.ops):
@@ -116,8 +100,9 @@ def driver_stages(plan: Plan, placements: dict[int, StagePlacement], served: boo
                if s.mode != "inline" else
                "it reserves resources" if pl is not None and pl.dedicated else
                "a stage before it runs in an actor"
-               if any(p not in out and plan.stages[p].ops[0].op.kind != "source"
-                      for p in producers[i]) else None)
+               if any((p := index[u.partition(".")[0]]) not in out
+                      and plan.stages[p].ops[0].op.kind != "source" for u in s.upstream)
+               else None)
         if why is None:
             out.add(i)
         elif where == "driver":
@@ -150,19 +135,15 @@ class HostPool:
                placements: dict[int, StagePlacement]) -> dict[tuple[int, int], HostHandle]:
         """(stage index, replica) -> host for one run; creates the hosts it lacks."""
         with self.lock:  # runs may start from several threads at once
-            return self._assign(plan, stages, placements)
-
-    def _assign(self, plan: Plan, stages: list[int],
-                placements: dict[int, StagePlacement]) -> dict[tuple[int, int], HostHandle]:
-        nodes, cap = _cluster()
-        load: dict[int, int] = {}  # id(host) -> replicas assigned in this run
-        out: dict[tuple[int, int], HostHandle] = {}
-        for i in stages:
-            pl = placements.get(i, StagePlacement())
-            taken: set[int] = set()
-            for r in range(plan.stages[i].replicas):
-                out[(i, r)] = self._place(r, pl, nodes, cap, load, taken)
-        return out
+            nodes, cap = _cluster()
+            load: dict[int, int] = {}  # id(host) -> replicas assigned in this run
+            out: dict[tuple[int, int], HostHandle] = {}
+            for i in stages:
+                pl = placements.get(i, StagePlacement())
+                taken: set[int] = set()
+                for r in range(plan.stages[i].replicas):
+                    out[(i, r)] = self._place(r, pl, nodes, cap, load, taken)
+            return out
 
     def add(self, stage: int, replica: int, pl: StagePlacement,
             assignment: dict[tuple[int, int], HostHandle]) -> HostHandle:

@@ -128,11 +128,8 @@ class ServedRequests:
         pieces the hosts streamed for each that streamed any."""
         streamed: dict[int, int] = {}
         for r in records:
-            q = request_of(r)
-            if q is None:
-                continue
-            e = self.entries.get(q.rid)
-            if e is None:  # the caller is gone: the record is answered to nobody
+            q, e = self._entry(r)
+            if q is None or e is None:  # no request, or its caller is gone: nobody's
                 continue
             e.answered = True
             live = e.req
@@ -144,22 +141,21 @@ class ServedRequests:
                 streamed[q.rid] = q.streamed
         return streamed
 
+    def _entry(self, r: Any) -> tuple[Request | None, _Entry | None]:
+        """Record ``r``'s request and the driver's entry for it (None, None: neither)."""
+        q = request_of(r)
+        return q, (self.entries.get(q.rid) if q is not None else None)
+
     def unanswered(self, records: list) -> list:
         """The records of ``records`` no output or error record answered."""
-        out = []
-        for r in records:
-            q = request_of(r)
-            e = self.entries.get(q.rid) if q is not None else None
-            if e is not None and not e.answered:
-                out.append(r)
-        return out
+        return [r for r in records
+                if (e := self._entry(r)[1]) is not None and not e.answered]
 
     def forget(self, records: list) -> None:
         """``records``' source batch is settled: forget their requests (one whose
         output waits for its pieces lives until it is delivered)."""
         for r in records:
-            q = request_of(r)
-            e = self.entries.get(q.rid) if q is not None else None
+            q, e = self._entry(r)
             if q is not None and e is not None:
                 if e.parked is None:
                     del self.entries[q.rid]
@@ -186,8 +182,7 @@ class ServedRequests:
         (``pieces``), at most ``PIECES_WAIT_S``."""
         out = []
         for r in records:
-            q = request_of(r)
-            e = self.entries.get(q.rid) if q is not None else None
+            q, e = self._entry(r)
             n = expected.get(q.rid, 0) if q is not None else 0
             if q is None or e is None or n <= e.delivered.given:
                 out.append(r)

@@ -5,23 +5,15 @@ A room of its own because both sides of that crossing must agree on it (method n
 what a reply holds, how a stream and a cancellation travel) and nothing else does:
 the ingress only builds the app over ``RemoteHub``, the server only creates the actor.
 
-The hub actor (``HubActor``, ``tailrace-hub-APP`` in the ``tailrace`` namespace) holds a
-``ServingHub`` of ``PipelineService(runtime="ray")`` — the driver of every pipeline's
-plan (stage-host actors with per-edge credit windows, shared engine actors) — and their
-ONE admission gate, so SLO policies decide with the global view at no extra actor round
-trip: the call that hands a request over is the one that is admitted.
-
-A request's answer returns to the replica that holds it as the reply of its own actor
-call (``HubActor.submit``); a streamed request is a Ray streaming generator
-(``HubActor.stream``) that yields the text pieces gathered since its last yield, in
-order, then the outcome, with Ray's generator back-pressure (``STREAM_WINDOW``). A
-client that disconnects cancels its replica's call: Ray cancels the hub's coroutine,
-whose ``submit`` sets the request's cancel, and the engine stops the sequence; the
-request crosses as its data (``tailrace/request.py``), its reply comes back with the
-output.
-Errors cross as values (``ServiceError`` pickles with its status, code and record).
-A replica polls the hub's readiness (``POLL_S``) and reads its figures on demand
-(cached ``FIGURES_TTL_S``).
+The hub actor (``HubActor``, ``tailrace-hub-APP``) holds the ``ServingHub`` of every
+pipeline's ``PipelineService(runtime="ray")`` and their ONE admission gate, so SLO
+policies decide with the global view at no extra round trip: the call that hands a
+request over is the one that is admitted. A request's answer is the reply of its own
+actor call (``HubActor.submit``); a streamed one is a Ray streaming generator
+(``HubActor.stream``). A client that disconnects cancels its replica's call, and Ray
+cancels the hub's coroutine, which stops the generation. The request crosses as its
+data (``tailrace/request.py``); errors cross as values (``ServiceError`` pickles with
+its status, code and record).
 """
 
 from __future__ import annotations
@@ -35,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ...request import Request
+from ...runtime.ray.credits import encode as pack  # a hub call's arguments or answer
 from ..errors import ServiceError, ServiceUnavailable
 from ..hub import ServingHub
 from ..service import Cancel, PipelineService
@@ -49,17 +42,6 @@ POLL_S = 0.5
 #: seconds a replica reuses one snapshot of the hub's figures (a /metrics scrape reads
 #: every pipeline's statistics: one actor call for all of them)
 FIGURES_TTL_S = 0.25
-
-
-def pack(value: Any) -> bytes:
-    """Pickle a hub call's arguments or answer (cloudpickle for what pickle cannot do,
-    e.g. a record holding a lambda)."""
-    try:
-        return pickle.dumps(value, protocol=5)
-    except Exception:  # noqa: BLE001 - fall back to the slower, more capable pickler
-        from ray import cloudpickle
-
-        return cloudpickle.dumps(value, protocol=5)
 
 
 def hub_name(app: str) -> str:
@@ -333,12 +315,7 @@ def remote_hub(app_name: str, plans: list[Any], gated: bool,
                options: dict[str, Any]) -> RemoteHub:
     """An ingress replica's ``RemoteHub`` on the hub actor of Serve application
     ``app_name`` (runs in the replica; call ``hub.link.refresh`` and ``hub.link.start``
-    on its loop before serving).
-
-    plans:   the served plans (their names and shapes: bindings, limits).
-    gated:   whether the hub has an admission gate.
-    options: ``ServingHub`` options (api_key, max_body_bytes, metrics_public, tenants).
-    """
+    on its loop before serving). Arguments as ``ingress.build_ingress_app``."""
     import ray
 
     actor = ray.get_actor(hub_name(app_name), namespace=NAMESPACE)

