@@ -284,7 +284,7 @@ class Bench:
         """Replace the running Ray server by one of ``pipelines`` (behind ``self.proxy``
         unless ``proxy`` is given); returns its base URL."""
         from tailrace.compiler import compile_pipeline
-        from tailrace.serving.ray import ClusterServer
+        ClusterServer = serving_ray().ClusterServer
 
         self.stop_server()
         options.setdefault("proxy", self.proxy)
@@ -383,18 +383,34 @@ async def sequential(base: str, path: str, bodies: list[dict | None]) -> list[fl
     return out
 
 
+def serving_ray() -> Any:
+    """``tailrace.serving.ray`` (``tailrace.serving.cluster`` in checkouts before issue 23,
+    so that one run of this script can measure a checkout from before and one after)."""
+    try:
+        return importlib.import_module("tailrace.serving.ray")
+    except ImportError:
+        return importlib.import_module("tailrace.serving.cluster")
+
+
 def direct(bench: Bench, name: str, bodies: list[dict]) -> list[float]:
     """The same records through ``hub.submit.remote`` from this driver."""
     import ray
 
-    from tailrace.request import Request
-    from tailrace.serving.ray.hub import pack
+    try:
+        from tailrace.request import Request
+        from tailrace.serving.ray.hub import pack
+
+        def call(body: dict) -> tuple[bool, Any]:
+            return pickle.loads(ray.get(bench.server.hub.submit.remote(
+                pack((name, body, Request())))))
+    except ImportError:  # a checkout from before issue 23: the hub took the record
+        def call(body: dict) -> tuple[bool, Any]:
+            return ray.get(bench.server.hub.submit.remote(name, body))
 
     out = []
     for body in bodies:
         t0 = time.perf_counter()
-        ok, value = pickle.loads(ray.get(bench.server.hub.submit.remote(
-            pack((name, body, Request())))))
+        ok, value = call(body)
         out.append(time.perf_counter() - t0)
         if not ok:
             raise SystemExit(f"serve_ray: hub.submit({name}) failed: {value}")
@@ -991,8 +1007,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, _terminate)
     import tempfile
 
-    from tailrace.serving.ray import default_proxy
-
+    default_proxy = serving_ray().default_proxy
     args.proxy = args.proxy or [default_proxy()]
     bench = Bench(Path(tempfile.mkdtemp(prefix="serve_ray-")))
     bench.proxy = args.proxy[0]
