@@ -120,6 +120,14 @@ def test_batch_run_with_where_driver_answers_like_hosts(ray):
     assert result.stats["lam"].records_out == 6
 
 
+async def started(svc):
+    """Start ``svc`` on this loop and wait until its run is installed."""
+    svc.start(asyncio.get_running_loop())
+    while not svc.ready:
+        assert svc.failure is None, svc.failure
+        await asyncio.sleep(0.05)
+
+
 def test_served_run_answers_errors_and_drops_from_the_driver(ray):
     """The default of a served run: its inline head stage runs in the driver (no actor);
     an answer, an error record and a filter's drop reach their callers; the gate gets
@@ -129,10 +137,7 @@ def test_served_run_answers_errors_and_drops_from_the_driver(ray):
     svc = PipelineService(served_pipeline(), runtime="ray", admission=gate, runs=runs)
 
     async def main():
-        svc.start(asyncio.get_running_loop())
-        while not svc.ready:
-            assert svc.failure is None, svc.failure
-            await asyncio.sleep(0.05)
+        await started(svc)
         [run] = runs.describe()
         assert run["in_driver"] == ["double", "odd"] and run["stages"] == {}
         outs = await asyncio.gather(*(svc.submit({"x": x}) for x in (1, 5, 7)))
@@ -156,10 +161,7 @@ def test_served_run_where_host_keeps_its_stages_on_actors(ray):
                           placement={"*": {"where": "host"}})
 
     async def main():
-        svc.start(asyncio.get_running_loop())
-        while not svc.ready:
-            assert svc.failure is None, svc.failure
-            await asyncio.sleep(0.05)
+        await started(svc)
         [run] = runs.describe()
         out = await svc.submit({"x": 5})
         await svc.aclose()
