@@ -15,7 +15,7 @@ continuous batching, native samplers, slot prompt cache). This runs both side by
   cache streams), ``--admission slo`` so a request's class reaches the engine;
 - the same requests from one load generator (asyncio + httpx): streamed
   ``/v1/chat/completions``, greedy (``temperature: 0``), ``max_tokens`` fixed, usage
-  streamed; prompts ask for long counts so greedy answers rarely stop early, and the
+  streamed; prompts ask for long stories so greedy answers do not stop early, and the
   table gives the real token counts. Only fields both servers accept are sent; the class
   rides in the ``X-Tailrace-Priority`` header, which llama-server ignores (FIFO).
 
@@ -74,10 +74,9 @@ import httpx
 import numpy as np
 import psutil
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "src"), str(ROOT / "bench")]
+from llama_server_build import ensure_llama_server  # bench/, the script's own folder
 
-from llama_server_build import ensure_llama_server  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 THREADS, SLOTS, CTX = 2, 4, 2048
 SYSTEM = "You are a careful assistant. Follow the instruction exactly and keep going."
@@ -111,9 +110,14 @@ def user(text: str, system: str = SYSTEM) -> list[dict[str, str]]:
     return [{"role": "system", "content": system}, {"role": "user", "content": text}]
 
 
-def count_prompt(i: int) -> list[dict[str, str]]:
-    start = 1 + 37 * i
-    return user(f"Count from {start} to {start + 400}, one number per line, with no other text.")
+JOBS = ("lighthouse keeper", "baker", "ferry pilot", "glassblower", "beekeeper", "cartographer",
+        "clockmaker", "shepherd", "librarian", "miner", "weaver", "astronomer", "potter")
+
+
+def story_prompt(i: int) -> list[dict[str, str]]:
+    """A prompt greedy SmolLM2 answers at length (no early stop at 96 tokens here)."""
+    return user(f"Write a long, detailed story about a {JOBS[i % len(JOBS)]} named Keeper {i} "
+                f"and the storm that lasted a week.")
 
 
 def rag_prompt(i: int) -> list[dict[str, str]]:
@@ -235,7 +239,7 @@ def workloads(quick: bool, n: int) -> list[tuple[str, Any]]:
     for c in (1, 4, 8, 16):
         k = max(c, 2) if quick else max(2 * c, 4)
         ws.append((f"plain-{c}", lambda cl, b, c=c, k=k: closed_loop(
-            cl, b, [body(count_prompt(i), n) for i in range(k)], c)))
+            cl, b, [body(story_prompt(i), n) for i in range(k)], c)))
     k = 6 if quick else 12
     ws.append(("rag", lambda cl, b: closed_loop(
         cl, b, [body(rag_prompt(i), n // 2) for i in range(k)], SLOTS)))
@@ -469,7 +473,7 @@ async def one_server(name: str, gguf: Path, model: dict, binary: Path | None, qu
     srv = start(name, gguf, model, binary, tmp)
     try:
         await measure(srv, "warmup", lambda cl, b: closed_loop(
-            cl, b, [body(count_prompt(i), 8) for i in range(SLOTS)], SLOTS))
+            cl, b, [body(story_prompt(i), 8) for i in range(SLOTS)], SLOTS))
         rows = {"prefill": await prefill_probe(srv)}
         for wname, factory in workloads(quick, n):
             rows[wname] = await measure(srv, wname, factory)
