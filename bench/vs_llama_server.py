@@ -500,6 +500,7 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     for label, gguf, model in find_models():
         facts = model_facts(gguf)
         runs: dict[str, list[dict]] = {s: [] for s in servers}
+        report["models"][label] = {"path": str(gguf), "facts": facts, "runs": runs}
         for r in range(args.runs):
             order = servers if r % 2 == 0 else servers[::-1]
             for name in order:
@@ -507,7 +508,8 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
                 with tempfile.TemporaryDirectory() as tmp:
                     runs[name].append(asyncio.run(one_server(
                         name, gguf, model, binary, args.quick, args.tokens, Path(tmp))))
-        report["models"][label] = {"path": str(gguf), "facts": facts, "runs": runs}
+                if args.json:  # what is done so far survives an interrupted run
+                    Path(args.json).write_text(json.dumps(report, indent=1))
     return report
 
 
