@@ -49,6 +49,7 @@ per-token overheads dominate more than they would on a 7B model.
     python bench/vs_llama_server.py --quick          # 1 short run
     python bench/vs_llama_server.py --runs 3 --json out.json
     python bench/vs_llama_server.py --no-llama-server   # tailrace's side only
+    python bench/vs_llama_server.py --table out.json    # the table of a saved run
 """
 
 from __future__ import annotations
@@ -591,8 +592,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="max_tokens per answer (64)")
     ap.add_argument("--no-llama-server", action="store_true", help="tailrace's side only")
     ap.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    ap.add_argument("--table", metavar="FILE", help="only print the table of a saved --json")
     args = ap.parse_args()
     args.runs = args.runs or (1 if args.quick else 2)
+    if args.table:
+        print(table(json.loads(Path(args.table).read_text())))
+        return
     report = run_all(args)
     print()
     print(table(report))
