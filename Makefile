@@ -54,6 +54,7 @@ bench: $(STAMP)  ## run the benchmarks and print their figures (~45 minutes)
 	$(BIN)/python bench/contention.py --engine llama --duration 40 --seeds 7 8 9 --reserve 2 0 \
 		--overflow 4 --policies simultaneous slo
 	$(BIN)/python bench/engine_efficiency.py
+	$(BIN)/python bench/vs_llama_server.py
 	$(BIN)/python bench/prefix.py
 	$(BIN)/python bench/serve_load.py
 	$(BIN)/python bench/ray_overhead.py
