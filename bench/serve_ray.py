@@ -398,11 +398,11 @@ def direct(bench: Bench, name: str, bodies: list[dict]) -> list[float]:
 
     try:
         from tailrace.request import Request
-        from tailrace.serving.ray.hub import pack
+        from tailrace.runtime.ray.credits import encode
 
         def call(body: dict) -> tuple[bool, Any]:
             return pickle.loads(ray.get(bench.server.hub.submit.remote(
-                pack((name, body, Request())))))
+                encode((name, body, Request())))))
     except ImportError:  # a checkout from before issue 23: the hub took the record
         def call(body: dict) -> tuple[bool, Any]:
             return ray.get(bench.server.hub.submit.remote(name, body))

@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...compiler import Plan
+from ...compiler import Plan, PlanStage
 from ...compiler.validate import placement_problem
 from ...errors import PlanError
 from .host import MAX_CONCURRENCY, actor_class
@@ -95,14 +95,10 @@ def driver_stages(plan: Plan, placements: dict[int, StagePlacement], served: boo
         where = pl.where if pl is not None else ""
         if where == "host" or (where == "" and not served):
             continue
-        why = ("it has several replicas" if s.replicas != 1 or s.elastic else
-               f"it runs {s.mode} code (only inline code runs on the driver's loop)"
-               if s.mode != "inline" else
-               "it reserves resources" if pl is not None and pl.dedicated else
-               "a stage before it runs in an actor"
-               if any((p := index[u.partition(".")[0]]) not in out
-                      and plan.stages[p].ops[0].op.kind != "source" for u in s.upstream)
-               else None)
+        producers = [index[u.partition(".")[0]] for u in s.upstream]
+        fed_here = all(p in out or plan.stages[p].ops[0].op.kind == "source"
+                       for p in producers)
+        why = _not_in_driver(s, pl, fed_here)
         if why is None:
             out.add(i)
         elif where == "driver":
@@ -110,6 +106,20 @@ def driver_stages(plan: Plan, placements: dict[int, StagePlacement], served: boo
                             "stages of inline code fed by a source or by another such stage",
                             stage="+".join(o.id for o in s.ops if o.op.kind != "sink"))
     return out
+
+
+def _not_in_driver(s: PlanStage, pl: StagePlacement | None, fed_here: bool) -> str | None:
+    """Why stage ``s`` cannot run in the driver (None: it can); ``fed_here``: every
+    producer of it is a source or a stage in the driver."""
+    if s.replicas != 1 or s.elastic:
+        return "it has several replicas"
+    if s.mode != "inline":
+        return f"it runs {s.mode} code (only inline code runs on the driver's loop)"
+    if pl is not None and pl.dedicated:
+        return "it reserves resources"
+    if not fed_here:
+        return "a stage before it runs in an actor"
+    return None
 
 
 @dataclass

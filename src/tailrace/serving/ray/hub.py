@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ...request import Request
-from ...runtime.ray.credits import encode as pack  # a hub call's arguments or answer
+from ...runtime.ray.credits import encode
 from ..errors import ServiceError, ServiceUnavailable
 from ..hub import ServingHub
 from ..service import Cancel, PipelineService
@@ -82,17 +82,17 @@ class HubActor:
                 for name, s in self.hub.services.items()}
 
     async def submit(self, msg: bytes) -> bytes:
-        """Run one record of a request: ``msg`` is ``pack((pipeline, record, request))``
+        """Run one record of a request: ``msg`` is ``encode((pipeline, record, request))``
         (the request arrived as data: its live parts are this actor's); answers
-        ``pack((True, (output, reply)))`` or ``pack((False, ServiceError))``. One bytes
+        ``encode((True, (output, reply)))`` or ``encode((False, ServiceError))``. One bytes
         each way: Ray copies bytes as they are, where it pickles each argument of
         another type on its own (measured: bench/serve_ray.py, RESULTS.md)."""
         name, record, request = pickle.loads(msg)
         try:
             out = await self.hub.services[name].submit(record, request=request)
-            return pack((True, (out, request.reply)))
+            return encode((True, (out, request.reply)))
         except ServiceError as e:
-            return pack((False, e))
+            return encode((False, e))
 
     async def stream(self, name: str, record: dict, request: Request) -> Any:
         """A streaming generator: ``(None, text)`` for the pieces produced since the last
@@ -176,7 +176,7 @@ class RemoteService:
         req = request if request is not None else Request()
         try:
             if on_token is None:
-                ref = actor.submit.remote(pack((self.name, record, req)))
+                ref = actor.submit.remote(encode((self.name, record, req)))
                 try:
                     ok, value = pickle.loads(await ref)
                 except asyncio.CancelledError:
