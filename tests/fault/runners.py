@@ -399,7 +399,7 @@ def run_service(sc: Scenario, *, here: bool = False, ray: Any = None) -> Report:
             svc = PipelineService(p, admission=gate, timeout_s=SERVICE_TIMEOUT_S,
                                   max_pending=sc.max_pending or 1024,
                                   runtime="local" if ray is None else "ray", runs=runs,
-                                  placement=placement(sc, p, served=True))
+                                  placement=placement(sc, p))
             _observe(svc, outputs, errors, dropped)
             skipped: set[int] = set()  # Ray: cancelled before the source took them
             if ray is not None:
@@ -674,7 +674,7 @@ def run_ray(sc: Scenario, ray: Any) -> Report:
             p = build(sc, ledger, run, data=inputs(sc.n), sink=sink)
             job = _Watched(lambda: tr.run(p, runtime="ray", fuse=sc.fuse,
                                           errors=errors.append, admission=gate, runs=runs,
-                                          placement=placement(sc, p, served=False)),
+                                          placement=placement(sc, p)),
                            lambda: (len(outputs), len(errors)))
             if not job.wait(stall_s=30.0):
                 report.problems.append("the Ray run hung (no output for 30 s)")
@@ -697,7 +697,7 @@ def run_ray(sc: Scenario, ray: Any) -> Report:
     return report
 
 
-def placement(sc: Scenario, p: Any, served: bool) -> dict | None:
+def placement(sc: Scenario, p: Any) -> dict | None:
     """The run's ``placement`` for ``sc.where`` (None: the runtime's default)."""
     if not sc.where:
         return None
@@ -706,7 +706,7 @@ def placement(sc: Scenario, p: Any, served: bool) -> dict | None:
     from tailrace.compiler import compile_pipeline
     from tailrace.runtime.ray.placement import driver_stages
 
-    plan = compile_pipeline(p, fuse=sc.fuse if not served else True)
+    plan = compile_pipeline(p, fuse=sc.fuse)
     return {plan.stages[i].ops[0].id: {"where": "driver"}
             for i in driver_stages(plan, {}, served=True)}
 
