@@ -71,7 +71,7 @@ def test_render_formats():
                               "placement": None, "max_replicas": None}}],
         "execution": {"call": "chain", "mode": "thread", "max_batch": 512,
                       "max_wait_ms": 0.0, "push": 64, "timeout_ms": None, "retries": 0,
-                      "cancel": "none", "threads": 1}}
+                      "cancel": "none", "threads": 1, "in_flight": 1}}
     assert plan.render("text").splitlines()[0] == "plan 'c': 4 stages from 5 operators"
 
 
@@ -140,6 +140,54 @@ def test_a_batch_contract_over_an_engine_that_batches_itself_does_not_wait(monke
             assert (x.call, x.max_batch, x.max_wait_ms) == ("collect", 8, want), (backend, sid)
         note = "wait=0ms push=8 threads=1 (the engine batches: batch.max_wait_ms unused)"
         assert (note in plan.render("text")) == (want == 0.0)
+
+
+def test_a_stage_over_a_continuously_batching_engine_calls_in_flight(monkeypatch, tmp_path):
+    """Without a batch contract, such a stage hands each record to the engine as its own
+    call, several in flight per replica (``Execution.in_flight``), so a short answer is not
+    held behind a long one; an engine that does not batch keeps one micro-batch call."""
+    from tailrace.compiler import CALLS_IN_FLIGHT
+    from tailrace.engines import BACKENDS
+
+    for name in ("BatchOwn", "BatchNot"):
+        monkeypatch.setitem(BACKENDS, name, (__name__, name, ("generate",)))
+    (tmp_path / "m.bin").write_bytes(b"")
+    path = str(tmp_path / "m.bin")
+    for backend, want in (("BatchOwn", (1, CALLS_IN_FLIGHT)), ("BatchNot", (8, 1))):
+        p = tr.Pipeline("g", engines={"llm": {"backend": backend, "path": path},
+                                      "big": {"backend": "BatchOwn", "path": path}})
+        s = p.source(fields=["q"])
+        s = s.apply("generate", id="gen", engine="llm", input="q")
+        s = s.apply("tool_call", id="tools", engine="llm", input="q", tools=[
+            {"name": "n", "fn": "builtins.len"}])
+        s = s.apply("generate", id="small", engine="llm", input="q", queue=8, replicas=2)
+        s = s.apply("generate", id="grouped", engine="llm", input="q", batch={"max_size": 4})
+        s.sink()
+        plan = tr.compile_pipeline(p)
+        for sid in ("gen", "tools"):
+            x = plan.stage(sid).execution
+            assert (x.max_batch, x.in_flight) == want, (backend, sid)
+        assert plan.stage("small").execution.in_flight == (4 if want[1] > 1 else 1)  # 8 // 2
+        assert plan.stage("grouped").execution.in_flight == 1  # a batch contract: one call
+        assert (f"in_flight={CALLS_IN_FLIGHT}" in plan.render("text")) == (want[1] > 1)
+
+
+class _Remote(tr.Operator):
+    concurrent_calls = True  # e.g. a client of a vLLM server
+
+    def process(self, record):
+        return record
+
+
+def test_a_custom_operator_with_concurrent_calls_keeps_several_in_flight():
+    from tailrace.compiler import CALLS_IN_FLIGHT
+
+    p = tr.Pipeline("c")
+    p.source(list(range(40))).apply(_Remote, id="remote").sink(out := [])
+    x = tr.compile_pipeline(p).stage("remote").execution
+    assert (x.mode, x.max_batch, x.in_flight) == ("thread", 1, CALLS_IN_FLIGHT)
+    tr.run(p)
+    assert sorted(out) == list(range(40))
 
 
 def test_replicas_and_the_bound_size_batches_and_pushes():

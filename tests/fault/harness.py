@@ -113,7 +113,9 @@ class Step:
 
     op: map | amap (async map) | filter | flat_map | branch | merge | batch (a batch
         stage of ``size`` records, ``wait_ms``) | bmap (a map with a batch contract of
-        ``size``, ``wait_ms``) | stateful | select (a batch-only built-in operator).
+        ``size``, ``wait_ms``) | cmap (a custom operator with ``concurrent_calls``:
+        several blocking calls in flight per replica, ``Execution.in_flight``)
+        | stateful | select (a batch-only built-in operator).
     contract: the contract keywords, as sorted (key, value) pairs.
     """
 
@@ -192,7 +194,20 @@ class Scenario:
 
 
 PIPELINE = "fault"
-FN_OPS = ("map", "amap", "filter", "flat_map", "branch", "bmap", "stateful")
+FN_OPS = ("map", "amap", "filter", "flat_map", "branch", "bmap", "cmap", "stateful")
+
+
+class ConcurrentMap(tr.Operator):
+    """``cmap``: blocking calls to a server that batches them itself, as ``generate``'s
+    to llama.cpp are, so the stage keeps several in flight per replica."""
+
+    concurrent_calls = True
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def process(self, record: Any) -> Any:
+        return self.fn(record)
 
 
 def stage_id(i: int, step: Step) -> str:
@@ -332,7 +347,7 @@ class Fn:
 
     def apply(self, x: Any) -> Any:
         op = self.op
-        if op in ("map", "amap"):
+        if op in ("map", "amap", "cmap"):
             return {**x, "hops": x.get("hops", 0) + 1}
         if op == "bmap":
             return [{**r, "hops": r.get("hops", 0) + 1} for r in x]
@@ -396,6 +411,9 @@ def build(sc: Scenario, ledger: Ledger, run: int, *, data: list | None,
             out = s.map(AsyncFn("amap", sid, sc, step.faults, ledger, run, t), id=sid, **c)
         elif step.op == "map":
             out = s.map(Fn("map", sid, sc, step.faults, ledger, run, t), id=sid, **c)
+        elif step.op == "cmap":
+            out = s.apply(ConcurrentMap, fn=Fn("cmap", sid, sc, step.faults, ledger, run, t),
+                          id=sid, **c)
         elif step.op == "bmap":
             out = s.map(Fn("bmap", sid, sc, step.faults, ledger, run, t), id=sid,
                         batch={"max_size": step.size, "max_wait_ms": step.wait_ms}, **c)

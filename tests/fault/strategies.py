@@ -6,9 +6,9 @@ from hypothesis import strategies as st
 
 from .harness import FN_OPS, Admission, Faults, Scenario, Step
 
-OPS = ("map", "amap", "filter", "flat_map", "branch", "merge", "batch", "bmap", "stateful",
-       "select")
-SYNC_FN_OPS = ("map", "filter", "flat_map", "branch", "bmap", "stateful")
+OPS = ("map", "amap", "filter", "flat_map", "branch", "merge", "batch", "bmap", "cmap",
+       "stateful", "select")
+SYNC_FN_OPS = ("map", "filter", "flat_map", "branch", "bmap", "cmap", "stateful")
 
 
 def _contract(draw, op: str, target: str) -> tuple:

@@ -2,12 +2,12 @@
 hold a request behind the ones it is already generating: the engine merges requests as
 they come (and ranks them by class), but only those the stage has handed it.
 
-Known defect (issue 24, found by ``bench/vs_llama_server.py``'s mixed workload): with the
-default one replica the stage calls the engine once per micro-batch and waits for the
-whole call, so a request that arrives meanwhile waits for the longest generation in it
-(interactive TTFT p50 29.6 s against llama-server's 5.6 s). With ``replicas: 2`` the
-short request below ends first (measured: 1.2 s against the long one's 3.3 s); with one
-replica it ends after it (2.9 s). The test asserts the order of completion, not a time.
+Issue 24 (found by ``bench/vs_llama_server.py``'s mixed workload): the stage used to call
+the engine once per micro-batch and wait for the whole call, so a request arriving
+meanwhile waited for the longest generation in it (interactive TTFT p50 29.6 s against
+llama-server's 5.6 s). Now each record of such a stage is its own engine call, several in
+flight (``Execution.in_flight``). The test asserts the order of completion, not a
+time.
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ from tailrace.serving import PipelineService
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 24: a generate stage holds new requests "
-                   "behind its current engine call (head-of-line blocking)")
 def test_a_short_request_is_not_held_behind_a_long_generation():
     p = tr.Pipeline("hol", engines={"llm": {"backend": "llama_cpp",
                                             "model": "smollm2-135m-instruct",

@@ -2,6 +2,7 @@
 
 from .plan import (
     ABANDON_CAP,
+    CALLS_IN_FLIGHT,
     DEFAULT_QUEUE,
     MAX_MICROBATCH,
     MAX_PUSH,
@@ -15,6 +16,6 @@ from .plan import (
 )
 from .render import FORMATS, render
 
-__all__ = ["ABANDON_CAP", "DEFAULT_QUEUE", "FORMATS", "MAX_MICROBATCH", "MAX_PUSH",
-           "PUSHES_IN_FLIGHT", "Edge", "Execution", "Plan", "PlanOp", "PlanStage",
+__all__ = ["ABANDON_CAP", "CALLS_IN_FLIGHT", "DEFAULT_QUEUE", "FORMATS", "MAX_MICROBATCH",
+           "MAX_PUSH", "PUSHES_IN_FLIGHT", "Edge", "Execution", "Plan", "PlanOp", "PlanStage",
            "compile_pipeline", "render"]

@@ -33,6 +33,10 @@ PUSHES_IN_FLIGHT = 8
 #: cannot be killed; past this many, new calls fail at once instead of queueing behind
 #: hung threads (so a timed blocking worker gets 1 + ABANDON_CAP threads).
 ABANDON_CAP = 4
+#: Calls a replica of a stage over a continuously batching engine has in flight at once
+#: (``Execution.in_flight``): enough that what waits reaches the engine's own queue, where it
+#: is ranked by class, rather than the stage's FIFO.
+CALLS_IN_FLIGHT = 32
 
 
 @dataclass(frozen=True)
@@ -63,8 +67,12 @@ class Execution:
     timeout_ms, retries: per attempt / extra attempts (``per_record`` and ``collect``).
     cancel:    what a timeout does: ``none``, ``cancel`` (the coroutine is cancelled) or
                ``abandon`` (a blocking call's ``_cancel`` is set, its thread left to end).
-    threads:   worker threads per stage replica (0: none; 1 + ``ABANDON_CAP`` when a
+    threads:   worker threads per call in flight (0: none; 1 + ``ABANDON_CAP`` when a
                blocking call may be abandoned).
+    in_flight: calls a replica has in flight at once. 1, except for an operator whose
+               engine batches continuously (``engine_batches``): each record is its own
+               call, up to ``CALLS_IN_FLIGHT`` at once, so a short answer is never held behind a
+               long one in the same call and the engine merges and ranks them itself.
     """
 
     call: str
@@ -76,6 +84,7 @@ class Execution:
     retries: int
     cancel: str
     threads: int
+    in_flight: int = 1
 
     def describe(self) -> str:
         """One line for ``tailrace plan``."""
@@ -89,6 +98,8 @@ class Execution:
             parts.append(f"retries={self.retries}")
         if self.threads:
             parts.append(f"threads={self.threads}")
+        if self.in_flight > 1:
+            parts.append(f"in_flight={self.in_flight}")
         return " ".join(parts)
 
 
@@ -212,6 +223,10 @@ def execution(ops: tuple[PlanOp, ...], replicas: int, queue: int, mode: str) -> 
         wait = 0.0
         if cap is not None:
             max_n = min(max_n, cap)
+    in_flight = 1
+    if call != "collect" and mode == "thread" and first.op.engine_batches is not None \
+            and first.op.engine_batches(first.params):
+        max_n, in_flight = 1, max(1, min(CALLS_IN_FLIGHT, queue // replicas))
     push = max(1, min(MAX_PUSH, queue // (PUSHES_IN_FLIGHT * replicas)))
     hint = c.batch.max_size if c.batch is not None \
         else cap if cap is not None else first.params.get("max_size")
@@ -221,7 +236,7 @@ def execution(ops: tuple[PlanOp, ...], replicas: int, queue: int, mode: str) -> 
     cancel = "none" if not timed else "cancel" if mode == "async" else "abandon"
     threads = 0 if mode != "thread" else 1 + (ABANDON_CAP if timed else 0)
     return Execution(call, mode, max_n, float(wait), push, c.timeout_ms, c.retries, cancel,
-                     threads)
+                     threads, in_flight)
 
 
 def _fusable(op: PlanOp) -> bool:

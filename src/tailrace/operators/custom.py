@@ -10,7 +10,10 @@
             return {**record, "text": text}
 
 A fresh instance is made per run and per replica, so instance state is never shared.
-Override ``process_batch(records) -> list`` to handle a micro-batch at once.
+Override ``process_batch(records) -> list`` to handle a micro-batch at once. An operator
+that blocks on a server which batches concurrent calls itself (a vLLM or llama-server
+client) sets ``concurrent_calls = True``: its stage runs in threads, each record its own
+call, up to ``CALLS_IN_FLIGHT`` at once per replica (``Execution.in_flight``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ class Operator:
 
     reads: tuple[str, ...] | None = None
     writes: tuple[str, ...] | None = None
+    concurrent_calls: bool = False  # blocking calls that a server batches: many at once
 
     def process(self, record: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must define process(record)")
@@ -69,5 +73,7 @@ def custom_op(cls: Any) -> OpDef:
         return OpRuntime("map", batch_fn=batch_fn, record_fn=lambda x: [inst.process(x)])
 
     name = f"{cls.__module__}.{cls.__qualname__}"
-    return OpDef(name, "map", build, tuple(params),
+    concurrent = bool(cls.concurrent_calls)
+    return OpDef(name, "map", build, tuple(params), blocking=concurrent,
+                 engine_batches=(lambda p: True) if concurrent else None,
                  fields=lambda p: (cls.reads, cls.writes), doc=(cls.__doc__ or "").strip())

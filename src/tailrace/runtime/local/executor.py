@@ -1,11 +1,12 @@
 """The local runtime: a Plan on one asyncio event loop.
 
-Each stage is one task per replica reading micro-batches from its bounded input
-channel and handing them to its ``StageWorker`` (``runtime/stage.py``), which calls the
-operators as the compiler decided (``Execution``). The runtime only moves batches:
-sources are read by ``runtime/ingress.py``, results go to the downstream channels. When
-a stage's replicas have all seen the end of their input, it closes its downstream
-channels, so end-of-input propagates through branches, merges and replicas.
+Each stage is one task per replica (per call a replica may have in flight,
+``Execution.in_flight``) reading micro-batches from its bounded input channel and
+handing them to its ``StageWorker`` (``runtime/stage.py``), which calls the operators as
+the compiler decided (``Execution``). The runtime only moves batches: sources are read by
+``runtime/ingress.py``, results go to the downstream channels. When a stage's replicas
+have all seen the end of their input, it closes its downstream channels, so end-of-input
+propagates through branches, merges and replicas.
 """
 
 from __future__ import annotations
@@ -70,8 +71,9 @@ class LocalRun:
                 self.source_meters[s.id] = StageMeter(s.id, "source")
                 continue
             self.channels[s.id] = Channel(s.queue, producers=len(s.upstream))
+            n = s.replicas * s.execution.in_flight  # type: ignore[union-attr]
             self.workers[s.id] = [StageWorker(s, self._build(s, outputs), on_drop, drop_key)
-                                   for _ in range(s.replicas)]
+                                  for _ in range(n)]
         ids = [s.id for s in plan.stages]
         self.down: dict[str, dict[str | None, list[Channel]]] = {
             ids[i]: {port: [self.channels[ids[c]] for c in cs] for port, cs in ports.items()}

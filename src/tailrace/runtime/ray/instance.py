@@ -124,14 +124,22 @@ class HostedWorker:
         self.first = spec.first
         self.outbox = outbox
         ops = [o for o in s.ops if o.op.kind != "sink"]  # the driver runs sinks
-        rts: list[OpRuntime] = [o.op.build(o.params, BuildContext(o.contract, open_engine))
-                                for o in ops]
-        self.worker = w = StageWorker(s, rts)
-        self.meters: list[StageMeter] = w.meters[:len(rts)]
+        # a worker per call in flight (``Execution.in_flight``), own threads and meters
+        self.workers: list[StageWorker] = []
+        for j in range(s.execution.in_flight):  # type: ignore[union-attr]
+            rts: list[OpRuntime] = [o.op.build(o.params, BuildContext(o.contract, open_engine))
+                                    for o in ops]
+            w = StageWorker(s, rts)
+            w.start(f"{s.id}-{replica}-{j}")  # its own threads, never the host's
+            self.workers.append(w)
+        self.n_meters = len(rts)
         self.fan = any(w.fans)
         self.scheduling = Histogram()
         self.max_n = w.execution.max_batch
-        w.start(f"{s.id}-{replica}")  # its own threads, never the host's
+        self._free: asyncio.Queue = asyncio.Queue()  # the workers free to take a part
+        for w in self.workers:
+            self._free.put_nowait(w)
+        self._running: set[asyncio.Future] = set()  # pushes being run, when several may be
         self.links: dict[str | None, list[Link]] = {
             port: [Link(r, spec.run_id, outbox.deliver if r.sink else None, self._unsendable)
                    for r in routes]
@@ -142,7 +150,7 @@ class HostedWorker:
         self.depth = 0
         self.max_depth = 0
         self.dirty = True
-        self.running = False  # a micro-batch is in the operators now
+        self.busy = 0  # pushes in the operators now
         self._q: deque = deque()  # (enqueued, born, key, records, lineage, done future)
         self._room: deque = deque()  # pushes waiting for room in the queue, FIFO
         self._streams: dict[int, Stream] = {}  # producer link -> its pushes' order
@@ -204,64 +212,104 @@ class HostedWorker:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            worker = await self._free.get()  # a push leaves the queue when a worker is free
             enq, born, key, records, lin, done = q.popleft()
             self.depth -= len(records)
             self._admit()
             if done.done():  # the pushing call was cancelled (run aborted)
+                self._free.put_nowait(worker)
                 continue
-            self.running = self.dirty = True
-            try:
-                result = await self._run(enq, born, key, records, lin)
-            except Exception as e:  # noqa: BLE001 - a runtime fault: fail this push
+            if len(self.workers) == 1:
+                await self._finish(enq, born, key, records, lin, done, worker)
+            else:  # several workers: the next push may start while this one runs
+                task = asyncio.ensure_future(
+                    self._finish(enq, born, key, records, lin, done, worker))
+                self._running.add(task)
+                task.add_done_callback(self._running.discard)
+
+    async def _finish(self, enq: float, born: float, key: BatchKey, records: list,
+                      lin: Lineage, done: asyncio.Future, worker: StageWorker) -> None:
+        self.busy += 1
+        self.dirty = True
+        try:
+            result = await self._run(enq, born, key, records, lin, worker)
+        except Exception as e:  # noqa: BLE001 - a runtime fault: fail this push
+            if not done.done():
                 done.set_exception(e)
-            else:
+        else:
+            if not done.done():
                 done.set_result(result)
-            self.running = False
+        finally:
+            self.busy -= 1
             self.dirty = True
 
     async def _run(self, enq: float, born: float, key: BatchKey, records: list,
-                   lin: Lineage) -> tuple[list, tuple | None]:
+                   lin: Lineage, worker: StageWorker) -> tuple[list, tuple | None]:
         """Run one micro-batch in parts of at most ``max_n`` records (a batch contract's
-        size, an engine's batch), handing each part's results on as soon as it is done.
-        Returns the acks to wait for and, if the push fanned out, its commit."""
+        size, an engine's batch), handing each part's results on as soon as it is done;
+        ``worker``: the worker taken for it, given back here. With several workers its parts
+        run at once, each in a free one. Returns the acks to wait for and, if the push
+        fanned out, its commit."""
         now = perf_counter()
         n = len(records)
-        self.meters[0].queue_wait.record((now - enq) * 1e6, n)
+        worker.meters[0].queue_wait.record((now - enq) * 1e6, n)
         if self.first:
             self.scheduling.record((time.time() - born) * 1e6, n)
         step = self.max_n or n or 1
         acks: list = []
-        token: int | None = None
-        fanned_ids: list = []
-        fan_key = key
-        for i in range(0, n, step):
-            part = records if step >= n else records[i:i + step]
-            part_ids = lin if step >= n else lin[i:i + step]
-            errors: list[ErrorRecord] = []
-            trace = Trace()
-            ports = await self.worker.process(part, errors, trace)
-            esrc = trace.esrc
-            fan = self.fan or trace.fanned
-            out_key = key
-            if fan:  # outputs are (parent, ordinal), delivered once this push commits
-                if token is None:
-                    token = random.getrandbits(62)
-                    fan_key = key + ((self.index, token),)
-                out_key = fan_key
-                fanned_ids.extend(part_ids)
-            if errors:
-                acks.append(self.outbox.fail(self.index, out_key, errors,
-                                             ids(part_ids, esrc, fan, errors=True)))
-            counts: dict[int, int] = {}  # ordinals per input, across ports
-            for port, recs in ports.items():
-                links = self.links.get(port)
-                if recs and links:
-                    await send_all(links, out_key, recs,
-                                   ids(part_ids, trace.src.get(port), fan, counts=counts),
-                                   born, acks)
+        fanned: list = [None, key, []]  # [token, key of the outputs, fanned input ids]
+        parts = [(records[i:i + step], lin[i:i + step]) for i in range(0, n, step)] \
+            if step < n else [(records, lin)] if n else []
+
+        async def run_in(w: StageWorker, recs: list, part_ids: Lineage) -> None:
+            try:
+                await self._part(w, recs, part_ids, key, born, acks, fanned)
+            finally:
+                self._free.put_nowait(w)
+
+        if len(self.workers) == 1 or len(parts) <= 1:
+            try:
+                for recs, part_ids in parts:
+                    await self._part(worker, recs, part_ids, key, born, acks, fanned)
+            finally:
+                self._free.put_nowait(worker)
+        else:
+            tasks = []
+            for j, (recs, part_ids) in enumerate(parts):
+                w = worker if j == 0 else await self._free.get()
+                tasks.append(asyncio.ensure_future(run_in(w, recs, part_ids)))
+            await asyncio.gather(*tasks)
+        token, _, fanned_ids = fanned
         if token is None:
             return acks, None
         return acks, (self.index, key, token, fanned_ids)
+
+    async def _part(self, w: StageWorker, part: list, part_ids: Lineage, key: BatchKey,
+                    born: float, acks: list, fanned: list) -> None:
+        """One part of a push through ``w``: its error records to the driver, its outputs
+        to the consumer stages (their acks into ``acks``). ``fanned``: the push's fan-out
+        token, output key and fanned input ids, shared by its parts."""
+        errors: list[ErrorRecord] = []
+        trace = Trace()
+        ports = await w.process(part, errors, trace)
+        fan = self.fan or trace.fanned
+        out_key = key
+        if fan:  # outputs are (parent, ordinal), delivered once this push commits
+            if fanned[0] is None:
+                fanned[0] = random.getrandbits(62)
+                fanned[1] = key + ((self.index, fanned[0]),)
+            out_key = fanned[1]
+            fanned[2].extend(part_ids)
+        if errors:
+            acks.append(self.outbox.fail(self.index, out_key, errors,
+                                         ids(part_ids, trace.esrc, fan, errors=True)))
+        counts: dict[int, int] = {}  # ordinals per input, across ports
+        for port, recs in ports.items():
+            links = self.links.get(port)
+            if recs and links:
+                await send_all(links, out_key, recs,
+                               ids(part_ids, trace.src.get(port), fan, counts=counts),
+                               born, acks)
 
     def reroute(self, target: int, hosts: tuple, specs: tuple,
                 active: tuple[bool, ...]) -> None:
@@ -274,7 +322,7 @@ class HostedWorker:
     def _unsendable(self, key: BatchKey, records: list, lin: Lineage,
                     exc: BaseException) -> asyncio.Future:
         """Records that cannot be serialised for the next stage become error records here."""
-        sid = self.worker.ops[len(self.meters) - 1].id
+        sid = self.workers[0].ops[self.n_meters - 1].id
         errs = [ErrorRecord.from_exception(sid, x, TypeError(
             f"record cannot be sent to the next Ray actor: {exc}")) for x in records]
         return self.outbox.fail(self.index, key, errs, lin)
@@ -282,7 +330,8 @@ class HostedWorker:
     # -- reporting and shutdown -----------------------------------------------------------
     def report(self) -> MeterReport:
         """A snapshot of this replica's meters (copied: the loop keeps counting)."""
-        meters = [StageMeter.combined([m]) for m in self.meters]
+        meters = [StageMeter.combined([w.meters[j] for w in self.workers])
+                  for j in range(self.n_meters)]
         meters[0].max_queue_depth = self.max_depth
         sink_depth = {link.route.target: link.window.max_used
                       for links in self.links.values() for link in links if link.route.sink}
@@ -290,16 +339,19 @@ class HostedWorker:
         sched.merge(self.scheduling)
         return MeterReport(self.index, self.replica, self.incarnation, self.node, meters,
                            self.max_depth, sched, sink_depth,
-                           self.depth + sum(item[0] for item in self._room), self.running,
+                           self.depth + sum(item[0] for item in self._room), self.busy > 0,
                            any(link.window.waiting for links in self.links.values()
                                for link in links))
 
     def close(self) -> None:
         """Stop the loop, fail waiting pushes, release the replica's thread."""
         self._task.cancel()
+        for task in list(self._running):
+            task.cancel()
         for item in list(self._room) + list(self._q):
             if not item[-1].done():
                 item[-1].cancel()
         for stream in self._streams.values():
             stream.close()
-        self.worker.stop(wait=False)
+        for w in self.workers:
+            w.stop(wait=False)
