@@ -62,8 +62,6 @@ from .registry import (
 )
 from .tool_schema import ToolError, check_schema, parse_json_call, validate
 
-__all__ = ["ToolError", "check_schema", "parse_json_call", "validate"]
-
 _POOL = ThreadPoolExecutor(max_workers=16, thread_name_prefix="tailrace-tool")
 
 
