@@ -197,11 +197,8 @@ class OpenAIEngine:
         return None
 
     def count_tokens(self, text: str) -> int:
-        """Tokens ``text`` takes: the server's tokenizer if it has one, else ``approx_tokens``.
-
-        The first call tries ``/extras/tokenize`` (llama-cpp-python) and ``/tokenize`` (vLLM,
-        SGLang, llama.cpp) at the server root and remembers which works, or that none does.
-        """
+        """Tokens ``text`` takes: the server's tokenizer if it has one (the first call tries
+        ``_TOKENIZE_PATHS`` and remembers which works), else ``approx_tokens``."""
         with self._lock:
             probed, path = self._tokenize_probed, self._tokenize_path
         if path is not None:
