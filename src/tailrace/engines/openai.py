@@ -160,9 +160,6 @@ class OpenAIEngine:
 
     # ------------------------------------------------------------------ tokens
 
-    def _root(self) -> str:
-        return self.base_url[:-3] if self.base_url.endswith("/v1") else self.base_url
-
     def _tokenize(self, path: str, text: str) -> int | None:
         """Tokens in ``text`` by the endpoint ``path`` (relative to the server root); None
         if the endpoint is unusable."""
@@ -171,7 +168,7 @@ class OpenAIEngine:
         body = json.dumps({"model": self.model, "input": text, "prompt": text, "content": text,
                            "add_special_tokens": False}).encode()
         req = urllib.request.Request(
-            self._root() + path, data=body, method="POST",
+            self.base_url.removesuffix("/v1") + path, data=body, method="POST",
             headers={"Content-Type": "application/json",
                      "Authorization": f"Bearer {self._api_key}"})
         try:
