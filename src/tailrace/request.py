@@ -127,10 +127,6 @@ class Request:
     def __hash__(self) -> int:
         return hash(self.rid)
 
-    def answered_by(self, out: str) -> bool:
-        """Is the stage writing field ``out`` the one that answers this request?"""
-        return self.answers is None or self.answers == out
-
     def options_for(self, out: str) -> dict[str, Any] | None:
         """The request's options if the stage writing ``out`` answers it, else None."""
         return self.options if self.answers == out else None
@@ -138,12 +134,12 @@ class Request:
     def sink_for(self, out: str) -> Callable[[str], Any] | None:
         """Where the stage writing ``out`` streams its tokens: the request's sink if that
         stage answers it (any stage, for a request that names none), else None."""
-        return self.sink if self.answered_by(out) else None
+        return self.sink if self.answers is None or self.answers == out else None
 
     def report(self, out: str, finish: str | None, usage: dict[str, int]) -> None:
         """The stage writing ``out`` reports its answer (kept only from the answering
         stage of a request that names one)."""
-        if self.answers is not None and self.answers == out:
+        if self.answers == out:  # ``out`` is a field name, never None
             self.reply.finish = finish  # in place: an attempt's copy shares the reply
             self.reply.usage = usage
 

@@ -15,7 +15,7 @@ from tailrace.compiler import compile_pipeline
 from tailrace.engines import BACKENDS, Generation
 from tailrace.errors import PlanError
 from tailrace.operators.registry import resolve
-from tailrace.operators.tools import ToolError, check_schema, parse_json_call, validate
+from tailrace.operators.tool_schema import ToolError, check_schema, parse_json_call, validate
 
 RELEASE = threading.Event()  # lets the "hung" tool's thread finish when the test ends
 CALLS: list = []

@@ -417,8 +417,7 @@ class Stream:
 
         others: the streams to interleave with this one.
         """
-        ups = (self._ref,) + tuple(s._ref for s in others)
-        return Stream(self.pipeline, self.pipeline._add("merge", ups, {}, contract, id))
+        return self.pipeline.merge(self, *others, id=id, **contract)
 
     def batch(self, max_size: int, max_wait_ms: float = 0.0, *, id: str | None = None,
               output: str | None = None, **contract: Any) -> Stream:

@@ -107,9 +107,7 @@ class Execution:
 class PlanStage:
     """A schedulable unit: fused operators, replicas, mode, input bound, execution.
 
-    mode: ``inline`` (runs on the event loop), ``thread`` (blocking code: worker
-    threads), ``async`` (coroutine operators awaited on the loop).
-    execution: how the stage is called (``Execution``); None for a source.
+    mode: as ``Execution.mode``. execution: how the stage is called; None for a source.
     max_replicas: the most replicas the Ray runtime may scale the stage to on load
     (``replicas`` is the least); 0: fixed at ``replicas``.
     """

@@ -9,7 +9,7 @@ import inspect
 import numbers
 from typing import Any
 
-from ..api.pipeline import Pipeline, StageSpec, did_you_mean
+from ..api.pipeline import CONTRACT_KEYS, Pipeline, StageSpec, did_you_mean
 from ..errors import PlanError, TailraceError
 from ..operators import OpDef, known_ops, lookup, resolve
 from ..operators.registry import LinkContext
@@ -47,8 +47,7 @@ def check_params(spec: StageSpec, op: OpDef) -> dict[str, Any]:
             allowed = ", ".join(by_name) or "none"
             raise _err(spec, f"unknown parameter '{k}' for operator '{op.name}'"
                        f"{did_you_mean(k, list(by_name))} (its parameters: {allowed}; "
-                       "contract keys: replicas, batch, timeout_ms, retries, queue, blocking, "
-                       "placement)")
+                       f"contract keys: {', '.join(CONTRACT_KEYS)})")
     for p in op.params:
         v = spec.params.get(p.name)
         if v is None:

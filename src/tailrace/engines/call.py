@@ -1,15 +1,9 @@
 """One engine call as its caller waits on it, and what of its text the caller already has.
 
-``Call`` is one ``generate``/``embed`` call: whoever runs its requests (the llama.cpp
-decode loop, an engine pool's loop) fills in its results one request at a time or fails
-it, and hands streamed text to its ``on_token`` callback through ``emit``; the caller's
-thread blocks in ``wait``. Both the engine and the pool use this one class.
-
-``Streamed`` is the one place that knows which of a request's streamed text its caller
-was given. A request can run more than once (a pool retries a batch on another replica,
-a replica reruns a failed batch one request at a time, a Ray actor replays a record);
-each attempt produces its text from the start again, and only what goes beyond the
-earlier attempts may reach the caller.
+``Call``: whoever runs the requests (the llama.cpp decode loop, a pool's loop) fills in
+results or fails it and streams through ``emit``; the caller blocks in ``wait``.
+``Streamed``: which of a request's text its caller was given, over every attempt (a pool
+retry, a rerun one by one, a Ray replay each produce the text from the start again).
 """
 
 from __future__ import annotations

@@ -92,13 +92,9 @@ class OnnxEmbedder:
         self.dim = self._probe_dim(info.dim if info else 0)
 
     def _pick_output(self, model_file: str) -> tuple[str, bool]:
-        """The output to read, and whether it is already pooled (2-D).
-
-        A ``sentence_embedding`` output is used as is; otherwise the (only) float 3-D
-        output holds the token embeddings and is mean-pooled here. minilm-l6-int8 has
-        just ``last_hidden_state``; minilm-l3 also outputs its input ids, mask and an
-        unnamed 2-D mean pooling of the same tokens (pooling here matches it to 1e-7).
-        """
+        """The output to read, and whether it is already pooled: a ``sentence_embedding``
+        output as is, else the float 3-D token embeddings, mean-pooled here (minilm-l3's
+        unnamed 2-D pooled output is skipped: pooling here matches it to 1e-7)."""
         outputs = [o for o in self._session.get_outputs() if "float" in o.type]
         for o in outputs:
             if o.name in _POOLED and len(o.shape) == 2:

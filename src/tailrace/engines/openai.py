@@ -160,9 +160,6 @@ class OpenAIEngine:
 
     # ------------------------------------------------------------------ tokens
 
-    def _root(self) -> str:
-        return self.base_url[:-3] if self.base_url.endswith("/v1") else self.base_url
-
     def _tokenize(self, path: str, text: str) -> int | None:
         """Tokens in ``text`` by the endpoint ``path`` (relative to the server root); None
         if the endpoint is unusable."""
@@ -171,7 +168,7 @@ class OpenAIEngine:
         body = json.dumps({"model": self.model, "input": text, "prompt": text, "content": text,
                            "add_special_tokens": False}).encode()
         req = urllib.request.Request(
-            self._root() + path, data=body, method="POST",
+            self.base_url.removesuffix("/v1") + path, data=body, method="POST",
             headers={"Content-Type": "application/json",
                      "Authorization": f"Bearer {self._api_key}"})
         try:
@@ -197,11 +194,8 @@ class OpenAIEngine:
         return None
 
     def count_tokens(self, text: str) -> int:
-        """Tokens ``text`` takes: the server's tokenizer if it has one, else ``approx_tokens``.
-
-        The first call tries ``/extras/tokenize`` (llama-cpp-python) and ``/tokenize`` (vLLM,
-        SGLang, llama.cpp) at the server root and remembers which works, or that none does.
-        """
+        """Tokens ``text`` takes: the server's tokenizer if it has one (the first call tries
+        ``_TOKENIZE_PATHS`` and remembers which works), else ``approx_tokens``."""
         with self._lock:
             probed, path = self._tokenize_probed, self._tokenize_path
         if path is not None:

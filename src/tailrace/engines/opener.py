@@ -1,23 +1,11 @@
 """Opening engines by spec: checked at compile time, created once per process and shared.
 
-A pipeline's ``engines:`` block maps names to specs like
-``{backend: llama_cpp, model: smollm2-135m-instruct, n_threads: 2}``. ``check_spec``
-validates a spec at compile time without loading anything (unknown backend or model,
-missing model package -> one clear line with the fix); ``open_engine`` creates the
-engine on first use and shares it with every stage and run in the process.
-
-A spec with ``replicas: N`` (embedded engines, each in its own process) or
-``endpoints: [URL, ...]`` (remote OpenAI-compatible servers) names an engine POOL
-(``pool.EnginePool``: batching, least-loaded dispatch, failover), one per engine name,
-shared by every pipeline in the process.
-
-A spec with ``cluster:`` (``cluster.py``) spreads replicas of the engine over a Ray
-cluster; only the Ray runtime opens it (the local one refuses it with the fix).
-
-Operators do not call ``open_engine`` themselves: they open engines through the
-``BuildContext`` their runtime passes to ``build``. The local runtime passes this
-``open_engine``; a Ray stage host passes its own, a handle on the cluster's shared
-engine actor (``runtime/ray/engines.py``).
+``check_spec`` validates an ``engines:`` spec without loading anything (unknown backend
+or model, missing package: one line with the fix); ``open_engine`` creates the engine on
+first use and shares it in the process. A spec with ``replicas: N`` or ``endpoints:
+[URL, ...]`` names an engine pool (``pool.EnginePool``), one per engine name; one with
+``cluster:`` is opened by the Ray runtime only. Operators reach ``open_engine`` through
+their ``BuildContext`` (docs/architecture.md), never directly.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from time import perf_counter
+from types import SimpleNamespace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -36,17 +37,8 @@ class TracingError(TailraceError):
     """Tracing was asked for but cannot be set up (bad endpoint, missing package)."""
 
 
-class _State:
-    """The process-wide switch the runtime reads once per micro-batch."""
-
-    __slots__ = ("tracer", "provider")
-
-    def __init__(self) -> None:
-        self.tracer: Any = None
-        self.provider: Any = None
-
-
-STATE = _State()
+#: The process-wide switch the runtime reads once per micro-batch (``tracer`` None: off).
+STATE = SimpleNamespace(tracer=None, provider=None)
 
 
 def _traces_url(endpoint: str, where: str) -> str:

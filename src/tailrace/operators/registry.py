@@ -1,13 +1,10 @@
 """Operator registry: YAML ``op:`` names -> operator definitions.
 
-An ``OpDef`` declares the operator's parameters (checked at compile time), its state
-kind, whether it can be fused, the record fields it reads and writes, and ``build``,
-which makes fresh runtime callables for one run (one per replica). Operators backed by
-models or indexes (embed, retrieve, generate, memory, ...) open them inside ``build``, so
-their heavy libraries load when a run starts, never at import time. Engines are opened
-through the ``BuildContext`` the runtime passes in: the runtime decides where an engine
-lives (this process, or the Ray cluster's shared engine actor), the operator never asks
-a process-wide hook.
+An ``OpDef`` declares the operator's parameters (checked at compile time), state kind,
+fusability, the fields it reads and writes, and ``build``, which makes fresh runtime
+callables for one replica of one run. Operators backed by models or indexes open them
+inside ``build`` (heavy libraries load when a run starts, never at import), engines
+through the ``BuildContext``: the runtime decides where an engine lives.
 """
 
 from __future__ import annotations

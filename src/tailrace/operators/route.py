@@ -1,21 +1,12 @@
 """Model routing: ``route`` picks the engine of each request by rule or by a cascade.
 
-Rules (``rules:`` + ``default:``): the first rule whose ``when`` holds names the engine;
-``when`` tests record fields (``{field: tier, equals: gold}``, ``{field: lang, in: [fr,
-de]}``) and the prompt's length (``{prompt_tokens_over: 300}``, counted with the default
-engine's tokenizer). Cascade (``cascade: [small, big]``): every request goes to the first
-engine; a reply whose confidence — the mean log-probability of its tokens — is below
-``threshold`` is generated again by the next engine, and so on. Engines report that score
-in ``Generation.extra["mean_logprob"]`` (or a ``logprobs`` list); an engine that reports
-none cannot be a cascade level other than the last (its records become error records).
-
-Requests routed to the same engine within a micro-batch share one batched engine call.
-Each output record carries the decision (``route``: engine, confidences, escalated) and
-its cost (``cost``: prompt and completion tokens per engine, including the tokens a
-cascade spent before escalating); ``route_statistics()`` totals them per stage ``label``.
-As a served request's answering stage it takes the request's options and conversation
-like ``generate`` and reports the tokens over every engine it called; what streams is in
-docs/serving.md ("Which stage answers").
+Rules, cascade, outputs and costs are in docs/stateful.md (``route``). A cascade's
+confidence is the mean token log-probability an engine reports in
+``Generation.extra["mean_logprob"]`` (or a ``logprobs`` list); an engine that reports
+none can only be the last level. Requests routed to the same engine within a
+micro-batch share one batched call. As a served request's answering stage it takes the
+request's options and conversation like ``generate`` and reports the tokens of every
+engine it called (what streams: docs/serving.md, "Which stage answers").
 """
 
 from __future__ import annotations

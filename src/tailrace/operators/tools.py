@@ -1,23 +1,12 @@
 """Tool use: ``tool_call`` lets a model call the pipeline's registered Python functions.
 
-Each record starts a conversation (``system`` + the prompt). Every round, the records of
-a micro-batch are generated together; a reply that calls tools has its calls checked
-(only the stage's ``tools`` exist; arguments must match the tool's JSON schema), run on
-worker threads with a per-call timeout, and their results appended to the conversation;
-the rest are answers. After ``max_rounds`` rounds of calls, one last round runs without
-tools. Tool-call format: OpenAI function calling for ``openai`` engines (the server sees
-``tools``; ``tool_calls`` come back), and for local models a JSON convention: the model
-replies ``{"tool": NAME, "arguments": {...}}`` alone to call a tool.
-
-A failed call (unknown tool, invalid arguments, the tool raised, it timed out) makes the
-record an error record saying which and why (``on_error: record``), or is sent back to the
-model as the tool's result so it can recover (``on_error: model``). A timed-out call is
-abandoned, not killed: Python cannot stop a thread, so its result is discarded.
-
-With ``messages: FIELD`` the conversation starts from the record's chat and continues
-with the tool rounds; as a served request's answering stage, every round takes the
-request's options, and the answer streams whole (docs/serving.md, "Which stage
-answers"). A set cancel stops the round at its next token and ends the conversation.
+The formats, rounds and failures are in docs/stateful.md (``tool_call``). Every round,
+the records of a micro-batch are generated together; a reply's calls are checked against
+the stage's tools and their JSON schemas, run on worker threads with a per-call timeout,
+and their results appended to the conversation. A timed-out call is abandoned, not
+killed (Python cannot stop a thread): its result is discarded. As a served request's
+answering stage every round takes the request's options and the answer streams whole
+(docs/serving.md, "Which stage answers"); a set cancel ends the conversation.
 """
 
 from __future__ import annotations
@@ -61,8 +50,6 @@ from .registry import (
     resolve,
 )
 from .tool_schema import ToolError, check_schema, parse_json_call, validate
-
-__all__ = ["ToolError", "check_schema", "parse_json_call", "validate"]
 
 _POOL = ThreadPoolExecutor(max_workers=16, thread_name_prefix="tailrace-tool")
 

@@ -1,24 +1,12 @@
 """Replace a directory of files all at once: at every instant a complete one is reachable.
 
-A store ``NAME`` is kept as numbered versions beside it, ``NAME.v000001/``,
-``NAME.v000002/``, ..., and ``NAME`` itself is a symbolic link to the current one, so
-``NAME/meta.json`` reads the current files. ``replace_dir`` writes version N in steps:
-
-1. the caller writes its files into ``.NAME.tmp-PID-RAND/``; each file and the folder are
-   fsynced;
-2. the folder is renamed to ``NAME.vN`` (a complete version now exists) and the parent
-   folder is fsynced;
-3. a link ``.NAME.link-PID-RAND -> NAME.vN`` is ``os.replace``d onto ``NAME`` (the one
-   atomic switch) and the parent folder is fsynced;
-4. older versions are removed.
-
-Before step 3 ``NAME`` names the old version, after it the new one. ``current`` recovers
-from a crash at any step: it rolls ``NAME`` forward to the newest complete version,
-removes the temporary folders and links of writers that are gone and the versions older
-than the current one, and migrates a plain ``NAME/`` folder (the layout of tailrace
-before versions, and of a crash of its two-rename swap) into a version. A link that
-names a missing version is an error, never an empty store. One writer per store at a
-time; readers need no lock.
+Why: docs/design.md, "Stores switch versions, never folders". ``replace_dir`` writes
+version N in steps: (1) files into ``.NAME.tmp-PID-RAND/``, each fsynced; (2) that folder
+renamed to ``NAME.vN``; (3) a link ``.NAME.link-PID-RAND -> NAME.vN`` ``os.replace``d
+onto ``NAME``, the one atomic switch; (4) older versions removed (parent fsynced after 2
+and 3). ``current`` recovers from a crash at any step: it rolls ``NAME`` forward, removes
+the leftovers of writers that are gone and migrates a plain ``NAME/`` folder (the layout
+before versions). One writer per store at a time; readers need no lock.
 """
 
 from __future__ import annotations

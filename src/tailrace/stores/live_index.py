@@ -1,16 +1,10 @@
 """A live vector index: documents upserted and deleted by id while other pipelines query it.
 
 Freshness: a change is visible to every ``search`` that starts after ``upsert``/``delete``
-returned (one lock orders them). Durability: each change is first appended to a
-write-ahead log (``wal.jsonl``, flushed to the OS per call, fsynced with
-``durable=True``); ``snapshot()`` writes the whole index as a new version
-(``snapshot.vNNNNNN/``), switches the link ``snapshot`` to it and only then deletes the
-log it covers. Opening an index replays its snapshot and then its log, so a process
-killed at any instant, mid-snapshot included, loses nothing ``upsert`` had returned for. Documents
-past their TTL are dropped lazily, before a search or a change sees them.
-
-Indexes are shared in the process by name (``open_live_index``): a ``semantic_state``
-stage writes one, ``retrieve`` stages of any pipeline (``index: live:NAME``) read it.
+returned (one lock orders them). Durability (docs/stateful.md, "State and restart"): a
+write-ahead log, fsynced with ``durable=True``, and atomic snapshots (``live_store``).
+Documents past their TTL are dropped lazily. Indexes are shared in the process by name
+(``open_live_index``): ``semantic_state`` writes one, ``retrieve`` (``live:NAME``) reads it.
 
     >>> import numpy as np, tempfile
     >>> ix = LiveIndex(tempfile.mkdtemp())

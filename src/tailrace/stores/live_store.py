@@ -1,13 +1,10 @@
 """The files of a live index: an atomic snapshot directory and a write-ahead log.
 
-``DIR/snapshot`` (a link to the current version ``DIR/snapshot.vNNNNNN/``, see
-``atomic``) holds ``index.faiss`` (the serialized faiss index), ``docs.jsonl`` (one
-``{key, id, t, exp, doc}`` per vector) and ``meta.json`` (format, model, count, the last
-logged change ``seq`` it covers, the feeder ``cursor``). A new version is written and
-fsynced in full before the link switches to it, so a crash at any instant leaves the old
-or the new snapshot, never none. ``DIR/wal.jsonl`` holds one JSON change per line
-(``seq``, ``op``: upsert | delete | cursor); a snapshot retires it as ``wal-SEQ.jsonl``
-and deletes that only once the snapshot covering it is durable and linked.
+``DIR/snapshot`` (an ``atomic`` link to ``DIR/snapshot.vNNNNNN/``) holds ``index.faiss``,
+``docs.jsonl`` (one ``{key, id, t, exp, doc}`` per vector) and ``meta.json`` (format,
+model, count, the last logged ``seq`` it covers, the feeder ``cursor``). ``DIR/wal.jsonl``
+holds one JSON change per line (``seq``, ``op``: upsert | delete | cursor); a snapshot
+retires it as ``wal-SEQ.jsonl``, deleted once the snapshot covering it is linked.
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """Structured memory: conversation turns per session and long-term facts per user.
 
-Two stores implement ``MemoryStore``: SQLite (the default: one file, WAL journal) in
-``memory_sqlite.py`` and PostgreSQL with pgvector in ``memory_pg.py``. Every row belongs
-to a user, the tenant: turns are keyed by (user, session) and facts by user, and every
-query filters on the user, so one user never reads another's memory, even with a
-guessed session id. All SQL is parameterised. Time is passed in (``now``, epoch
-seconds), so TTL expiry is tested without sleeping. ``open_store`` shares one store per
-configuration in the process: a pipeline's memory_read and memory_write stages (and
-every pipeline naming the same file or server) use the same connection.
-
-Ordered reads (``claim_session``) keep a mark per session in the store itself, so they
-work across processes (Ray actors, several servers): a read marks the session, the
-write of its turn (``add(..., release=...)``) removes the mark, and the next read of
-that session waits for the mark to go (or to be older than its timeout).
+Two stores implement ``MemoryStore``: SQLite (``memory_sqlite.py``, the default) and
+PostgreSQL with pgvector (``memory_pg.py``); docs/memory.md. Every query filters on the
+user, the tenant, so one user never reads another's memory, even with a guessed session
+id; all SQL is parameterised; time is passed in (``now``), so TTLs are tested without
+sleeping. ``open_store`` shares one store (one connection) per configuration in the
+process. Ordered reads (``claim_session``) keep a mark per session in the store itself,
+so they work across processes: a read marks the session, the write of its turn
+(``add(..., release=...)``) removes it.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """A BM25 keyword index over documents' ``title``, ``heading`` and ``text``; rank fusion.
 
-``SparseIndex`` wraps ``bm25s`` (imported on first use): ``build`` tokenizes (lowercased
-words, English stop words removed) and indexes the documents in their order, so a
-document's position is its row in the dense index beside it. It keeps two BM25 fields,
-like a search engine's field boost: ``title. heading. text`` and the title alone; a
-document's score is ``bm25(title. heading. text) + title_weight * bm25(title)``, so a
-question naming an entity finds that entity's page even when its text is long (on the
-FanOutQA-in-wiki set, title_weight 2 lifts BM25 recall@10 from 0.830 to 0.961;
-bench/RESULTS.md).
-``save``/``load`` keep it in a folder with a ``sparse.json`` naming the tokenizer and
-the document count, so a stale or foreign folder is detected. ``search`` scores every
-document and keeps the top k of those an optional mask allows (a filter applied inside
-the search, not after it); only documents sharing a word with the query come back.
-``rrf`` fuses ranked lists by weighted reciprocal rank.
+``SparseIndex`` wraps ``bm25s`` (imported on first use); a document's position is its
+row in the dense index beside it. A score is ``bm25(title. heading. text) + title_weight
+* bm25(title)`` (why: docs/design.md, "Hybrid retrieval fuses ranks"). ``save``/``load``
+keep a ``sparse.json`` naming the tokenizer and document count, so a stale folder is
+detected. ``search`` keeps the top k of the documents an optional mask allows (a filter
+inside the search); ``rrf`` fuses ranked lists by weighted reciprocal rank.
 """
 
 from __future__ import annotations

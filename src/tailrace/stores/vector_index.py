@@ -1,14 +1,10 @@
 """A faiss vector index saved to disk together with its documents and metadata.
 
 Vectors are expected L2-normalised, so inner product is cosine similarity. A saved index
-is a directory of ``index.faiss`` (the faiss index), ``docs.jsonl`` (one document per
-vector, in insertion order), ``meta.json`` (format version, embedding model, dim, kind,
-count, fingerprint, efSearch) and ``sparse/``, a BM25 index over each document's title,
-heading and text (``sparse_index``; an index saved before it had one builds it on first
-keyword search and caches it there). ``save`` writes a new version folder beside the
-target (``NAME.vNNNNNN/``), fsyncs it and then switches the link ``NAME`` to it (see
-``atomic``), so a crash at any instant leaves the old or the new index, never half of
-one or none. faiss and numpy are imported on first use.
+is a directory of ``index.faiss``, ``docs.jsonl`` (one document per vector, in order),
+``meta.json`` (format, model, dim, kind, count, fingerprint, efSearch) and ``sparse/``, a
+BM25 index (``sparse_index``; built and cached on first keyword search if missing),
+written as one ``atomic`` version. faiss and numpy are imported on first use.
 
 Three searches: ``search`` (dense: cosine of the query vectors), ``search_text`` (sparse:
 BM25 of the query words) and ``hybrid_search`` (both, fused by weighted reciprocal rank,
