@@ -1,16 +1,8 @@
 """The Ray runtime: the same compiled Plan on a Ray cluster (``tr.run(p, runtime="ray")``).
 
-One responsibility per module (docs/architecture.md, "The same plan on Ray", walks
-them): ``driver``, ``install``, ``placement``, ``host``, ``instance``, ``credits``,
-``messages``, ``ledger``, ``served``, ``autoscale``, ``connect``; engines shared by the
-cluster in ``engines`` and ``engine_serve``, the cluster's admission gate in ``gate``.
-
-The runs in progress are listed only where a caller asks for it: it holds an
-``ActiveRuns`` and passes it in (``runs=``); no module keeps them.
-
-Statistics are built by ``runtime/stats.py`` (per-actor meters in the local format).
-
-Nothing here imports Ray at module import time.
+One responsibility per module; docs/architecture.md ("The same plan on Ray") walks them.
+The runs in progress are listed only where a caller holds an ``ActiveRuns`` and passes
+it in (``runs=``); no module keeps them. Nothing here imports Ray at import time.
 """
 
 from __future__ import annotations

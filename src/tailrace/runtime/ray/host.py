@@ -261,10 +261,7 @@ class StageHost:
 
 def pack(d: Drained) -> bytes:
     """Pickle a drain answer; records that cannot be pickled become ``Unsendable`` (sink
-    records) or their ``repr`` (inputs of error records), never a failed drain.
-
-    d: the answer.
-    """
+    records) or their ``repr`` (inputs of error records), never a failed drain."""
     try:
         return encode(d)
     except Exception:  # noqa: BLE001 - find the records that cannot be sent
