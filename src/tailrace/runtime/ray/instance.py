@@ -1,14 +1,11 @@
 """One replica of one stage inside a ``StageHost`` actor: its input queue and its loop.
 
-Pushes from producers wait for room in the replica's bounded input queue (the stage's
-``queue`` bound, in records), one loop takes them in order and runs the fused operators
-on each micro-batch with the shared ``StageWorker`` (``runtime/stage.py``: the call the
-compiler chose, the same as locally), tracking which input each output and error came
-from (a ``Trace``, ``runtime/lineage.py``), then hands the results to
-the consumer stages through credit-bounded ``Link``s. A push returns only when its
-results are acknowledged downstream: that is the acknowledgement its producer waits for
-before forgetting the batch. A fan-out stage (a ``flat_map``) then also commits the push
-to the driver, whose ledger delivers one complete execution per input (``ledger.py``).
+Pushes wait for room in the replica's bounded input queue (the stage's ``queue``, in
+records); one loop runs the fused operators on each micro-batch with the shared
+``StageWorker`` (the same call as locally), tracing lineage (``lineage.Trace``), and
+hands the results on through credit-bounded ``Link``s. A push returns only when its
+results are acknowledged downstream; a fan-out stage then also commits it to the
+driver's ledger (``ledger.py``).
 """
 
 from __future__ import annotations

@@ -1,17 +1,14 @@
 """A served run's requests across actors: the driver's live ones, the hosts' proxies.
 
-A served record points at its ``Request`` (``tailrace/request.py``), whose cancel
-signal and token sink belong to the caller in the driver's process. A request pickles
-as its data (cancelled or not, streams or not, the pieces streamed so far); the live
-parts stay home. The driver remembers each live request by id (``ServedRequests``);
-each host gives a request it receives live parts of its own (``HostRequests.bind``): a
-cancel flag per request id, set when the driver reports that the caller gave up
-(``StageHost.cancel``), and a sink that queues each piece in the run's outbox for the
-driver, counting it on the request (``Request.streamed``: the one count of what a
-request streamed, carried back with its records). Records reaching the driver get
-the live request back (``ServedRequests.arrived``), with the reply the answering stage
-filled; an output waits until every piece its request streamed has reached the caller
-(the pieces ride another host's drains, which may come later), at most ``PIECES_WAIT_S``.
+A served record points at its ``Request`` (``tailrace/request.py``), whose cancel signal
+and token sink belong to the caller in the driver's process; a request pickles as its
+data and the live parts stay home (``ServedRequests``, by id). Each host gives a request
+it receives live parts of its own (``HostRequests.bind``): a cancel flag set when the
+driver reports the caller gave up, and a sink that queues each piece for the driver,
+counting it on ``Request.streamed``. Records reaching the driver get the live request
+back, with the reply filled on the host; an output waits until every piece its request
+streamed has reached the caller (pieces ride another host's drains), at most
+``PIECES_WAIT_S``.
 """
 
 from __future__ import annotations
