@@ -74,13 +74,9 @@ async def call_with_policy(x: Execution, rt: OpRuntime, meter: StageMeter, arg: 
     Returns the result, or raises the last exception with ``attempts`` set on it.
     ``run_blocking(fn, arg)`` runs sync code in a worker thread (None: inline).
     ``fn``: a synchronous call to make instead of the operator's own (a whole batch).
-
-    Timeouts (docs/design.md, "Timeouts"): an async attempt is cancelled. A blocking
-    attempt cannot be killed: it is abandoned, its request's cancel is set (operators that
-    honour it, like ``generate``, stop at the next token) and its result is discarded.
-    A retry never overlaps its abandoned attempt: it waits up to one more timeout for
-    it to return, else the record fails. A replica with ``ABANDON_CAP`` abandoned
-    attempts still running fails new calls at once with a clear ``StageTimeout``.
+    A timed-out async attempt is cancelled, a blocking one abandoned with its request's
+    cancel set; a retry never overlaps it, and a replica with ``ABANDON_CAP`` abandoned
+    attempts still running refuses new calls (docs/design.md, "Timeouts").
     """
     timeout = x.timeout_ms / 1000.0 if x.timeout_ms is not None else None
     is_async = rt.is_async and fn is None

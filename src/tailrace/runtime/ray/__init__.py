@@ -74,17 +74,11 @@ def run_on_ray(plan: Plan, *, inputs: dict[str, Any], outputs: dict[str, Any],
                on_error: Callable[[ErrorRecord], None], admission: Any = None,
                address: str | None = None, placement: dict | None = None,
                runs: ActiveRuns | None = None) -> RayRunStats:
-    """Run ``plan`` on Ray and return its statistics.
+    """Run ``plan`` on Ray and return its statistics (``tr.run(p, runtime="ray")``).
 
-    plan:      the compiled plan.
-    inputs:    data for sources declared without it, by operator id.
-    outputs:   targets for sinks declared without one, by operator id.
-    on_error:  receives each ``ErrorRecord``.
-    admission: an admission gate (records wait for it in the driver) or None.
-    address:   the cluster (``HOST:PORT``, ``ray://HOST:PORT``, ``auto``); None: the
-               current connection, ``RAY_ADDRESS``, or a new local Ray.
-    placement: ``{stage id: {num_cpus, num_gpus, memory, resources, strategy}}``.
-    runs:      an ``ActiveRuns`` that lists the run while it runs (or None).
+    inputs, outputs: data and targets of the sources and sinks declared without them, by
+                     operator id (``bind_io``); on_error receives each ``ErrorRecord``;
+                     the other arguments as ``tr.run``.
     Raises ``RayUnavailable`` (no Ray, unreachable address), ``PlanError`` (e.g. an
     operator that cannot be serialised) before any actor starts, ``RayInterrupted``.
     """

@@ -150,14 +150,9 @@ class HostedWorker:
     async def push(self, key: BatchKey, records: list, lin: Lineage, born: float,
                    order: tuple[int, int, int, int]) -> None:
         """Queue one micro-batch (waiting for room); returns once it is acked end to end
-        (and, on a fan-out stage, committed).
-
-        order: ``(link, seq, prev, low)``: pushes of one producer link enter the queue in
-               ``seq`` order whatever order Ray delivers them in: this one after ``prev``,
-               the link's newest earlier push still unacknowledged when it was sent (-1:
-               none); ``low`` is the link's oldest unacknowledged seq (every seq below it
-               is done and will never come). See ``Stream``.
-        """
+        (and, on a fan-out stage, committed). ``order``: ``(link, seq, prev, low)`` of the
+        producer's link: this push enters after push ``prev`` (-1: none); every seq below
+        ``low`` is done (``Stream``)."""
         link, seq, prev, low = order
         stream = self._streams.get(link)
         if stream is None:
