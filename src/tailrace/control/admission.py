@@ -242,11 +242,8 @@ class AdmissionPolicy:
         return tickets
 
     def release(self, ticket: Ticket, service_seconds: float | None = None) -> None:
-        """Free a ticket's capacity; a measured service time calibrates the cost model.
-
-        ticket: a ticket this policy issued and that was not released yet.
-        service_seconds: how long the work took, or None when unknown.
-        """
+        """Free the capacity of ``ticket`` (issued here, not released yet); a measured
+        ``service_seconds`` (None: unknown) calibrates the cost model."""
         if self._in_flight.pop(ticket.seq, None) is None:
             raise ValueError(f"release: ticket for request {ticket.request.id!r} is not in "
                              f"flight here (released twice, or issued by another policy)")

@@ -35,10 +35,8 @@ class StageLost(TailraceError):
 
 
 class CreditWindow:
-    """Records a producer may have in flight on one edge; ``take`` waits when it is full.
-
-    size: the window in records (the edge's bound, >= 1); waiters are served FIFO.
-    """
+    """Records a producer may have in flight on one edge (``size``, the edge's bound,
+    >= 1); ``take`` waits when it is full, waiters served FIFO."""
 
     __slots__ = ("size", "used", "max_used", "_waiters")
 

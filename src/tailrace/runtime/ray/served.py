@@ -17,6 +17,7 @@ import asyncio
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from ...engines.call import Streamed
@@ -27,22 +28,6 @@ REMEMBERED = 4096
 #: longest a served output waits for its streamed pieces (they ride another host's
 #: drains); past it the output goes anyway (pieces lost with a dead host never come)
 PIECES_WAIT_S = 2.0
-
-
-class _HostSink:
-    """A request's token sink inside a host: counts each piece on the request and
-    queues it (from any thread) in the run's outbox for the driver."""
-
-    __slots__ = ("req", "put", "loop")
-
-    def __init__(self, req: Request, put: Callable[[Any, str, int], None],
-                 loop: asyncio.AbstractEventLoop) -> None:
-        self.req, self.put, self.loop = req, put, loop
-
-    def __call__(self, piece: str) -> None:
-        req = self.req
-        req.streamed += 1
-        self.loop.call_soon_threadsafe(self.put, req.rid, piece, req.streamed)
 
 
 class HostRequests:
@@ -73,8 +58,14 @@ class HostRequests:
             sink = None
             if req.sink is not None:
                 loop = loop or asyncio.get_running_loop()
-                sink = _HostSink(req, self.put, loop)
+                sink = partial(self._piece, req, loop)
             req.bind(flag, sink)
+
+    def _piece(self, req: Request, loop: asyncio.AbstractEventLoop, piece: str) -> None:
+        """A request's token sink here (called from any thread): counts the piece on the
+        request and queues it in the run's outbox for the driver."""
+        req.streamed += 1
+        loop.call_soon_threadsafe(self.put, req.rid, piece, req.streamed)
 
     def cancel(self, rids: list) -> None:
         """The callers of ``rids`` gave up: set their flags (now and on arrival)."""
