@@ -155,10 +155,9 @@ class SLOPolicy(_Limited):
         request rarely waits for a long one to finish (there is no preemption).
     reserve_window: seconds a priority class counts as active after its last arrival.
     overflow: lanes beyond max_in_flight that only the most urgent active class may take,
-        and only while a less urgent request is in flight: for an engine that preempts
-        (llama.cpp with ``cache_sequences``), which pauses the less urgent sequence for it,
-        so an urgent request need not wait for a long one to finish and no lane idles
-        for it in advance (as ``reserve`` lanes do).
+        and only while a less urgent request is in flight: for an engine that preempts the
+        less urgent sequence, so no lane idles in advance as ``reserve`` lanes do
+        (docs/control.md, "Reserve or overflow lanes").
     options: max_in_flight (required), max_cost, max_queue (per pipeline), the common ones.
     """
 

@@ -107,12 +107,11 @@ def build_stats(plan: Plan, reports: dict[tuple, Any], *,
     incarnations:  ``(stage, replica) -> incarnations seen``: more than one is a restart.
     """
     by_stage: dict[int, list[Any]] = {}
-    for rep in reports.values():
-        by_stage.setdefault(rep.stage, []).append(rep)
     sched = Histogram()
     sched.merge(scheduling)
     depth = dict(sink_depth)
     for rep in reports.values():
+        by_stage.setdefault(rep.stage, []).append(rep)
         sched.merge(rep.scheduling)
         for target, d in rep.sink_depth.items():
             depth[target] = max(depth.get(target, 0), d)

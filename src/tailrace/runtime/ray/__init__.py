@@ -38,9 +38,8 @@ class ActiveRuns:
             self._runs.pop(run.run_id, None)
 
     def describe(self) -> list[dict[str, Any]]:
-        """Per run in progress: its pipeline, run id and, per stage, the actors (name, node
-        id) its replicas run on (e.g. to inspect or kill one), active replicas, scale
-        events (``RayRun.describe``)."""
+        """``RayRun.describe()`` of each run in progress: its pipeline, run id, stage
+        actors (name, node id: e.g. to inspect or kill one), active replicas, scale events."""
         return [r.describe() for r in list(self._runs.values())]
 
 

@@ -129,10 +129,9 @@ class RayRun:
                 self.source_meters[i] = StageMeter(s.id, "source")
             elif s.ops[-1].op.kind == "sink":
                 o = s.ops[-1]
-                target = sink_target(o, outputs)
                 j = len(s.ops) - 1
-                self.sinks[i] = _Sink(o.id, sink_runtime(target), stage_meter(s, j),
-                                      queued=j == 0, first=i in self.first)
+                self.sinks[i] = _Sink(o.id, sink_runtime(sink_target(o, outputs)),
+                                      stage_meter(s, j), queued=j == 0, first=i in self.first)
         # stages in this process (no actor hop), then those the hosts run
         self.in_driver = driver_stages(plan, self.placements, served=drop_key is not None)
         self.local: dict[int, HostedWorker] = {}  # their replicas (``install``)
@@ -258,8 +257,7 @@ class RayRun:
 
     # -- sources --------------------------------------------------------------------------
     async def _source(self, i: int) -> None:
-        s = self.plan.stages[i]
-        op = s.ops[0]
+        op = self.plan.stages[i].ops[0]
         data = op.params["data"] if op.params.get("data") is not None else self.inputs[op.id]
         meter = self.source_meters[i]
         links = self.source_links[i]

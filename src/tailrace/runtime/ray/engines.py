@@ -234,8 +234,7 @@ class ClusterEngine(EngineHandle):
     def generate(self, requests: Sequence[GenerationRequest],
                  on_token: TokenCallback | None = None) -> list[Generation]:
         if on_token is None:  # nothing to stream to: one whole-batch call
-            gens: list[Generation] = self._call("generate", list(requests))
-            return gens
+            return self._call("generate", list(requests))
         from ray.exceptions import ActorDiedError, RayActorError
 
         for attempt in itertools.count():

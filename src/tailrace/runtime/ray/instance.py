@@ -104,11 +104,8 @@ class Stream:
 class HostedWorker:
     """A stage replica on a host: bounded input queue, operator loop, output links.
 
-    spec:    the stage, its routes and the run (see ``InstallSpec``).
-    replica: which replica of the stage this is.
-    outbox:  the host's outbox for this run (``deliver``/``fail`` for the driver).
-    node:    the Ray node id of the host (reported with the meters).
-    open_engine: the host's engine opener (``BuildContext.open_engine``).
+    ``spec`` names the stage, its routes and the run; ``outbox`` is the host's for the run
+    (the driver's for a stage in the driver); ``node`` is reported with the meters.
     """
 
     def __init__(self, spec: InstallSpec, replica: int, outbox: Any, node: str,
@@ -232,7 +229,6 @@ class HostedWorker:
             errors: list[ErrorRecord] = []
             trace = Trace()
             ports = await self.worker.process(part, errors, trace)
-            esrc = trace.esrc
             fan = self.fan or trace.fanned
             out_key = key
             if fan:  # outputs are (parent, ordinal), delivered once this push commits
@@ -243,7 +239,7 @@ class HostedWorker:
                 fanned_ids.extend(part_ids)
             if errors:
                 acks.append(self.outbox.fail(self.index, out_key, errors,
-                                             ids(part_ids, esrc, fan, errors=True)))
+                                             ids(part_ids, trace.esrc, fan, errors=True)))
             counts: dict[int, int] = {}  # ordinals per input, across ports
             for port, recs in ports.items():
                 links = self.links.get(port)
