@@ -33,9 +33,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ..errors import TailraceError
-from .slo import CostModel, PipelineSLO, is_priority, rank_of, require
-from .slo import is_count as _is_count
-from .slo import is_number as _is_number
+from .slo import CostModel, PipelineSLO, is_count, is_number, is_priority, rank_of, require
 
 QUEUE_FULL = "queue_full"  # the waiting room is full
 DEADLINE_UNMEETABLE = "deadline_unmeetable"  # predicted queueing + service overshoot the deadline
@@ -76,12 +74,12 @@ class Request:
         where = f"request {self.id!r}"
         require(isinstance(self.pipeline, str) and self.pipeline != "", where, "pipeline",
                 "a non-empty string", self.pipeline)
-        require(_is_number(self.arrival), where, "arrival", "a finite number of clock seconds",
+        require(is_number(self.arrival), where, "arrival", "a finite number of clock seconds",
                 self.arrival)
         for name in ("prompt_tokens", "max_tokens"):
             value = getattr(self, name)
-            require(_is_count(value), where, name, "a non-negative integer", value)
-        require(self.deadline is None or _is_number(self.deadline), where, "deadline",
+            require(is_count(value), where, name, "a non-negative integer", value)
+        require(self.deadline is None or is_number(self.deadline), where, "deadline",
                 "a finite number of clock seconds or None", self.deadline)
         require(self.priority is None or is_priority(self.priority), where, "priority",
                 "'interactive', 'standard', 'batch', an integer class or None",
@@ -208,15 +206,11 @@ class AdmissionPolicy:
         return self.slos.get(pipeline, self.default_slo)
 
     def _pending(self, request: Request) -> Pending:
+        slo = self.slo_for(request.pipeline)
         deadline = request.deadline
-        slo = None
         if deadline is None:
-            slo = self.slo_for(request.pipeline)
             deadline = request.arrival + slo.p99_ms / 1000.0
-        if request.priority is not None:
-            rank = rank_of(request.priority)
-        else:
-            rank = (slo or self.slo_for(request.pipeline)).rank
+        rank = rank_of(request.priority) if request.priority is not None else slo.rank
         return Pending(request, self.cost_model.predict(request), deadline, next(self._seq),
                        rank)
 
@@ -248,11 +242,8 @@ class AdmissionPolicy:
         return tickets
 
     def release(self, ticket: Ticket, service_seconds: float | None = None) -> None:
-        """Free a ticket's capacity; a measured service time calibrates the cost model.
-
-        ticket: a ticket this policy issued and that was not released yet.
-        service_seconds: how long the work took, or None when unknown.
-        """
+        """Free the capacity of ``ticket`` (issued here, not released yet); a measured
+        ``service_seconds`` (None: unknown) calibrates the cost model."""
         if self._in_flight.pop(ticket.seq, None) is None:
             raise ValueError(f"release: ticket for request {ticket.request.id!r} is not in "
                              f"flight here (released twice, or issued by another policy)")

@@ -1,14 +1,12 @@
 """The admission gate: a thread-safe, awaitable door in front of an admission policy.
 
-Every pipeline run in the process (each on its own event loop or thread) enters
-through the same gate, so one policy sees all the contention. The runtime calls
-``admit(pipeline, record)`` for each arriving record and ``done(token)`` when the
-record leaves (output or error record); the gate turns records into ``Request``s
-(predicted prompt tokens from the record's text, ``max_tokens`` from the pipeline's
-generate stages, the priority class and deadline the record's request asked for,
-(``Request.asked``)), waits while the policy queues them, and raises ``AdmissionRejected``
-when it rejects them. A background thread polls the policy so queued requests whose
-deadline can no longer be met are rejected on time, not when capacity frees up.
+Every pipeline run in the process (each on its own loop or thread) enters through the
+same gate, so one policy sees all the contention: ``admit(pipeline, record)`` turns a
+record into a ``Request`` (its urgency from the record's ``Request.asked``) and waits
+while the policy queues it, raising ``AdmissionRejected`` when it rejects it;
+``done(ticket)`` when the record leaves. A background thread polls the policy so queued
+requests whose deadline can no longer be met are rejected on time, not when capacity
+frees up.
 """
 
 from __future__ import annotations
@@ -68,16 +66,13 @@ class AdmissionGate:
         "deadline_ms": MS}``) replaces its pipeline SLO's class and deadline."""
         arrival = self._clock()
         asked = request_of(record)
-        urgency = asked.asked if asked is not None else None
-        priority = deadline = None
-        if urgency:
-            priority = urgency.get("priority")
-            ms = urgency.get("deadline_ms")
-            deadline = arrival + ms / 1000.0 if ms is not None else None
+        urgency = (asked.asked if asked is not None else None) or {}
+        ms = urgency.get("deadline_ms")
         req = Request(f"{pipeline}-{next(self._ids)}", pipeline, arrival=arrival,
                       prompt_tokens=self.prompt_tokens(record),
-                      max_tokens=self.max_tokens.get(pipeline, 64), deadline=deadline,
-                      priority=priority)
+                      max_tokens=self.max_tokens.get(pipeline, 64),
+                      deadline=arrival + ms / 1000.0 if ms is not None else None,
+                      priority=urgency.get("priority"))
         loop = asyncio.get_running_loop()
         with self._lock:
             ticket = self.policy.try_admit(req)

@@ -27,9 +27,7 @@ from .admission import (
     Pending,
     Verdict,
 )
-from .slo import is_count as _is_count
-from .slo import is_number as _is_number
-from .slo import require
+from .slo import is_count, is_number, require
 
 ADMIT = Decision(Verdict.ADMIT)
 QUEUE = Decision(Verdict.QUEUE)
@@ -61,14 +59,14 @@ class _Limited(AdmissionPolicy):
                  max_queue: int = 1024, **common: Any) -> None:
         super().__init__(**common)
         where = f"admission policy {self.name!r}"
-        require(max_in_flight is None or _is_count(max_in_flight) and max_in_flight > 0, where,
+        require(max_in_flight is None or is_count(max_in_flight) and max_in_flight > 0, where,
                 "max_in_flight", "a positive integer or None", max_in_flight)
-        require(max_cost is None or _is_number(max_cost) and max_cost > 0, where, "max_cost",
+        require(max_cost is None or is_number(max_cost) and max_cost > 0, where, "max_cost",
                 "a positive number of seconds or None", max_cost)
         if max_in_flight is None and max_cost is None:
             raise ValueError(f"{where}: set max_in_flight or max_cost "
                              f"(with neither, use 'simultaneous')")
-        require(_is_count(max_queue), where, "max_queue", "a non-negative integer", max_queue)
+        require(is_count(max_queue), where, "max_queue", "a non-negative integer", max_queue)
         self.max_in_flight, self.max_cost, self.max_queue = max_in_flight, max_cost, max_queue
 
     def _fits(self, cost: float) -> bool:
@@ -157,10 +155,9 @@ class SLOPolicy(_Limited):
         request rarely waits for a long one to finish (there is no preemption).
     reserve_window: seconds a priority class counts as active after its last arrival.
     overflow: lanes beyond max_in_flight that only the most urgent active class may take,
-        and only while a less urgent request is in flight: for an engine that preempts
-        (llama.cpp with ``cache_sequences``), which pauses the less urgent sequence for it,
-        so an urgent request need not wait for a long one to finish and no lane idles
-        for it in advance (as ``reserve`` lanes do).
+        and only while a less urgent request is in flight: for an engine that preempts the
+        less urgent sequence, so no lane idles in advance as ``reserve`` lanes do
+        (docs/control.md, "Reserve or overflow lanes").
     options: max_in_flight (required), max_cost, max_queue (per pipeline), the common ones.
     """
 
@@ -174,15 +171,15 @@ class SLOPolicy(_Limited):
         if self.max_in_flight is None:
             raise ValueError(f"{where}: max_in_flight must be a positive integer (the "
                              "parallelism behind its queueing-delay prediction), got None")
-        require(_is_number(max_lead) and max_lead >= 0, where, "max_lead",
+        require(is_number(max_lead) and max_lead >= 0, where, "max_lead",
                 "a non-negative number of seconds", max_lead)
         self.max_lead = float(max_lead)
-        require(_is_count(reserve) and reserve < self.max_in_flight, where, "reserve",
+        require(is_count(reserve) and reserve < self.max_in_flight, where, "reserve",
                 f"a non-negative integer below max_in_flight ({self.max_in_flight})", reserve)
-        require(_is_number(reserve_window) and reserve_window >= 0, where, "reserve_window",
+        require(is_number(reserve_window) and reserve_window >= 0, where, "reserve_window",
                 "a non-negative number of seconds", reserve_window)
         self.reserve, self.reserve_window = reserve, float(reserve_window)
-        require(_is_count(overflow), where, "overflow", "a non-negative integer", overflow)
+        require(is_count(overflow), where, "overflow", "a non-negative integer", overflow)
         self.overflow = overflow
         self._ranks: dict[int, int] = {}  # in flight: ticket seq -> its class
         self._seen: dict[int, float] = {}  # priority rank -> time of its latest arrival

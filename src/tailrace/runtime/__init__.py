@@ -72,12 +72,8 @@ def run(pipeline: Pipeline | Plan, *, runtime: str = "local",
 
     inputs, outputs, collected = bind_io(plan, input, output)
     error_list: list[ErrorRecord] = []
-    if errors is None:
-        on_error: Callable[[ErrorRecord], None] = error_list.append
-    elif isinstance(errors, list):
-        on_error = errors.append
-    else:
-        on_error = errors
+    errs = error_list if errors is None else errors
+    on_error: Callable[[ErrorRecord], None] = errs.append if isinstance(errs, list) else errs
     if runtime == "ray":  # imports Ray only now
         from .ray import RayInterrupted, run_on_ray
 
@@ -120,10 +116,8 @@ def bind_io(plan: Plan, input: Any, output: Any) -> tuple[dict, dict, list | Non
         inputs[open_sources[0].id] = input
     elif input is not None:
         raise PlanError("input= given but every source already has data")
+    if open_sinks and output is None:
+        collected = []
     for o in open_sinks:
-        if output is None:
-            collected = [] if collected is None else collected
-            outputs[o.id] = collected
-        else:
-            outputs[o.id] = output
+        outputs[o.id] = collected if output is None else output
     return inputs, outputs, collected

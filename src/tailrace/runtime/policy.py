@@ -32,15 +32,6 @@ def _attempt(r: Any, attempts: list) -> Any:
     return {**r, REQUEST: mine}
 
 
-def _with_cancel(arg: Any) -> tuple[Any, list[tuple[Request, Request | None]]]:
-    """``arg`` (a record or a list of them) with an attempt's request in each dict;
-    the (attempt's, record's own) requests."""
-    attempts: list = []
-    if isinstance(arg, list):
-        return [_attempt(r, attempts) for r in arg], attempts
-    return _attempt(arg, attempts), attempts
-
-
 def _restore(result: Any, attempts: list) -> Any:
     """Give outputs of a finished attempt their record's own request back (or none)."""
     own = {id(mine): req for mine, req in attempts}
@@ -83,13 +74,9 @@ async def call_with_policy(x: Execution, rt: OpRuntime, meter: StageMeter, arg: 
     Returns the result, or raises the last exception with ``attempts`` set on it.
     ``run_blocking(fn, arg)`` runs sync code in a worker thread (None: inline).
     ``fn``: a synchronous call to make instead of the operator's own (a whole batch).
-
-    Timeouts (docs/design.md, "Timeouts"): an async attempt is cancelled. A blocking
-    attempt cannot be killed: it is abandoned, its request's cancel is set (operators that
-    honour it, like ``generate``, stop at the next token) and its result is discarded.
-    A retry never overlaps its abandoned attempt: it waits up to one more timeout for
-    it to return, else the record fails. A replica with ``ABANDON_CAP`` abandoned
-    attempts still running fails new calls at once with a clear ``StageTimeout``.
+    A timed-out async attempt is cancelled, a blocking one abandoned with its request's
+    cancel set; a retry never overlaps it, and a replica with ``ABANDON_CAP`` abandoned
+    attempts still running refuses new calls (docs/design.md, "Timeouts").
     """
     timeout = x.timeout_ms / 1000.0 if x.timeout_ms is not None else None
     is_async = rt.is_async and fn is None
@@ -122,9 +109,13 @@ async def call_with_policy(x: Execution, rt: OpRuntime, meter: StageMeter, arg: 
                     f"{abandoned} earlier calls of this replica are still running past "
                     f"timeout_ms={x.timeout_ms:g} (the operator ignores cancellation); "
                     "refusing new calls until one returns")
-            # a map or branch call gets a cancel of its own per attempt; a batch window's
-            # records are handed over untouched
-            call_arg, tries = _with_cancel(arg) if rt.kind != "collect" else (arg, [])
+            # a map or branch call gets a cancel of its own per attempt (``arg``: a record
+            # or a list of them); a batch window's records are handed over untouched
+            tries: list[tuple[Request, Request | None]] = []  # (attempt's, record's own)
+            call_arg = arg
+            if rt.kind != "collect":
+                call_arg = ([_attempt(r, tries) for r in arg] if isinstance(arg, list)
+                            else _attempt(arg, tries))
             fut = asyncio.ensure_future(run_blocking(call, call_arg))
             try:
                 done, _ = await asyncio.wait({fut}, timeout=timeout)
@@ -140,11 +131,10 @@ async def call_with_policy(x: Execution, rt: OpRuntime, meter: StageMeter, arg: 
             fut.add_done_callback(lambda f, rt=rt: _returned(rt, f))
             running = fut
             raise TimeoutError
-        except TimeoutError as e:
+        except TimeoutError:
             meter.timeouts += 1
             last: BaseException = StageTimeout(
-                f"operator took longer than timeout_ms={x.timeout_ms:g}") \
-                if not isinstance(e, StageTimeout) else e
+                f"operator took longer than timeout_ms={x.timeout_ms:g}")
         except StageTimeout as e:  # refused: retrying now would not help
             e.attempts = attempts  # type: ignore[attr-defined]
             raise

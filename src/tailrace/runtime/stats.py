@@ -55,17 +55,6 @@ def sum_counters(counted: list[dict[str, float]]) -> dict[str, float]:
     return total
 
 
-def merged(meters: list[StageMeter], template: StageMeter | None = None) -> StageStats:
-    """The statistics of one operator from its replicas' (or incarnations') meters.
-
-    template: gives the labels (stage, op, replicas, bound, fusion) of the result
-              (default: the first meter's).
-    """
-    if len(meters) == 1 and template is None:
-        return meters[0].statistics()
-    return StageMeter.combined(meters, template).statistics()
-
-
 def local_stats(run: Any, wall: float, interrupted: bool) -> RunStats:
     """The statistics of a local run (``LocalRun``), read in place."""
     stages: list[StageStats] = []
@@ -76,7 +65,7 @@ def local_stats(run: Any, wall: float, interrupted: bool) -> RunStats:
         workers = run.workers[s.id]
         workers[0].meters[0].max_queue_depth = run.channels[s.id].max_depth
         for i in range(len(s.ops)):
-            st = merged([w.meters[i] for w in workers])
+            st = StageMeter.combined([w.meters[i] for w in workers]).statistics()
             counted = [w.rts[i].counters() for w in workers if w.rts[i].counters is not None]
             if counted:
                 st = replace(st, counters=sum_counters(counted))
@@ -118,12 +107,11 @@ def build_stats(plan: Plan, reports: dict[tuple, Any], *,
     incarnations:  ``(stage, replica) -> incarnations seen``: more than one is a restart.
     """
     by_stage: dict[int, list[Any]] = {}
-    for rep in reports.values():
-        by_stage.setdefault(rep.stage, []).append(rep)
     sched = Histogram()
     sched.merge(scheduling)
     depth = dict(sink_depth)
     for rep in reports.values():
+        by_stage.setdefault(rep.stage, []).append(rep)
         sched.merge(rep.scheduling)
         for target, d in rep.sink_depth.items():
             depth[target] = max(depth.get(target, 0), d)
@@ -138,7 +126,8 @@ def build_stats(plan: Plan, reports: dict[tuple, Any], *,
         nodes = tuple(latest[r] for r in sorted(latest))
         n_host = sum(1 for o in s.ops if o.op.kind != "sink")
         for j in range(n_host):
-            st = merged([r.meters[j] for r in reps], stage_meter(s, j))
+            st = StageMeter.combined([r.meters[j] for r in reps],
+                                     stage_meter(s, j)).statistics()
             if s.elastic:  # the replicas it had: it may have scaled out during the run
                 st = replace(st, replicas=max(st.replicas, len(nodes)))
             stages.append(_extend(st, restarts=restarts, nodes=nodes))

@@ -1,16 +1,8 @@
 """The Ray runtime: the same compiled Plan on a Ray cluster (``tr.run(p, runtime="ray")``).
 
-One responsibility per module (docs/architecture.md, "The same plan on Ray", walks
-them): ``driver``, ``install``, ``placement``, ``host``, ``instance``, ``credits``,
-``messages``, ``ledger``, ``served``, ``autoscale``, ``connect``; engines shared by the
-cluster in ``engines`` and ``engine_serve``, the cluster's admission gate in ``gate``.
-
-The runs in progress are listed only where a caller asks for it: it holds an
-``ActiveRuns`` and passes it in (``runs=``); no module keeps them.
-
-Statistics are built by ``runtime/stats.py`` (per-actor meters in the local format).
-
-Nothing here imports Ray at module import time.
+One responsibility per module; docs/architecture.md ("The same plan on Ray") walks them.
+The runs in progress are listed only where a caller holds an ``ActiveRuns`` and passes
+it in (``runs=``); no module keeps them. Nothing here imports Ray at import time.
 """
 
 from __future__ import annotations
@@ -46,9 +38,8 @@ class ActiveRuns:
             self._runs.pop(run.run_id, None)
 
     def describe(self) -> list[dict[str, Any]]:
-        """Per run in progress: its pipeline, run id and, per stage, the actors (name, node
-        id) its replicas run on (e.g. to inspect or kill one), active replicas, scale
-        events (``RayRun.describe``)."""
+        """``RayRun.describe()`` of each run in progress: its pipeline, run id, stage
+        actors (name, node id: e.g. to inspect or kill one), active replicas, scale events."""
         return [r.describe() for r in list(self._runs.values())]
 
 
@@ -82,17 +73,11 @@ def run_on_ray(plan: Plan, *, inputs: dict[str, Any], outputs: dict[str, Any],
                on_error: Callable[[ErrorRecord], None], admission: Any = None,
                address: str | None = None, placement: dict | None = None,
                runs: ActiveRuns | None = None) -> RayRunStats:
-    """Run ``plan`` on Ray and return its statistics.
+    """Run ``plan`` on Ray and return its statistics (``tr.run(p, runtime="ray")``).
 
-    plan:      the compiled plan.
-    inputs:    data for sources declared without it, by operator id.
-    outputs:   targets for sinks declared without one, by operator id.
-    on_error:  receives each ``ErrorRecord``.
-    admission: an admission gate (records wait for it in the driver) or None.
-    address:   the cluster (``HOST:PORT``, ``ray://HOST:PORT``, ``auto``); None: the
-               current connection, ``RAY_ADDRESS``, or a new local Ray.
-    placement: ``{stage id: {num_cpus, num_gpus, memory, resources, strategy}}``.
-    runs:      an ``ActiveRuns`` that lists the run while it runs (or None).
+    inputs, outputs: data and targets of the sources and sinks declared without them, by
+                     operator id (``bind_io``); on_error receives each ``ErrorRecord``;
+                     the other arguments as ``tr.run``.
     Raises ``RayUnavailable`` (no Ray, unreachable address), ``PlanError`` (e.g. an
     operator that cannot be serialised) before any actor starts, ``RayInterrupted``.
     """

@@ -31,10 +31,7 @@ SCALE_DOWN_S = 10.0
 
 
 class Elastic:
-    """The elastic stages of one run and their scaling (see the module docstring).
-
-    run: the run whose stages scale.
-    """
+    """The elastic stages of ``run`` and their scaling (see the module docstring)."""
 
     def __init__(self, run: RayRun) -> None:
         self.run = run

@@ -42,11 +42,8 @@ def _host_port(address: str) -> tuple[str, int] | None:
 
 
 def check_reachable(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
-    """Raise ``RayUnavailable`` unless something answers TCP at ``address``.
-
-    address: ``HOST:PORT`` or ``ray://HOST:PORT`` (``auto``/``local`` are not checked).
-    timeout: seconds to wait for the connection.
-    """
+    """Raise ``RayUnavailable`` unless something answers TCP at ``address`` within
+    ``timeout`` seconds (``auto``/``local`` are not checked)."""
     hp = _host_port(address)
     if hp is None:
         return

@@ -35,10 +35,8 @@ class StageLost(TailraceError):
 
 
 class CreditWindow:
-    """Records a producer may have in flight on one edge; ``take`` waits when it is full.
-
-    size: the window in records (the edge's bound, >= 1); waiters are served FIFO.
-    """
+    """Records a producer may have in flight on one edge (``size``, the edge's bound,
+    >= 1); ``take`` waits when it is full, waiters served FIFO."""
 
     __slots__ = ("size", "used", "max_used", "_waiters")
 
@@ -99,10 +97,7 @@ def ray_errors() -> tuple[type[BaseException], ...]:
 
 
 def cause(e: BaseException) -> BaseException:
-    """The original exception inside (nested) ``RayTaskError``s (``e`` itself otherwise).
-
-    e: the exception a Ray call raised.
-    """
+    """The original exception inside (nested) ``RayTaskError``s (``e`` itself otherwise)."""
     while True:
         inner = getattr(e, "cause", None)
         if not isinstance(inner, BaseException) or inner is e:
@@ -278,10 +273,7 @@ def _give(window: CreditWindow, n: int, _done: Any) -> None:
 
 
 def encode(msg: Any) -> bytes:
-    """Pickle a message for another actor (plain pickle; cloudpickle for e.g. lambdas).
-
-    msg: the message (any picklable value).
-    """
+    """Pickle a message for another actor (plain pickle; cloudpickle for e.g. lambdas)."""
     try:
         return pickle.dumps(msg, protocol=5)
     except Exception:  # noqa: BLE001 - fall back to the slower, more capable pickler
@@ -291,10 +283,7 @@ def encode(msg: Any) -> bytes:
 
 
 def picklable(x: Any) -> bool:
-    """Can ``x`` (a record about to cross to another actor) be serialised?
-
-    x: the record.
-    """
+    """Can ``x`` (a record about to cross to another actor) be serialised?"""
     from ray import cloudpickle
 
     try:
@@ -316,10 +305,8 @@ async def send_all(links: list[Link], key: BatchKey, records: list, lin: Lineage
 
 
 async def gather_acks(acks: list[Any]) -> None:
-    """Wait for every ack; raises the first failure.
-
-    acks: futures or tasks (pushes' and outbox entries' acknowledgements).
-    """
+    """Wait for every ack (futures or tasks: pushes' and outbox entries'); raises the
+    first failure."""
     if len(acks) == 1:
         await acks[0]
     elif acks:

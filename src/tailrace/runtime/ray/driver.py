@@ -1,18 +1,13 @@
 """The driver of a Ray run: places the plan on hosts, feeds it, delivers its results.
 
 The driver process keeps what is bound to the caller: sources and sinks (and the
-stages ``driver_stages`` puts here); every other stage runs in ``StageHost`` actors.
-It pushes source micro-batches under each edge's credit window; a source batch is done
-when its push is acknowledged end to end. One long-polling ``drain`` per host brings
-back sink records, error records, fan-out commits and meter snapshots, which the ledger
-de-duplicates by lineage (``ledger.py``): a replay never reaches a sink twice.
-
-Under admission each record waits for the gate in a task of its own (open-loop), at
-most ``ADMISSION_WAITS`` at once, so memory stays flat; its ticket is released exactly
-once, when its source batch is acknowledged end to end or the run ends. A served run
-(``drop_key``) keeps each record's live request here while the record crosses actors as
-data (``served.py``); a batch acknowledged with no output or error record for its
-record was dropped by a stage, and ``on_drop`` hears of it.
+stages ``driver_stages`` puts here); every other stage runs in ``StageHost`` actors. A
+source batch is done when its push is acknowledged end to end; one long-polling
+``drain`` per host brings back what the ledger de-duplicates (``ledger.py``). Under
+admission a record's ticket is released exactly once, when its one-record source batch
+is acknowledged end to end or the run ends. A served run keeps each record's live
+request here (``served.py``); a batch acknowledged with no output or error record for
+its record was dropped by a stage, and ``on_drop`` hears of it.
 """
 
 from __future__ import annotations
@@ -63,7 +58,6 @@ CANCEL_POLL_S = 0.05
 ADMISSION_WAITS = 64
 
 
-
 class _Sink:
     __slots__ = ("op_id", "rt", "meter", "queued", "first")
 
@@ -108,7 +102,6 @@ class RayRun:
             raise ValueError("a drop hook needs the drop_key its records keep")
         self.plan = plan
         self.on_drop = on_drop
-        self.drop_key = drop_key
         self.on_ready = on_ready
         self.served = ServedRequests(self._sink) if drop_key is not None else None
         ops = [o for s in plan.stages for o in s.ops if o.op.kind not in ("source", "sink")]
@@ -136,10 +129,9 @@ class RayRun:
                 self.source_meters[i] = StageMeter(s.id, "source")
             elif s.ops[-1].op.kind == "sink":
                 o = s.ops[-1]
-                target = sink_target(o, outputs)
                 j = len(s.ops) - 1
-                self.sinks[i] = _Sink(o.id, sink_runtime(target), stage_meter(s, j),
-                                      queued=j == 0, first=i in self.first)
+                self.sinks[i] = _Sink(o.id, sink_runtime(sink_target(o, outputs)),
+                                      stage_meter(s, j), queued=j == 0, first=i in self.first)
         # stages in this process (no actor hop), then those the hosts run
         self.in_driver = driver_stages(plan, self.placements, served=drop_key is not None)
         self.local: dict[int, HostedWorker] = {}  # their replicas (``install``)
@@ -265,11 +257,8 @@ class RayRun:
 
     # -- sources --------------------------------------------------------------------------
     async def _source(self, i: int) -> None:
-        s = self.plan.stages[i]
-        op = s.ops[0]
-        data: Any = op.params.get("data")
-        if data is None:
-            data = self.inputs[op.id]
+        op = self.plan.stages[i].ops[0]
+        data = op.params["data"] if op.params.get("data") is not None else self.inputs[op.id]
         meter = self.source_meters[i]
         links = self.source_links[i]
         pending: set[asyncio.Task] = set()
@@ -303,11 +292,8 @@ class RayRun:
 
     async def _admitted(self, i: int, data: Any, links: list[Link],
                         meter: StageMeter) -> None:
-        """Admission at the source (``ingress.read_admitted``), at most
-        ``ADMISSION_WAITS`` (or the first edge's window) records waiting at once. An
-        admitted record is sent as a one-record source batch; its ticket is released
-        once, when that batch is acknowledged end to end (output, error or drop) or the
-        run ends."""
+        """Admission at the source (``ingress.read_admitted``): an admitted record is
+        sent as a one-record source batch, its ticket released by ``_settle``."""
         counter = count()
         gate = self.admission
         # a served request carries its class and deadline to the engines
@@ -369,14 +355,11 @@ class RayRun:
                     h.handle.cancel.remote(self.run_id, rids)
 
     # -- sinks and errors (in the driver) -------------------------------------------------
-    def take(self, e: Any) -> None:
-        """An outbox entry, through the ledger: what it lets through to the sinks."""
-        self._hand_over(self.ledger.commit(e) if type(e) is Commit else self.ledger.offer(e))
-
-    def _hand_over(self, entries: list) -> None:
-        """Entries the ledger let through: to the sinks and the error handler."""
+    def take(self, entry: Any) -> None:
+        """An outbox entry, through the ledger: what it lets through goes to the sinks
+        and the error handler."""
         served = self.served
-        for e in entries:
+        for e in self.ledger.commit(entry) if type(entry) is Commit else self.ledger.offer(entry):
             if type(e) is Delivery:
                 records = e.records
                 if served is not None:

@@ -1,16 +1,12 @@
 """Engine replicas spread over the cluster: an engine spec with ``cluster:`` is a Ray Serve
 deployment, one replica = one engine, autoscaled by Serve between declared bounds.
 
-``open_cluster_engine`` opens such a spec as a ``ServeEngine``. The first stage host that
-needs it asks the cluster's ``Deployer`` actor (calls one at a time, so hosts opening the
-engine together create it once) to run the Serve application ``actor_name(name, spec)``
-(one deployment, ``engine``), whose replicas each open the spec without ``cluster:``;
-every later opener of the same spec finds it by that name. Serve places, restarts and
-autoscales the replicas; its request router sends each call to the less loaded of two
-replicas, by queue lengths probed from the replicas (every caller's work, not this
-handle's only). One Serve call per request, so a batch spreads over replicas and a
-request can be cancelled alone. Streaming, cancellation and failures: docs/ray.md,
-"Engine replicas across the cluster".
+The first stage host that opens such a spec (a ``ServeEngine``) asks the cluster's
+``Deployer`` actor (one call at a time, so hosts opening it together create it once) to
+run the Serve application ``actor_name(name, spec)``; later openers find it by that
+name. Serve places, restarts and autoscales the replicas and routes each call to the
+less loaded of two. One Serve call per request, so a batch spreads over replicas and a
+request can be cancelled alone (docs/ray.md, "Engine replicas across the cluster").
 """
 
 from __future__ import annotations

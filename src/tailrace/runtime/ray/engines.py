@@ -1,20 +1,13 @@
 """Engines shared by the cluster: one Ray actor per named engine, used by every stage.
 
-A stage on Ray opens its engines with its host's opener (``host.open_shared_engine``):
-a ``ClusterEngine``, a handle on the named actor ``tailrace-engine-NAME`` in the
-``tailrace`` namespace, created by the first stage that needs it and found by name by
-every later one, so the model (or engine pool, with ``replicas:``) loads once per
-cluster instead of once per stage host. The actor is threaded: concurrent calls from
-many stages reach the engine together (llama.cpp decodes them in one batch). Tokens are
-counted in the stage's process (``token_counter``), so prompt checks cost no remote call.
-
-With an ``on_token``, ``generate`` is a Ray streaming generator (``EngineActor.stream``)
-whose yields join the pieces queued since the last one: a Ray object costs ~1.5 ms of
-CPU, so one per token would cost more than a small model's decoding
-(``STREAM_INTERVAL_S``); Ray's back-pressure (``STREAM_WINDOW``) holds the generator,
-never the engine. Cancellation, errors and retries: docs/ray.md, "Tokens stream from
-engine actors". A spec with ``cluster:`` is a Ray Serve deployment instead
-(``engine_serve.py``).
+A stage on Ray opens its engines with its host's opener (``host.open_shared_engine``): a
+``ClusterEngine``, a handle on the named actor ``tailrace-engine-NAME`` (namespace
+``tailrace``), created by the first stage that needs it and found by every later one, so
+the model loads once per cluster. The actor is threaded: concurrent calls reach the
+engine together. Tokens are counted in the stage's process (``token_counter``). With an
+``on_token``, ``generate`` is a Ray streaming generator whose yields join the pieces
+queued since the last one (docs/ray.md, "Tokens stream from engine actors"). A spec with
+``cluster:`` is a Ray Serve deployment instead (``engine_serve.py``).
 """
 
 from __future__ import annotations
@@ -241,8 +234,7 @@ class ClusterEngine(EngineHandle):
     def generate(self, requests: Sequence[GenerationRequest],
                  on_token: TokenCallback | None = None) -> list[Generation]:
         if on_token is None:  # nothing to stream to: one whole-batch call
-            gens: list[Generation] = self._call("generate", list(requests))
-            return gens
+            return self._call("generate", list(requests))
         from ray.exceptions import ActorDiedError, RayActorError
 
         for attempt in itertools.count():

@@ -1,14 +1,10 @@
 """One admission gate for the cluster: a named Ray actor owning the policy, and its client.
 
-Several driver processes (e.g. Serve ingress replicas, each hosting a driver-side
-``PipelineService``) share one ``max_in_flight`` only if one policy sees all of them: the
-``GateActor`` (``tailrace-gate-NAME``, created by the first client, found by the others)
-owns it inside an ``AdmissionGate``, and ``ClusterGate`` is the client, with
-``AdmissionGate``'s protocol (``admit``, ``done``, ``statistics``, ``close``). Tickets are
-named by the client (``OWNER-N``), so a repeated release or a cancel while queued frees
-a ticket exactly once; the actor is not restarted (``GateUnavailable``: HTTP 503), and
-clients renew a lease every ``lease_s / 4`` so a dead client's tickets are freed
-(docs/ray.md, "One gate for the cluster").
+Several driver processes (e.g. Serve ingress replicas) share one ``max_in_flight`` only if
+one policy sees all of them: the ``GateActor`` (``tailrace-gate-NAME``, created by the
+first client, found by the others) owns it inside an ``AdmissionGate``; ``ClusterGate`` is
+the client, with ``AdmissionGate``'s protocol. Ticket ids, leases and failures: docs/ray.md,
+"One gate for the cluster".
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """``StageHost``: the Ray actor that runs stage replicas, and its outbox to the driver.
 
-A host is an asyncio actor running any number of stage replicas (``HostedWorker``s) of
-one run or several; hosts are kept by the driver and reused across runs, so a run costs
-a few calls instead of an actor start (~1 s) per stage. Results for the driver's sinks,
-error records, commits and meter snapshots go to the run's ``Outbox``, which the driver
-drains with long-polling ``drain`` calls; an entry is acknowledged to its producer when
-the next ``drain`` says the driver has handled it. A restarted actor knows no replicas
-and answers ``NEED_INSTALL``: producers reinstall and replay. A served run's requests
-get live parts of this host (``served.py``): cancel flags, and streamed pieces that
-travel with the next drain.
+A host is an asyncio actor running stage replicas (``HostedWorker``s) of one run or
+several, reused across runs (a few calls instead of an actor start, ~1 s, per stage).
+What the driver's sinks and ledger need goes to the run's ``Outbox``, drained by the
+driver's long-polling ``drain`` calls, which also acknowledge it. A restarted actor
+knows no replicas and answers ``NEED_INSTALL``: producers reinstall and replay. A served
+run's requests get live parts of this host (``served.py``).
 """
 
 from __future__ import annotations
@@ -261,10 +258,7 @@ class StageHost:
 
 def pack(d: Drained) -> bytes:
     """Pickle a drain answer; records that cannot be pickled become ``Unsendable`` (sink
-    records) or their ``repr`` (inputs of error records), never a failed drain.
-
-    d: the answer.
-    """
+    records) or their ``repr`` (inputs of error records), never a failed drain."""
     try:
         return encode(d)
     except Exception:  # noqa: BLE001 - find the records that cannot be sent

@@ -34,10 +34,7 @@ INSTALL_WAIT_S = 30.0
 
 
 def shipped(stage: PlanStage) -> PlanStage:
-    """The stage as sent to a host: sink targets (the caller's lists/writers) removed.
-
-    stage: the compiled stage.
-    """
+    """The stage as sent to a host: sink targets (the caller's lists/writers) removed."""
     def strip(o: PlanOp) -> PlanOp:
         if o.op.kind != "sink":
             return o
@@ -48,12 +45,9 @@ def shipped(stage: PlanStage) -> PlanStage:
 
 
 def preflight(plan: Plan, host_stages: list[int]) -> dict[int, PlanStage]:
-    """Serialise every operator that will run in an actor; a failure is a ``PlanError``
-    naming the stage, raised before any actor starts. Returns the stages to ship.
-
-    plan:        the compiled plan.
-    host_stages: indexes of the stages that run in actors.
-    """
+    """Serialise every operator of the stages ``host_stages`` (those that run in
+    actors); a failure is a ``PlanError`` naming the stage, raised before any actor
+    starts. Returns the stages to ship."""
     from ray import cloudpickle
 
     out = {}

@@ -1,14 +1,11 @@
 """One replica of one stage inside a ``StageHost`` actor: its input queue and its loop.
 
-Pushes from producers wait for room in the replica's bounded input queue (the stage's
-``queue`` bound, in records), one loop takes them in order and runs the fused operators
-on each micro-batch with the shared ``StageWorker`` (``runtime/stage.py``: the call the
-compiler chose, the same as locally), tracking which input each output and error came
-from (a ``Trace``, ``runtime/lineage.py``), then hands the results to
-the consumer stages through credit-bounded ``Link``s. A push returns only when its
-results are acknowledged downstream: that is the acknowledgement its producer waits for
-before forgetting the batch. A fan-out stage (a ``flat_map``) then also commits the push
-to the driver, whose ledger delivers one complete execution per input (``ledger.py``).
+Pushes wait for room in the replica's bounded input queue (the stage's ``queue``, in
+records); one loop runs the fused operators on each micro-batch with a ``StageWorker``
+(the same call as locally; one each for the calls in flight, ``Execution.in_flight``), tracing lineage (``lineage.Trace``), and
+hands the results on through credit-bounded ``Link``s. A push returns only when its
+results are acknowledged downstream; a fan-out stage then also commits it to the
+driver's ledger (``ledger.py``).
 """
 
 from __future__ import annotations
@@ -107,11 +104,8 @@ class Stream:
 class HostedWorker:
     """A stage replica on a host: bounded input queue, operator loop, output links.
 
-    spec:    the stage, its routes and the run (see ``InstallSpec``).
-    replica: which replica of the stage this is.
-    outbox:  the host's outbox for this run (``deliver``/``fail`` for the driver).
-    node:    the Ray node id of the host (reported with the meters).
-    open_engine: the host's engine opener (``BuildContext.open_engine``).
+    ``spec`` names the stage, its routes and the run; ``outbox`` is the host's for the run
+    (the driver's for a stage in the driver); ``node`` is reported with the meters.
     """
 
     def __init__(self, spec: InstallSpec, replica: int, outbox: Any, node: str,
@@ -161,14 +155,9 @@ class HostedWorker:
     async def push(self, key: BatchKey, records: list, lin: Lineage, born: float,
                    order: tuple[int, int, int, int]) -> None:
         """Queue one micro-batch (waiting for room); returns once it is acked end to end
-        (and, on a fan-out stage, committed).
-
-        order: ``(link, seq, prev, low)``: pushes of one producer link enter the queue in
-               ``seq`` order whatever order Ray delivers them in: this one after ``prev``,
-               the link's newest earlier push still unacknowledged when it was sent (-1:
-               none); ``low`` is the link's oldest unacknowledged seq (every seq below it
-               is done and will never come). See ``Stream``.
-        """
+        (and, on a fan-out stage, committed). ``order``: ``(link, seq, prev, low)`` of the
+        producer's link: this push enters after push ``prev`` (-1: none); every seq below
+        ``low`` is done (``Stream``)."""
         link, seq, prev, low = order
         stream = self._streams.get(link)
         if stream is None:

@@ -1,31 +1,23 @@
 """The driver's ledger: what each source batch has delivered, so that replays never
 deliver a record twice and never mix two executions of one input.
 
-Delivery between actors is at-least-once, and a replayed stage may behave differently
+Delivery between actors is at-least-once and a replayed stage may behave differently
 (a non-deterministic ``filter``, ``flat_map`` or ``generate``), so the driver compares
-lineage (``lineage.py``), not positions in micro-batches. An outbox entry arrives with
-its route (``messages.BatchKey``: a fan-out hop's ``token`` names one execution of that
-push) and one lineage id per record. The rules:
+lineage ids (``lineage.py``), not positions in micro-batches; an entry's route
+(``messages.BatchKey``) names one execution (``token``) per fan-out hop. The rules
+(docs/ray.md, "Fault tolerance"):
 
-1. **First delivery wins, per lineage id.** Once a record (output or error) with id ``l``
-   was delivered on a route, a later one with id ``l`` on the same route is a replay and
-   is dropped; so is one whose ancestor already ended as an error, or (for an error) one
-   whose descendants were already delivered, on a route that extends it.
-2. **A fan-out execution counts only once it is complete.** Its outputs and errors wait
-   in the ledger until the stage *commits* the push (after everything the push produced
-   was acknowledged end to end). Per input id, the first execution to commit wins; the
-   outputs of other executions of that input are dropped as a whole, even where they
-   emitted a different number of records. An execution that never commits (its actor
-   died) never delivers anything, so a partial first attempt cannot shadow the replay.
-3. **Drops are not deliveries**: a replay may deliver a record an earlier attempt's
-   filter dropped (the earlier attempt's drop was never seen by the driver).
-4. When a source batch is acknowledged end to end, every execution that matters has
-   committed: its ledger is freed, waiting entries of dead executions are dropped, and
-   anything that still arrives for it (a straggler of a dead actor) is dropped.
+1. **First delivery wins**, per lineage id and route: a later one is a replay, dropped;
+   so is a record whose ancestor already ended as an error on a route it extends, or an
+   error whose descendants were already delivered.
+2. **A fan-out execution counts only once it commits** (all it produced acknowledged
+   end to end: one whose actor died delivers nothing); per input id the first execution
+   to commit wins, the others are dropped whole.
+3. **Drops are not deliveries**: a replay may deliver what an earlier filter dropped.
+4. A settled source batch frees its ledger; what still waits or arrives is dropped.
 
-Cost: a route without fan-out hops (chains, branches, merges, copies) costs a few set
-operations per delivery, in C (``isdisjoint``, ``update``); per-record Python work
-happens only behind a fan-out stage and for duplicates.
+Cost: a route without fan-out hops costs a few set operations per delivery, in C;
+per-record Python work happens only behind a fan-out stage and for duplicates.
 """
 
 from __future__ import annotations

@@ -34,51 +34,32 @@ RUN_CLOSED = 2
 # -- driver -> host: what a stage replica needs to run ------------------------------------
 @dataclass(frozen=True)
 class Route:
-    """One output edge of a stage: its consumer stage, where it runs, its credit window.
+    """One output edge of a stage: its consumer stage, where it runs, its credit window."""
 
-    target: plan index of the consuming stage.
-    sink:   the consumer is a sink run by the driver (records leave through the outbox).
-    hosts:  actor handles of the consumer's replicas (empty for sinks).
-    specs:  per replica, ``[ObjectRef]`` of its ``InstallSpec`` (to reinstall after a restart).
-    window: credit window in records (the edge's bound): most records in flight, unacked.
-    chunk:  most records per push on this edge.
-    label:  the consuming stage's id (for error messages).
-    local:  the consumer's replica when it runs in the driver (``driver_stages``): pushes
-            are calls, no actor in between (such a route never leaves the driver).
-    """
-
-    target: int
-    sink: bool
-    hosts: tuple[Any, ...]
-    specs: tuple[list, ...]
-    window: int
-    chunk: int
-    label: str = ""
+    target: int  # plan index of the consuming stage
+    sink: bool  # the consumer is a sink run by the driver (records leave through the outbox)
+    hosts: tuple[Any, ...]  # actor handles of the consumer's replicas (empty for sinks)
+    specs: tuple[list, ...]  # per replica, [its InstallSpec's ObjectRef]: to reinstall it
+    window: int  # credit window in records (the edge's bound): most in flight, unacked
+    chunk: int  # most records per push on this edge
+    label: str = ""  # the consuming stage's id (for error messages)
+    # the consumer's replica when it runs in the driver (``driver_stages``): pushes are
+    # calls, no actor in between (such a route never leaves the driver)
     local: Any = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
 class InstallSpec:
-    """Everything a host needs to run the replicas of one stage in one run.
-
-    run_id:   the run.
-    index:    the stage's index in the plan.
-    stage:    the compiled stage (sink targets removed: sinks run in the driver).
-    routes:   port (None, "true", "false") -> output edges.
-    first:    fed by a source: the stage measures scheduling delay.
-    env:      ``TAILRACE_*`` environment of the driver (index and model locations).
-    sys_path: the driver's import path, so dotted ``fn:`` paths resolve the same way.
-    served:   a served run: the host binds its records' requests (``served.py``).
-    """
+    """Everything a host needs to run the replicas of one stage in one run."""
 
     run_id: str
-    index: int
-    stage: PlanStage
-    routes: dict[str | None, tuple[Route, ...]]
-    first: bool
-    env: dict[str, str] = field(default_factory=dict)
-    sys_path: tuple[str, ...] = ()
-    served: bool = False
+    index: int  # the stage's index in the plan
+    stage: PlanStage  # the compiled stage (sink targets removed: sinks run in the driver)
+    routes: dict[str | None, tuple[Route, ...]]  # port (None, "true", "false") -> edges
+    first: bool  # fed by a source: the stage measures scheduling delay
+    env: dict[str, str] = field(default_factory=dict)  # the driver's TAILRACE_* (index, models)
+    sys_path: tuple[str, ...] = ()  # the driver's, so dotted ``fn:`` paths resolve alike
+    served: bool = False  # a served run: the host binds its records' requests (served.py)
 
 
 # -- host -> driver: the outbox, drained by the driver -----------------------------------

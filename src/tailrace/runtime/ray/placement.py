@@ -197,19 +197,12 @@ class HostPool:
         options: dict[str, Any] = {
             "name": name, "num_cpus": pl.num_cpus, "max_restarts": -1,
             "max_concurrency": MAX_CONCURRENCY}
-        if pl.num_gpus:
-            options["num_gpus"] = pl.num_gpus
-        if pl.memory:
-            options["memory"] = pl.memory
-        if pl.resources:
-            options["resources"] = dict(pl.resources)
+        reserved = {"num_gpus": pl.num_gpus, "memory": pl.memory, "resources": dict(pl.resources)}
+        options.update({k: v for k, v in reserved.items() if v})
         if node is not None:
             # hard affinity: soft affinity spilled replicas to busy nodes here (measured)
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
         return HostHandle(actor_class().options(**options).remote(), name, key)
-
-    def all(self) -> list[HostHandle]:
-        return [h for pool in self.hosts.values() for h in pool]
 
 
 def _cluster() -> tuple[list[str], int]:

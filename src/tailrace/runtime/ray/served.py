@@ -1,17 +1,14 @@
 """A served run's requests across actors: the driver's live ones, the hosts' proxies.
 
-A served record points at its ``Request`` (``tailrace/request.py``), whose cancel
-signal and token sink belong to the caller in the driver's process. A request pickles
-as its data (cancelled or not, streams or not, the pieces streamed so far); the live
-parts stay home. The driver remembers each live request by id (``ServedRequests``);
-each host gives a request it receives live parts of its own (``HostRequests.bind``): a
-cancel flag per request id, set when the driver reports that the caller gave up
-(``StageHost.cancel``), and a sink that queues each piece in the run's outbox for the
-driver, counting it on the request (``Request.streamed``: the one count of what a
-request streamed, carried back with its records). Records reaching the driver get
-the live request back (``ServedRequests.arrived``), with the reply the answering stage
-filled; an output waits until every piece its request streamed has reached the caller
-(the pieces ride another host's drains, which may come later), at most ``PIECES_WAIT_S``.
+A served record points at its ``Request`` (``tailrace/request.py``), whose cancel signal
+and token sink belong to the caller in the driver's process; a request pickles as its
+data and the live parts stay home (``ServedRequests``, by id). Each host gives a request
+it receives live parts of its own (``HostRequests.bind``): a cancel flag set when the
+driver reports the caller gave up, and a sink that queues each piece for the driver,
+counting it on ``Request.streamed``. Records reaching the driver get the live request
+back, with the reply filled on the host; an output waits until every piece its request
+streamed has reached the caller (pieces ride another host's drains), at most
+``PIECES_WAIT_S``.
 """
 
 from __future__ import annotations
@@ -20,6 +17,7 @@ import asyncio
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from ...engines.call import Streamed
@@ -30,22 +28,6 @@ REMEMBERED = 4096
 #: longest a served output waits for its streamed pieces (they ride another host's
 #: drains); past it the output goes anyway (pieces lost with a dead host never come)
 PIECES_WAIT_S = 2.0
-
-
-class _HostSink:
-    """A request's token sink inside a host: counts each piece on the request and
-    queues it (from any thread) in the run's outbox for the driver."""
-
-    __slots__ = ("req", "put", "loop")
-
-    def __init__(self, req: Request, put: Callable[[Any, str, int], None],
-                 loop: asyncio.AbstractEventLoop) -> None:
-        self.req, self.put, self.loop = req, put, loop
-
-    def __call__(self, piece: str) -> None:
-        req = self.req
-        req.streamed += 1
-        self.loop.call_soon_threadsafe(self.put, req.rid, piece, req.streamed)
 
 
 class HostRequests:
@@ -76,8 +58,14 @@ class HostRequests:
             sink = None
             if req.sink is not None:
                 loop = loop or asyncio.get_running_loop()
-                sink = _HostSink(req, self.put, loop)
+                sink = partial(self._piece, req, loop)
             req.bind(flag, sink)
+
+    def _piece(self, req: Request, loop: asyncio.AbstractEventLoop, piece: str) -> None:
+        """A request's token sink here (called from any thread): counts the piece on the
+        request and queues it in the run's outbox for the driver."""
+        req.streamed += 1
+        loop.call_soon_threadsafe(self.put, req.rid, piece, req.streamed)
 
     def cancel(self, rids: list) -> None:
         """The callers of ``rids`` gave up: set their flags (now and on arrival)."""
