@@ -11,6 +11,7 @@ and registers the routes; each route is a handler over that state (``handlers.py
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,6 +23,7 @@ from .app_state import AppState
 from .errors import RequestFailed, ServiceError
 from .hub import ServingHub
 from .openai_wire import WireError, dumps, error_body, retry_headers
+from .relay import ClientGone
 
 Handler = Callable[[AppState, Request], Awaitable[Response]]
 
@@ -41,6 +43,10 @@ async def _validation_error(request: Request, e: RequestValidationError) -> Resp
                       for err in e.errors())
     return handlers.json_response(
         error_body(f"{request.url.path}: {where}", 400, "invalid_parameter"), 400)
+
+
+async def _client_gone(request: Request, e: ClientGone) -> Response:
+    return Response(status_code=499)  # the client left: its work was cancelled
 
 
 async def _http_error(request: Request, e: StarletteHTTPException) -> Response:
@@ -69,14 +75,14 @@ def create_app(hub: ServingHub) -> FastAPI:
 
     for error, handle in ((WireError, refused), (ServiceError, refused),
                           (RequestValidationError, _validation_error),
-                          (StarletteHTTPException, _http_error)):
+                          (ClientGone, _client_gone), (StarletteHTTPException, _http_error)):
         app.exception_handler(error)(handle)
     for path, method, handler in (
             ("/healthz", "GET", handlers.healthz), ("/readyz", "GET", handlers.readyz),
             ("/v1/models", "GET", handlers.models),
             ("/v1/embeddings", "POST", handlers.embeddings),
-            ("/v1/chat/completions", "POST", handlers.chat_completions),
-            ("/v1/completions", "POST", handlers.completions)):
+            ("/v1/chat/completions", "POST", partial(handlers.completions, chat=True)),
+            ("/v1/completions", "POST", partial(handlers.completions, chat=False))):
         app.add_api_route(path, _over(state, handler), methods=[method])
     # a plain Starlette route: no dependency solving per request (the hot path)
     app.router.add_route("/v1/pipelines/{name}/runs", _over(state, handlers.runs),

@@ -37,8 +37,7 @@ from .openai_wire import (
     parse_completion,
     sse,
 )
-from .relay import ClientGone, Relay, sse_response, unless_gone
-from .security import Redactor
+from .relay import Relay, sse_response, unless_gone
 from .service import Cancel, PipelineService
 from .sessions import session_of
 from .tenants import Tenant, request_fields
@@ -120,7 +119,8 @@ def request_record(state: AppState, name: str, fields: dict[Any, Any], request: 
 
 async def _submit(request: Request, service: PipelineService, record: dict,
                   env: Envelope) -> Any:
-    """The output record; ``ClientGone`` when the client left first (its work cancelled)."""
+    """The output record; ``ClientGone`` (499) when the client left first (its work
+    cancelled)."""
     cancel = Cancel()
     return await unless_gone(request, service.submit(record, cancel=cancel, request=env),
                              cancel)
@@ -179,15 +179,8 @@ async def embeddings(state: AppState, request: Request) -> Response:
     return json_response(embeddings_body(req, vecs, tokens))
 
 
-async def chat_completions(state: AppState, request: Request) -> Response:
-    return await _openai(state, request, True)
-
-
-async def completions(state: AppState, request: Request) -> Response:
-    return await _openai(state, request, False)
-
-
-async def _openai(state: AppState, request: Request, chat: bool) -> Response:
+async def completions(state: AppState, request: Request, chat: bool) -> Response:
+    """``/v1/chat/completions`` (``chat``) or ``/v1/completions``."""
     tenant = state.tenant_of(request)
     body = await read_json(request, state.limit)
     req = parse_chat(body) if chat else parse_completion(body)
@@ -205,12 +198,8 @@ async def _openai(state: AppState, request: Request, chat: bool) -> Response:
     if req.prompts:
         return await _several(request, service, b, req, record, env, rid, created)
     if req.stream:
-        return await _stream_openai(request, service, state.pieces[req.model], b, req,
-                                    record, env, rid, created, state.redact)
-    try:
-        out = await _submit(request, service, record, env)
-    except ClientGone:
-        return Response(status_code=499)
+        return await _stream_openai(state, request, service, b, req, record, env, rid, created)
+    out = await _submit(request, service, record, env)
     answer = answer_of(b, out)
     usage = usage_of(b, out, env.reply, req.text, answer)
     return json_response(completion_body(req, rid, created, answer,
@@ -230,13 +219,8 @@ async def runs(state: AppState, request: Request) -> Response:
     record, env = request_record(state, service.name, record, request, tenant,
                                  text=dumps(record).decode() if tenant is not None else "")
     if stream:
-        return await _stream_runs(request, service, state.pieces[service.name], record,
-                                  env, state.redact)
-    try:
-        out = await _submit(request, service, record, env)
-    except ClientGone:
-        return Response(status_code=499)
-    return json_response(out)
+        return await _stream_runs(state, request, service, record, env)
+    return json_response(await _submit(request, service, record, env))
 
 
 # -- answers -----------------------------------------------------------------------------
@@ -262,10 +246,7 @@ async def _several(request: Request, service: PipelineService, b: Binding,
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
 
-    try:
-        outs = await unless_gone(request, every(), cancel)
-    except ClientGone:
-        return Response(status_code=499)
+    outs = await unless_gone(request, every(), cancel)
     answers = []
     for p, out, e in zip(req.prompts, outs, envs, strict=True):
         answer = answer_of(b, out)
@@ -274,9 +255,9 @@ async def _several(request: Request, service: PipelineService, b: Binding,
     return json_response(completions_body(req, rid, created, answers))
 
 
-async def _stream_openai(request: Request, service: PipelineService, budget: int,
+async def _stream_openai(state: AppState, request: Request, service: PipelineService,
                          b: Binding, req: WireRequest, record: dict, env: Envelope,
-                         rid: str, created: int, redact: Redactor) -> Response:
+                         rid: str, created: int) -> Response:
     async def events(relay: Relay, first: Any) -> AsyncIterator[bytes]:
         if req.chat:
             yield chunk(req, rid, created, "", role=True)
@@ -288,7 +269,7 @@ async def _stream_openai(request: Request, service: PipelineService, budget: int
             out = relay.result()
             answer = answer_of(b, out)
         except ServiceError as e:
-            yield sse(error_body(redact(str(e)), e.status, e.code))
+            yield sse(error_body(state.redact(str(e)), e.status, e.code))
             return
         streamed = "".join(sent)
         if len(answer) > len(streamed) and answer.startswith(streamed):
@@ -301,20 +282,21 @@ async def _stream_openai(request: Request, service: PipelineService, budget: int
         if req.include_usage:
             yield chunk(req, rid, created, None, usage=usage)
 
-    return await sse_response(request, service, record, budget, events, env)
+    return await sse_response(request, service, record, state.pieces[req.model], events, env)
 
 
-async def _stream_runs(request: Request, service: PipelineService, budget: int,
-                       record: dict, env: Envelope, redact: Redactor) -> Response:
+async def _stream_runs(state: AppState, request: Request, service: PipelineService,
+                       record: dict, env: Envelope) -> Response:
     async def events(relay: Relay, first: Any) -> AsyncIterator[bytes]:
         async for text in relay.texts(first):
             yield sse({"token": text})
         try:
             yield sse({"output": relay.result()})
         except ServiceError as e:
-            body = error_body(redact(str(e)), e.status, e.code)
+            body = error_body(state.redact(str(e)), e.status, e.code)
             if isinstance(e, RequestFailed):
                 body["error"]["stage"] = e.record.stage
             yield sse(body)
 
-    return await sse_response(request, service, record, budget, events, env)
+    return await sse_response(request, service, record, state.pieces[service.name], events,
+                              env)

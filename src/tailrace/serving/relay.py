@@ -153,10 +153,7 @@ async def sse_response(request: Request, service: PipelineService, record: dict,
     that goes away stops the generation for it. ``budget``: most pieces that may wait
     for the client (``piece_budget``); ``env``: the record's request."""
     relay = Relay(service, record, budget, env)
-    try:
-        first = await relay.first(request)
-    except ClientGone:
-        return Response(status_code=499)
+    first = await relay.first(request)  # ClientGone: the app answers 499
 
     async def guarded() -> AsyncIterator[bytes]:
         finished = False
