@@ -71,13 +71,9 @@ def stage_histograms(run: Any) -> dict[str, StageHistograms]:
     for ws in list(workers.values()):
         for i, meter in enumerate(ws[0].meters):
             ms = [w.meters[i] for w in ws]
-            if len(ms) == 1:
-                out[meter.stage] = StageHistograms(meter.queue_wait, meter.service,
-                                                   meter.batch_size)
-            else:
-                out[meter.stage] = StageHistograms(merged(m.queue_wait for m in ms),
-                                                   merged(m.service for m in ms),
-                                                   merged(m.batch_size for m in ms))
+            out[meter.stage] = StageHistograms(merged(m.queue_wait for m in ms),
+                                               merged(m.service for m in ms),
+                                               merged(m.batch_size for m in ms))
     return out
 
 
