@@ -13,6 +13,7 @@ from typing import IO, Any
 
 from ..api.records import ErrorRecord
 from ..errors import InputError
+from ..serving.openai_wire import jsonable
 
 
 class JsonlReader:
@@ -67,15 +68,6 @@ def _json_type(v: Any) -> str:
         type(v), "a number")
 
 
-def _jsonable(v: Any) -> Any:
-    if isinstance(v, (set, frozenset, tuple)):
-        return list(v)
-    tolist = getattr(v, "tolist", None)  # numpy arrays and scalars
-    if callable(tolist):
-        return tolist()
-    return repr(v)
-
-
 class JsonlWriter:
     """Write records (and error records) as JSON lines to a file or stdout."""
 
@@ -88,7 +80,7 @@ class JsonlWriter:
                 raise InputError(f"{path}: cannot write output: {e.strerror}") from None
         else:
             self._f = sys.stdout
-        self._dumps = json.JSONEncoder(ensure_ascii=False, default=_jsonable).encode
+        self._dumps = json.JSONEncoder(ensure_ascii=False, default=jsonable).encode
         self.count = 0
 
     def write(self, record: Any) -> None:

@@ -55,7 +55,9 @@ def retry_headers(retry_after: float | None) -> dict[str, str]:
             "retry-after-ms": str(max(1, math.ceil(retry_after * 1000)))}
 
 
-def _jsonable(v: Any) -> Any:
+def jsonable(v: Any) -> Any:
+    """A JSON encoder's ``default``: sets and tuples as lists, numpy values as lists or
+    numbers, anything else its repr."""
     if isinstance(v, (set, frozenset, tuple)):
         return list(v)
     tolist = getattr(v, "tolist", None)  # numpy arrays and scalars
@@ -64,7 +66,7 @@ def _jsonable(v: Any) -> Any:
     return repr(v)
 
 
-_encode = json.JSONEncoder(ensure_ascii=False, default=_jsonable,
+_encode = json.JSONEncoder(ensure_ascii=False, default=jsonable,
                            separators=(",", ":")).encode
 
 

@@ -77,10 +77,8 @@ def _streamer(loop: asyncio.AbstractEventLoop, on_token: Callable[[str], Any],
 
 def _nothing_else_ready(loop: asyncio.AbstractEventLoop) -> bool:
     """Is the calling task all that ``loop`` has to run now (a lone query, not one of a
-    burst that arrived together and should cross the stages as one micro-batch, nor one
-    of a loop busy with other work)? Read from CPython's ``asyncio`` loop, which keeps
-    its ready callbacks in ``_ready``; a loop that does not (uvloop) is never asked to
-    run a stage on its caller's stack."""
+    burst that should cross the stages as one micro-batch)? Read from CPython's ready
+    callbacks (``_ready``); a loop without them (uvloop) never lends a caller a stage."""
     ready = getattr(loop, "_ready", None)
     return ready is not None and not ready
 
@@ -137,8 +135,8 @@ class PipelineService:
     runtime:          "local" (this process) or "ray" (stage actors on a Ray cluster,
                       this process the driver; needs ``pip install 'tailrace[ray]'``).
     address:          with "ray": the cluster (``HOST:PORT``, ``ray://HOST:PORT``,
-                      ``auto``); None: the current connection, ``RAY_ADDRESS`` or a new
-                      local Ray. Connected once, when the service starts.
+                      ``auto``; None: the current connection, ``RAY_ADDRESS`` or a new
+                      local Ray), connected when the service starts.
     placement:        with "ray": ``{stage id: {num_cpus, num_gpus, memory, resources,
                       strategy}}``.
     runs:             with "ray": the caller's ``runtime.ray.ActiveRuns`` that lists the
@@ -250,10 +248,8 @@ class PipelineService:
         return self
 
     def wait_ready(self, timeout: float | None = None) -> bool:
-        """Block until ready (True), failed or ``timeout`` seconds passed (False).
-
-        timeout: most seconds to wait (None: until ready or failed).
-        """
+        """Block until ready (True), failed or ``timeout`` seconds (None: no limit)
+        passed (False)."""
         deadline = None if timeout is None else perf_counter() + timeout
         while not self._ready.wait(0.05):
             if self._state in ("failed", "stopped"):
@@ -263,11 +259,8 @@ class PipelineService:
         return self.ready
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Stop taking requests, finish those in the pipeline, then end the run.
-
-        timeout: most seconds to wait for the drain; callers still waiting then get
-                 ``ServiceUnavailable``.
-        """
+        """Stop taking requests, finish those in the pipeline, then end the run; callers
+        still waiting after ``timeout`` seconds get ``ServiceUnavailable``."""
         with self._lock:
             if self._state != "running":
                 if self._state == "new":
@@ -484,9 +477,8 @@ class PipelineService:
 
     def _waiter_of(self, record: Any) -> _Waiter | None:
         req = request_of(record)
-        rid = req.rid if req is not None else None
         with self._lock:
-            waiter = self._waiting.pop(rid, None) if rid is not None else None
+            waiter = self._waiting.pop(req.rid, None) if req is not None else None
         if waiter is None:
             self.unrouted += 1
         return waiter
@@ -570,10 +562,8 @@ class PipelineService:
     def queue_depths(self) -> dict[str, int]:
         """Records buffered now in each stage's input channel, by stage id (a local run;
         on Ray the queues live in the actors: ``stats()`` has their peaks)."""
-        lr = self._run
-        if lr is None or self.runtime == "ray":
-            return {}
-        return {sid: ch.depth for sid, ch in lr.channels.items()}
+        lr = self.local_run
+        return {} if lr is None else {sid: ch.depth for sid, ch in lr.channels.items()}
 
 
 class _Feed(Feed):
