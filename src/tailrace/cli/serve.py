@@ -94,10 +94,9 @@ def add_parser(sub: Any) -> None:
 def build_gate(policy: str, plans: list[Any], max_in_flight: int,
                cluster: str | None = None) -> Any:
     """One admission gate of ``policy`` (simultaneous | fcfs | slo) for the compiled
-    ``plans``, read for their ``slo:`` and their model stages' ``max_tokens``; ``max_in_flight``:
-    records admitted at once (fcfs, slo). ``cluster``: the name of a Ray gate actor
-    (``ClusterGate``) to admit through instead of a gate in this process. ``tailrace run
-    --admission`` uses it too."""
+    ``plans`` (their ``slo:`` and model stages' ``max_tokens``), admitting ``max_in_flight``
+    at once (fcfs, slo); ``cluster``: the name of a Ray ``ClusterGate`` to admit through
+    instead. ``tailrace run --admission`` uses it too."""
     from ..control import PipelineSLO, make_policy
     from ..control.gate import AdmissionGate
     from ..serving.binding import output_tokens
@@ -144,23 +143,17 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def draining_server(config: Any, hub: Any, drain_s: float = 30.0, start_hub: bool = True) -> Any:
-    """A ``uvicorn.Server`` that starts ``hub``'s pipelines on its loop and drains them
-    as it shuts down.
-
-    uvicorn's shutdown waits for every open request, and a request waits for its
-    pipeline: without the drain, Ctrl-C with a record stuck in a stage would wait for
-    that request's timeout. Draining first answers every waiting request (its output if
-    the pipeline finishes it within ``drain_s`` seconds, else 503). ``start_hub``: start
-    the services not started yet on the server's loop.
-    """
+    """A ``uvicorn.Server`` that starts ``hub``'s pipelines on its loop (``start_hub``)
+    and drains them (at most ``drain_s`` s, then 503s) as it shuts down: uvicorn's
+    shutdown waits for every open request, which would otherwise wait for its pipeline
+    (a record stuck in a stage: for its timeout)."""
     import asyncio
 
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
         async def startup(self, sockets: Any = None) -> None:
-            # the pipelines run on the server's loop: a request reaches its pipeline and
-            # gets its answer with no thread hop (engines load in a worker thread)
+            # on the server's loop: no thread hop per request (engines load in a thread)
             if start_hub:
                 hub.start(asyncio.get_running_loop())
             await super().startup(sockets)

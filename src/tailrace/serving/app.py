@@ -28,7 +28,8 @@ from .relay import ClientGone
 Handler = Callable[[AppState, Request], Awaitable[Response]]
 
 
-def _error_response(e: WireError | ServiceError, redact: Callable[[str], str]) -> Response:
+def error_response(e: WireError | ServiceError, redact: Callable[[str], str] = str) -> Response:
+    """The OpenAI error response for ``e`` (its message through ``redact``)."""
     body = error_body(redact(str(e)), e.status, e.code)
     if isinstance(e, RequestFailed):
         rec = e.record.to_dict()
@@ -71,7 +72,7 @@ def create_app(hub: ServingHub) -> FastAPI:
     state = AppState.of(hub)
 
     async def refused(request: Request, e: WireError | ServiceError) -> Response:
-        return _error_response(e, state.redact)
+        return error_response(e, state.redact)
 
     for error, handle in ((WireError, refused), (ServiceError, refused),
                           (RequestValidationError, _validation_error),

@@ -257,15 +257,6 @@ class ObserveMiddleware:
 
 # -- mounting ------------------------------------------------------------------------------
 
-def _refusal(e: Any) -> Any:
-    from starlette.responses import Response
-
-    from .openai_wire import dumps, error_body
-
-    return Response(dumps(error_body(str(e), e.status, e.code)), status_code=e.status,
-                    media_type="application/json")
-
-
 def install_observability(app: Any, hub: Any, keys: KeyCheck | None = None) -> None:
     """Mount ``/metrics``, ``/dashboard`` (+ ``/dashboard/data``) and request tracing.
     ``keys``: who may read them (default: the hub's ``api_key`` and ``metrics_public``)."""
@@ -276,6 +267,8 @@ def install_observability(app: Any, hub: Any, keys: KeyCheck | None = None) -> N
         generate_latest,
     )
     from starlette.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response
+
+    from .app import error_response
 
     if not tracing_enabled():
         configure_tracing()  # on only if OTEL_EXPORTER_OTLP_ENDPOINT is set
@@ -294,14 +287,14 @@ def install_observability(app: Any, hub: Any, keys: KeyCheck | None = None) -> N
     def metrics(request: Any) -> Response:
         refused = keys.metrics(request.headers)
         if refused is not None:
-            return _refusal(refused)
+            return error_response(refused)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     def dashboard(request: Any) -> Response:
         refused, remember = keys.dashboard(request.headers, request.cookies,
                                            request.query_params.get("key"))
         if refused is not None:
-            return _refusal(refused)
+            return error_response(refused)
         if remember:  # the key leaves the address bar; the cookie carries its HMAC
             rest = urlencode([(k, v) for k, v in request.query_params.multi_items()
                               if k != "key"])
@@ -315,7 +308,7 @@ def install_observability(app: Any, hub: Any, keys: KeyCheck | None = None) -> N
     def data(request: Any) -> Response:
         refused, _ = keys.dashboard(request.headers, request.cookies, None)
         if refused is not None:
-            return _refusal(refused)
+            return error_response(refused)
         return JSONResponse(dashboard_data(hub, meter), headers={"Cache-Control": "no-store"})
 
     def static(request: Any) -> Response:
