@@ -1,14 +1,7 @@
-"""``tailrace eval``: retrieval and answer quality on FanOutQA dev sub-questions.
-
-The questions are the leaf sub-questions of the FanOutQA dev set whose evidence page
-is in the indexed corpus (558 with the bundled corpus). Reported:
-- retrieval recall@k and MRR@k of the evidence page, with the index's own embedder, for
-  each asked retrieve mode (dense, sparse BM25, hybrid: both fused by reciprocal rank;
-  default: the pipeline's);
-- answer accuracy of the RAG pipeline (every normalised gold answer found in the
-  normalised generated answer as whole tokens: "1" is in "the answer is 1." but not in
-  "9.71"; see ``stores.corpus.answer_correct``), and the same for a no-retrieval
-  baseline that asks the same model the bare question.
+"""``tailrace eval``: retrieval and answer quality on the FanOutQA dev sub-questions whose
+evidence page is in the index: recall@k and MRR@k of that page in each asked retrieve
+mode, and the answer accuracy (``stores.corpus.answer_correct``) of the RAG pipeline and
+of a no-retrieval baseline asking the same model. docs/retrieval.md has the figures.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """``tailrace ingest PATH... --index NAME``: index your own files, incrementally.
 
-Ingest is a tailrace pipeline (``ingest_pipeline``)::
-
-    files -> convert (flat_map: file -> documents) -> chunk (flat_map: document -> chunks)
-          -> embed (batched embedding engine) -> index write (the sink)
-
-so it has the usual per-stage table, runs on Ray with ``--runtime ray`` and ``tailrace
-ingest ... --plan`` prints it. Only new or changed files (by content hash) go through it:
-each file's chunks and vectors are cached as ``NAME.files/<key>.npz`` beside the index,
-the index is rebuilt from the cache (adding vectors is fast) and cache entries of deleted
-or changed files are removed. An unchanged folder makes no embedding call at all.
+Ingest is a tailrace pipeline (``ingest_pipeline``: files -> convert -> chunk -> embed
+-> index write), run on the new or changed files only (by content hash): each file's
+chunks and vectors are cached beside the index, which is rebuilt from the cache.
+docs/ingest.md ("Ingest is a pipeline", "Incremental").
 """
 
 from __future__ import annotations

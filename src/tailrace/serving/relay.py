@@ -71,14 +71,9 @@ def _quiet(task: asyncio.Future) -> None:
 
 
 class Relay:
-    """One submitted request whose text pieces arrive on a queue, then ``END``.
-
-    The queue holds at most ``budget`` pieces (plus ``END``): pieces wait there only
-    while the client reads slower than the engine writes, and a conforming pipeline
-    sends fewer than ``piece_budget`` pieces in all, so only an engine writing past its
-    ``max_tokens`` to a slow client can fill it. A piece past the bound stops the
-    generation (the request's cancel) and the stream ends with an error event.
-    """
+    """One submitted request whose text pieces arrive on a queue, then ``END``. The queue
+    holds at most ``budget`` pieces (a conforming pipeline sends fewer in all): a piece
+    past it stops the generation and the stream ends with an error event."""
 
     def __init__(self, service: PipelineService, record: dict, budget: int,
                  env: Envelope | None = None) -> None:

@@ -17,6 +17,7 @@ import contextlib
 import itertools
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from dataclasses import replace as dataclass_replace
 from functools import partial
 from time import perf_counter
@@ -46,13 +47,11 @@ from .own_loop import own_loop
 _STOP = object()
 
 
+@dataclass(slots=True)
 class _Waiter:
-    __slots__ = ("loop", "future", "retry_after")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> None:
-        self.loop = loop
-        self.future = future
-        self.retry_after: float | None = None
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    retry_after: float | None = None
 
 
 def _answer(waiter: _Waiter, value: Any, exc: BaseException | None) -> None:
