@@ -3,7 +3,7 @@ answer's pieces wait for it within a bound.
 
 ``unless_gone`` awaits a submission and, when the client disconnects first, sets the
 request's cancel (the answering stage frees its engine sequence at the next token) and
-raises ``ClientGone`` (the handler answers 499). ``Relay`` carries one streamed
+raises ``ClientGone`` (the app answers 499). ``Relay`` carries one streamed
 request's text pieces to the client on a bounded queue; ``sse_response`` turns its
 events into a ``text/event-stream`` response ending ``data: [DONE]``.
 """
