@@ -37,9 +37,6 @@ class EvalReport:
     modes: tuple[dict, ...] = ()  # {"mode", "recall_at_k", "mrr_at_k"} per evaluated mode
     fusion: dict | None = None  # the hybrid fusion used
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 def retrieval_metrics(index: Any, engine: Any, qs: list[EvalQuestion], k: int, *,
                       mode: str = "dense", fusion: Any = None,
@@ -171,8 +168,7 @@ def evaluate(pipeline_path: str, *, k: int = 10, limit: int | None = None,
 def format_report(r: EvalReport) -> str:
     lines = [f"{r.questions} FanOutQA dev sub-questions with their evidence page in the "
              f"index (embedder {r.embedder})"]
-    for m in r.modes or ({"mode": "dense", "recall_at_k": r.recall_at_k,
-                          "mrr_at_k": r.mrr_at_k},):
+    for m in r.modes:
         lines.append(f"  {m['mode']:<6} retrieval recall@{r.k}: {m['recall_at_k']:.3f}   "
                      f"MRR@{r.k}: {m['mrr_at_k']:.3f}")
     if r.fusion:

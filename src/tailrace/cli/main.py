@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 import traceback
+from dataclasses import asdict
 from typing import Any
 
 from .. import __version__
@@ -208,7 +209,7 @@ def _eval(args: argparse.Namespace) -> int:
     print(format_report(report))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report.to_dict(), f, indent=2)
+            json.dump(asdict(report), f, indent=2)
     return 0
 
 

@@ -30,7 +30,6 @@ from .openai_wire import (
     WireRequest,
     chunk,
     completion_body,
-    completions_body,
     dumps,
     error_body,
     parse_chat,
@@ -119,8 +118,7 @@ def request_record(state: AppState, name: str, fields: dict[Any, Any], request: 
 
 async def _submit(request: Request, service: PipelineService, record: dict,
                   env: Envelope) -> Any:
-    """The output record; ``ClientGone`` (499) when the client left first (its work
-    cancelled)."""
+    """The output record; ``ClientGone`` (499) when the client left first."""
     cancel = Cancel()
     return await unless_gone(request, service.submit(record, cancel=cancel, request=env),
                              cancel)
@@ -200,10 +198,8 @@ async def completions(state: AppState, request: Request, chat: bool) -> Response
     if req.stream:
         return await _stream_openai(state, request, service, b, req, record, env, rid, created)
     out = await _submit(request, service, record, env)
-    answer = answer_of(b, out)
-    usage = usage_of(b, out, env.reply, req.text, answer)
-    return json_response(completion_body(req, rid, created, answer,
-                                         finish_reason(b, usage, env.reply), usage))
+    return json_response(completion_body(req, rid, created,
+                                         [_answered(b, out, env.reply, req.text)]))
 
 
 async def runs(state: AppState, request: Request) -> Response:
@@ -247,12 +243,15 @@ async def _several(request: Request, service: PipelineService, b: Binding,
             raise
 
     outs = await unless_gone(request, every(), cancel)
-    answers = []
-    for p, out, e in zip(req.prompts, outs, envs, strict=True):
-        answer = answer_of(b, out)
-        usage = usage_of(b, out, e.reply, p, answer)
-        answers.append((answer, finish_reason(b, usage, e.reply), usage))
-    return json_response(completions_body(req, rid, created, answers))
+    return json_response(completion_body(req, rid, created, [
+        _answered(b, out, e.reply, p) for p, out, e in zip(req.prompts, outs, envs, strict=True)]))
+
+
+def _answered(b: Binding, out: dict, reply: Any, text: str) -> tuple[str, str, dict[str, Any]]:
+    """An output record's answer, finish reason and usage (``text``: its input)."""
+    answer = answer_of(b, out)
+    usage = usage_of(b, out, reply, text, answer)
+    return answer, finish_reason(b, usage, reply), usage
 
 
 async def _stream_openai(state: AppState, request: Request, service: PipelineService,

@@ -325,25 +325,14 @@ def parse_completion(body: dict) -> WireRequest:
 
 
 # -- responses ---------------------------------------------------------------------------
-def completion_body(req: WireRequest, rid: str, created: int, answer: str, finish: str,
-                    usage: dict[str, Any]) -> dict[str, Any]:
-    """The non-streaming response object (``created``: Unix seconds)."""
-    if req.chat:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None,
-                                  "message": {"role": "assistant", "content": answer}}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": answer, "finish_reason": finish, "logprobs": None}
-        obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": req.model,
-            "choices": [choice], "usage": usage}
-
-
-def completions_body(req: WireRequest, rid: str, created: int,
-                     answers: list[tuple[str, str, dict[str, Any]]]) -> dict[str, Any]:
-    """The response to a completion request with a list of prompts: one choice per
-    prompt (``answers``: its answer, finish reason and usage, in order), usage summed."""
-    choices = [{"index": i, "text": a, "finish_reason": f, "logprobs": None}
+def completion_body(req: WireRequest, rid: str, created: int,
+                    answers: list[tuple[str, str, dict[str, Any]]]) -> dict[str, Any]:
+    """The non-streaming response object (``created``: Unix seconds): one choice per
+    answer (its text, finish reason and usage; a completion's list of prompts gives
+    several, in order), usage summed."""
+    choices = [{"index": i, "finish_reason": f, "logprobs": None,
+                "message": {"role": "assistant", "content": a}} if req.chat
+               else {"index": i, "text": a, "finish_reason": f, "logprobs": None}
                for i, (a, f, _) in enumerate(answers)]
     usage: dict[str, Any] = {k: sum(u[k] for _, _, u in answers)
                              for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
@@ -351,8 +340,8 @@ def completions_body(req: WireRequest, rid: str, created: int,
                  for _, _, u in answers)
     if cached:
         usage["prompt_tokens_details"] = {"cached_tokens": cached}
-    return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
-            "choices": choices, "usage": usage}
+    return {"id": rid, "object": "chat.completion" if req.chat else "text_completion",
+            "created": created, "model": req.model, "choices": choices, "usage": usage}
 
 
 def chunk(req: WireRequest, rid: str, created: int, text: str | None,
