@@ -1,14 +1,8 @@
-"""``tailrace serve``: pipelines behind an OpenAI-compatible HTTP server (uvicorn).
-
-Every pipeline file becomes one ``PipelineService`` (``model`` = its ``pipeline:``
-name); they share the process's engines and one admission gate. The server listens
-at once and prints its URL; engines load in the background (``/readyz`` turns 200 when
-they have). Ctrl-C (or SIGTERM) drains the pipelines (every waiting request gets its
-answer, or 503 after 30 s) and stops.
-
-``--runtime ray`` serves on a Ray cluster (``serving/ray/``; docs/ray.md, "Serving on a
-cluster"): this process only deploys the hub actor and the Ray Serve ingress, waits for
-Ctrl-C and takes them down (draining first).
+"""``tailrace serve``: pipelines behind an OpenAI-compatible HTTP server (uvicorn), one
+``PipelineService`` per pipeline file sharing the process's engines and one admission
+gate; Ctrl-C (or SIGTERM) drains them (answers, or 503 after 30 s) and stops.
+``--runtime ray`` only deploys the hub actor and the Ray Serve ingress (``serving/ray/``)
+and takes them down again. docs/serving.md and docs/ray.md, "Serving on a cluster".
 """
 
 from __future__ import annotations

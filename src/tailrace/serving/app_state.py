@@ -52,8 +52,7 @@ class AppState:
         """The state of an app serving ``hub``'s pipelines."""
         plans = {name: s.plan for name, s in hub.services.items()}
         bindings = {name: bind(plan) for name, plan in plans.items()}
-        serves = {name: getattr(getattr(plan, "pipeline", None), "serve", None)
-                  for name, plan in plans.items()}
+        serves = {name: plan.pipeline.serve for name, plan in plans.items()}
         tenants = hub.tenants
         return cls(
             hub=hub, bindings=bindings,

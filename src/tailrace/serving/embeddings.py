@@ -63,9 +63,7 @@ def parse_embeddings(body: dict) -> EmbeddingRequest:
     if len(texts) > MAX_INPUTS:
         raise WireError(f"'input' has {len(texts)} texts; at most {MAX_INPUTS} per request",
                         code="too_many_inputs")
-    fmt = body.get("encoding_format")
-    if fmt is None:
-        fmt = "float"
+    fmt = "float" if body.get("encoding_format") is None else body["encoding_format"]
     if fmt not in ENCODINGS:
         raise WireError(f"'encoding_format' must be 'float' or 'base64', got {fmt!r}",
                         code="invalid_encoding_format")
@@ -132,10 +130,7 @@ def embed_texts(spec: dict, req: EmbeddingRequest) -> tuple[Any, int]:
     if req.dimensions is not None and vecs.shape[1] != req.dimensions:
         raise _wrong_dims(req, int(vecs.shape[1]))
     count = getattr(engine, "count_tokens", None)
-    if callable(count):
-        tokens = sum(int(count(t)) for t in req.texts)
-    else:
-        tokens = sum(approx_tokens(t) for t in req.texts)
+    tokens = sum(int(count(t)) if callable(count) else approx_tokens(t) for t in req.texts)
     return vecs, tokens
 
 

@@ -55,11 +55,9 @@ class ServingHub:
         return all(s.ready for s in self.services.values())
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> ServingHub:
-        """Start every service not started yet (engines load in the background).
-
-        loop: None: each on a thread of its own; else the running loop this is called
-              from (the HTTP server's): the services run there (``PipelineService.start``).
-        """
+        """Start every service not started yet (engines load in the background), each on
+        a thread of its own, or on ``loop``: the running loop this is called from
+        (``PipelineService.start``)."""
         for s in self.services.values():
             if not s.started:
                 s.start(loop)
@@ -74,10 +72,8 @@ class ServingHub:
             self.gate.close()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Drain and stop every service, then close the gate.
-
-        timeout: most seconds each service may take to drain.
-        """
+        """Drain (at most ``timeout`` seconds each) and stop every service, then close
+        the gate."""
         for s in self.services.values():
             s.stop(timeout)
         if self.gate is not None and hasattr(self.gate, "close"):

@@ -43,15 +43,14 @@ def _live_run(service: Any) -> Any:
 
 def _pools(hub: Any) -> list[Any]:
     """Engine pool statistics that describe replicas (``PoolStatistics``)."""
-    pools = hub.pools() if callable(getattr(hub, "pools", None)) else []
+    pools = hub.pools()
     if isinstance(pools, dict):
         pools = list(pools.values())
     return [p for p in pools if hasattr(p, "replicas") and hasattr(p, "queued")]
 
 
 def _admission(hub: Any) -> Any:
-    gate = getattr(hub, "gate", None)
-    stats = getattr(gate, "statistics", None)
+    stats = getattr(hub.gate, "statistics", None)
     return stats() if callable(stats) else None
 
 
@@ -281,8 +280,7 @@ def install_observability(app: Any, hub: Any, keys: KeyCheck | None = None) -> N
              for name, ctype in STATIC.items()}
 
     if keys is None:
-        keys = KeyCheck(getattr(hub, "api_key", None),
-                        metrics_public=bool(getattr(hub, "metrics_public", False)))
+        keys = KeyCheck(hub.api_key, metrics_public=hub.metrics_public)
 
     def metrics(request: Any) -> Response:
         refused = keys.metrics(request.headers)

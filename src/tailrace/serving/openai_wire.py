@@ -210,9 +210,7 @@ def _common(body: dict, chat: bool) -> tuple[str, bool, bool]:
     if not isinstance(model, str) or not model:
         raise WireError("'model' is required: the name of a served pipeline "
                         "(GET /v1/models lists them)", code="missing_model")
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
+    stream = False if body.get("stream") is None else body["stream"]
     if not isinstance(stream, bool):
         raise WireError(f"'stream' must be true or false, got {stream!r}",
                         code="invalid_stream")

@@ -148,11 +148,9 @@ def hub_redactor(hub: Any, env: Mapping[str, str] | None = None) -> Redactor:
     ``os.environ``)."""
     env = os.environ if env is None else env
     secrets = {v for k, v in env.items() if _SECRET_NAME.search(k) and v}
-    key = getattr(hub, "api_key", None)
-    if key:
-        secrets.add(key)
+    if hub.api_key:
+        secrets.add(hub.api_key)
     hosts: set[str] = set()
-    for service in getattr(hub, "services", {}).values():
-        pipeline = getattr(getattr(service, "plan", None), "pipeline", None)
-        _walk(getattr(pipeline, "engines", None), secrets, hosts, env)
+    for service in hub.services.values():
+        _walk(service.plan.pipeline.engines, secrets, hosts, env)
     return Redactor(secrets, hosts)
