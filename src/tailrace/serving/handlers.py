@@ -203,7 +203,6 @@ async def completions(state: AppState, request: Request, chat: bool) -> Response
 
 
 async def runs(state: AppState, request: Request) -> Response:
-    # a plain Starlette route: no dependency solving per request (the hot path)
     tenant = state.tenant_of(request)
     service = state.service(request.path_params["name"])
     stream = flag(request, "stream")

@@ -337,20 +337,20 @@ class PipelineService:
         from ..runtime.local import LocalRun
 
         inputs, outputs, _ = bind_io(self.plan, self._feed, self._on_output)
-        door = _Door(self.gate, self) if self.gate is not None else None
+        io = {"inputs": inputs, "outputs": outputs, "on_error": self._on_error,
+              "on_drop": self._on_drop, "drop_key": REQUEST,
+              "admission": _Door(self.gate, self) if self.gate is not None else None}
         if self.runtime == "ray":
-            await self._serve_on_ray(inputs, outputs, door)
+            await self._serve_on_ray(io)
             return
-        build = partial(LocalRun, self.plan, inputs=inputs, outputs=outputs,
-                        on_error=self._on_error, admission=door, on_drop=self._on_drop,
-                        drop_key=REQUEST)  # loads engines
+        build = partial(LocalRun, self.plan, **io)  # loads engines
         # on a shared loop, the engines load in a worker thread: the loop keeps serving
         self._run = build() if self._task is None else await asyncio.to_thread(build)
         self._t0 = perf_counter()
         self._ready.set()
         await self._run.execute()
 
-    async def _serve_on_ray(self, inputs: dict, outputs: dict, door: _Door | None) -> None:
+    async def _serve_on_ray(self, io: dict[str, Any]) -> None:
         """The run on Ray: ready once every stage replica (and its engines) is installed."""
         from ..runtime.ray import serving_run
 
@@ -358,10 +358,8 @@ class PipelineService:
             self._t0 = perf_counter()
             self._ready.set()
 
-        build = partial(serving_run, self.plan, inputs=inputs, outputs=outputs,
-                        on_error=self._on_error, on_drop=self._on_drop, drop_key=REQUEST,
-                        on_ready=installed, admission=door, address=self.address,
-                        placement=self.placement)
+        build = partial(serving_run, self.plan, on_ready=installed, address=self.address,
+                        placement=self.placement, **io)
         run = self._run = await asyncio.to_thread(build)  # connecting blocks: off the loop
         await (run.execute() if self.runs is None else self.runs.execute(run))
 

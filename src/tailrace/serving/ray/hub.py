@@ -43,13 +43,8 @@ def hub_name(app: str) -> str:
 
 
 class HubActor:
-    """The actor body: the served pipelines' ``ServingHub`` and its gate (see module).
-
-    plans:        compiled plans, one per served pipeline.
-    gate_factory: builds the shared admission gate in the actor (None: admit all).
-    max_pending, timeout_s: as ``PipelineService``.
-    placement:    ``{pipeline: {stage id: options}}`` for the stage hosts.
-    """
+    """The actor body: a ``ServingHub`` of ``plans`` behind the one gate ``gate_factory``
+    builds here (None: admit all); ``placement``: ``{pipeline: {stage id: options}}``."""
 
     def __init__(self, plans: list[Any], gate_factory: Callable[[], Any] | None = None,
                  max_pending: int = 1024, timeout_s: float = 300.0,

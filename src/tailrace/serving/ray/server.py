@@ -151,9 +151,7 @@ class ClusterServer:
         from ray import serve
 
         app = serve.status().applications.get(self.app_name)
-        if app is None:
-            return 0
-        dep = app.deployments.get("tailrace-ingress")
+        dep = app.deployments.get("tailrace-ingress") if app is not None else None
         if dep is None:
             return 0
         return sum(n for state, n in dep.replica_states.items()
@@ -177,8 +175,7 @@ class ClusterServer:
             deleting.start()
             deleting.join(timeout)
         if self.hub is not None:
-            with contextlib.suppress(Exception):
-                ray.kill(self.hub)
+            _quietly(ray.kill, self.hub)
             self.hub = None
         if self._started_serve:  # Serve was started for this server: nothing left behind
             _quietly(serve.shutdown)
