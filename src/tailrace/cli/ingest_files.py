@@ -211,17 +211,14 @@ def ingest_files(paths: list[str], *, index: str, embedder: str = "minilm-l6-int
                  chunk_tokens: int = DEFAULT_CHUNK_TOKENS, overlap: int = DEFAULT_OVERLAP,
                  runtime: str = "local", force: bool = False, quiet: bool = False,
                  plan_only: bool = False, stream: Any = None) -> FilesResult | str:
-    """Index the files under ``paths`` as ``index``; only new or changed files are embedded.
+    """Index the files and folders (recursive) under ``paths`` as ``index`` (a name under
+    ``$TAILRACE_HOME/indexes`` or a directory) in a ``kind`` (flat | hnsw) faiss index;
+    only new or changed files are embedded (``force``: all), with the catalog ONNX model
+    ``embedder``, whose tokenizer measures ``chunk_tokens`` and ``overlap``.
 
-    paths:        files and folders (recursive).
-    index:        an index name (``$TAILRACE_HOME/indexes/NAME``) or a directory.
-    embedder:     the catalog ONNX embedding model (its tokenizer measures the chunks).
-    kind:         ``flat`` or ``hnsw`` faiss index.
     include, exclude: globs on the path or the file name.
     columns:      text and metadata fields of JSONL/JSON/CSV rows.
-    chunk_tokens, overlap: the chunker's budget and overlap, in embedder tokens.
     runtime:      ``local`` or ``ray`` for the ingest pipeline.
-    force:        re-embed every file (the cache is ignored and rewritten).
     quiet:        no progress bar and no stage table; ``stream``: where the error and
                   summary lines go (default: stderr, or nowhere when quiet).
     plan_only:    return the rendered plan and run nothing.

@@ -2,10 +2,9 @@
 
 ``create_app(hub)`` serves ``/v1/chat/completions``, ``/v1/completions``,
 ``/v1/embeddings``, ``/v1/models``, ``/v1/pipelines/{name}/runs``, ``/healthz`` and
-``/readyz`` (docs/serving.md); errors use OpenAI's ``{"error": {"message", "type",
-"code"}}``. The app does not start or stop the hub; its owner does (``tailrace serve``).
-``create_app`` only builds the app's state (``app_state.py``, read once from the hub)
-and registers the routes; each route is a handler over that state (``handlers.py``).
+``/readyz`` (docs/serving.md), errors as OpenAI's ``{"error": {...}}``, each a handler
+(``handlers.py``) over the state read once from the hub (``app_state.py``). The app does
+not start or stop the hub; its owner does (``tailrace serve``).
 """
 
 from __future__ import annotations

@@ -96,10 +96,7 @@ def request_record(state: AppState, name: str, fields: dict[Any, Any], request: 
     (updated in place) with the pipeline's ``serve:`` fields (the tenant's last: the
     caller cannot choose it), and its ``Request``. Checks them (400 naming a bad one),
     then charges the tenant for ``text`` and ``n`` records' output tokens (429 over).
-
-    body: the OpenAI request's JSON object; None for ``/runs``, whose body is the
-          record (priority, deadline and session then come from headers only).
-    """
+    ``body``: the OpenAI request's JSON object; None for ``/runs`` (headers only)."""
     serve = state.serves[name]
     headers = request.headers
     urgent = urgency(serve, name, body, headers)

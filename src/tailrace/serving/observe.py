@@ -36,11 +36,6 @@ STATIC = {"dashboard.html": "text/html; charset=utf-8",
           "dashboard.js": "text/javascript; charset=utf-8"}
 
 
-def _live_run(service: Any) -> Any:
-    """The service's running ``LocalRun`` (its meters hold the live histograms), or None."""
-    return getattr(service, "local_run", None) or getattr(service, "_run", None)
-
-
 def _pools(hub: Any) -> list[Any]:
     """Engine pool statistics that describe replicas (``PoolStatistics``)."""
     pools = hub.pools()
@@ -80,7 +75,7 @@ def scrape(hub: Any, http: HttpMeter | None = None) -> Scrape:
     """What ``/metrics`` reports now (``http``: the app's HTTP meter, if any)."""
     pipelines = []
     for svc in list(hub.services.values()):
-        run = _live_run(svc)
+        run = getattr(svc, "local_run", None) or getattr(svc, "_run", None)  # live meters
         pipelines.append(PipelineScrape(
             svc.name, bool(svc.ready), svc.stats(),
             stage_histograms(run) if run is not None else {}, _depths(svc),

@@ -2,10 +2,9 @@
 answer's pieces wait for it within a bound.
 
 ``unless_gone`` awaits a submission and, when the client disconnects first, sets the
-request's cancel (the answering stage frees its engine sequence at the next token) and
-raises ``ClientGone`` (the app answers 499). ``Relay`` carries one streamed
-request's text pieces to the client on a bounded queue; ``sse_response`` turns its
-events into a ``text/event-stream`` response ending ``data: [DONE]``.
+request's cancel (the engine stops at the next token) and raises ``ClientGone`` (the app
+answers 499). ``Relay`` carries a streamed request's pieces on a bounded queue, which
+``sse_response`` turns into a ``text/event-stream`` ending ``data: [DONE]``.
 """
 
 from __future__ import annotations
