@@ -21,7 +21,6 @@ class JsonlReader:
     to ``on_bad(ErrorRecord)`` and kept in ``problems`` as ``FILE:LINE: reason``."""
 
     def __init__(self, path: str, on_bad: Callable[[ErrorRecord], None]) -> None:
-        self.path = path
         self.on_bad = on_bad
         self.problems: list[str] = []
         self.name = "<stdin>" if path == "-" else path
@@ -72,7 +71,6 @@ class JsonlWriter:
     """Write records (and error records) as JSON lines to a file or stdout."""
 
     def __init__(self, path: str | None) -> None:
-        self.path = path
         if path and path != "-":
             try:
                 self._f: IO[str] = open(path, "w", encoding="utf-8")  # noqa: SIM115
@@ -81,13 +79,11 @@ class JsonlWriter:
         else:
             self._f = sys.stdout
         self._dumps = json.JSONEncoder(ensure_ascii=False, default=jsonable).encode
-        self.count = 0
 
     def write(self, record: Any) -> None:
         if isinstance(record, dict) and any(k.startswith("_") for k in record):
             record = {k: v for k, v in record.items() if not k.startswith("_")}  # transient
         self._f.write(self._dumps(record) + "\n")
-        self.count += 1
 
     def write_error(self, err: ErrorRecord) -> None:
         self.write(err.to_dict())
