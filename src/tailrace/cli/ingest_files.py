@@ -67,11 +67,10 @@ def _matches(rel: str, patterns: list[str]) -> bool:
 
 def discover(paths: list[str], include: list[str] | None = None,
              exclude: list[str] | None = None) -> tuple[list[Path], int]:
-    """The files to ingest under ``paths`` (folders recursively, hidden entries skipped;
-    a file named on its own is always taken, so an unsupported one becomes an error
-    record), filtered by the include/exclude globs (on the path or the name), sorted; and
-    how many files of the folders were left out for an unsupported suffix. StoreError
-    when a path is missing or nothing matches."""
+    """The files to ingest under ``paths`` (folders recursively, hidden entries skipped; a
+    file named on its own is always taken: an unsupported one becomes an error record),
+    filtered by the globs, sorted; and how many files of the folders were left out for
+    their suffix. StoreError when a path is missing or nothing matches."""
     found: list[Path] = []
     unsupported = 0
     for raw in paths:

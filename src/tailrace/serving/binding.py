@@ -181,12 +181,11 @@ def usage_of(b: Binding, record: dict, reply: Reply, text: str,
     return usage
 
 
-def finish_reason(b: Binding, usage: dict[str, Any], reply: Reply | None = None) -> str:
+def finish_reason(b: Binding, usage: dict[str, Any], reply: Reply) -> str:
     """The finish reason the answering stage reported (``Reply.finish``); without one,
     ``"length"`` when the answer used all of ``max_tokens``, else ``"stop"``."""
-    reported = reply.finish if reply is not None else None
-    if isinstance(reported, str):
-        return reported
+    if isinstance(reply.finish, str):
+        return reply.finish
     return "length" if b.max_tokens and usage["completion_tokens"] >= b.max_tokens \
         else "stop"
 

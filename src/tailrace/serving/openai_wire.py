@@ -23,13 +23,9 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 
 
 class WireError(Exception):
-    """A request the server refuses, with its HTTP status and OpenAI error fields.
-
-    message:     what is wrong and how to fix it, in one line.
-    status:      HTTP status.
-    code:        OpenAI's ``error.code`` (a short reason).
-    retry_after: seconds for the ``Retry-After`` header (429, 503), else None.
-    """
+    """A request the server refuses: its message (what is wrong and how to fix it, in one
+    line), HTTP status, OpenAI ``error.code`` and ``Retry-After`` seconds (or None), as
+    ``ServiceError``'s."""
 
     def __init__(self, message: str, *, status: int = 400, code: str = "invalid_request",
                  retry_after: float | None = None) -> None:

@@ -35,11 +35,10 @@ def check_proxy(asked: str | None) -> None:
 
 
 def choose_proxy(asked: str | None, host: str, machines: int) -> str:
-    """The proxy to start Serve with for ``asked`` (None: the default), serving on
-    ``host`` over a cluster of ``machines`` distinct node addresses. Serve binds the
-    ingress replicas' own ports on ``host`` too, so HAProxy on the head cannot reach the
-    replicas of other machines through a loopback ``host``: the default is then the
-    Python proxy, and asking for HAProxy a one-line error."""
+    """The proxy to start Serve with for ``asked`` (None: the default) on ``host`` over
+    ``machines`` node addresses: HAProxy on the head cannot reach other machines'
+    replicas through a loopback ``host`` (Serve binds their ports on it), so the default
+    is then ``python`` and asking for ``haproxy`` an error."""
     split = host in LOOPBACK and machines > 1
     if asked is None:
         return "haproxy" if default_proxy() == "haproxy" and not split else "python"
