@@ -145,8 +145,7 @@ def evaluate(pipeline_path: str, *, k: int = 10, limit: int | None = None,
         r, rr = retrieval_metrics(index, embedder, qs, k, mode=m, fusion=fused, allow=allow)
         per_mode.append({"mode": m, "recall_at_k": r, "mrr_at_k": rr})
     recall, mrr = per_mode[0]["recall_at_k"], per_mode[0]["mrr_at_k"]
-    rag = base = None
-    llm = None
+    rag = base = llm = None
     details: list[dict] = []
     gen = next((s for s in p.stages if s.op == "generate"), None)
     if answers and gen is not None:
@@ -156,8 +155,7 @@ def evaluate(pipeline_path: str, *, k: int = 10, limit: int | None = None,
             p.engines[gen.params["engine"]] = spec
         llm = spec.get("model")
         rag_answers = _answers(p, qs, f"RAG answers ({llm})")
-        base_p = baseline_pipeline(gen, spec)
-        base_answers = _answers(base_p, qs, f"baseline answers ({llm})")
+        base_answers = _answers(baseline_pipeline(gen, spec), qs, f"baseline answers ({llm})")
         rag, base = _accuracy(rag_answers, qs), _accuracy(base_answers, qs)
         details = _details(qs, rag_answers, base_answers)
     return EvalReport(len(qs), k, recall, mrr, rag, base, llm, index.model,

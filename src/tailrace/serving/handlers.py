@@ -138,12 +138,11 @@ async def readyz(state: AppState, request: Request) -> Response:
 
 async def models(state: AppState, request: Request) -> Response:
     state.tenant_of(request)  # no limits: listing models costs nothing
+    listed = {**state.meta, **{name: {"endpoints": ["embeddings"], "engine": spec.get("model")}
+                               for name, spec in state.engines.items()}}
     return json_response({"object": "list", "data": [
         {"id": name, "object": "model", "created": state.started, "owned_by": "tailrace",
-         "metadata": state.meta[name]} for name in state.hub.services] + [
-        {"id": name, "object": "model", "created": state.started, "owned_by": "tailrace",
-         "metadata": {"endpoints": ["embeddings"], "engine": spec.get("model")}}
-        for name, spec in state.engines.items()]})
+         "metadata": meta} for name, meta in listed.items()]})
 
 
 async def embeddings(state: AppState, request: Request) -> Response:

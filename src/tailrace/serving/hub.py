@@ -21,10 +21,9 @@ class ServingHub:
     max_body_bytes: largest request body accepted (HTTP 413 above it).
     metrics_public: serve ``/metrics`` without the key (for Prometheus scrapers that
                     cannot send one); nothing else opens.
-    tenants:        API keys mapped to tenants (``serving.tenants.TenantKeys``, from
-                    ``--keys-file``): with it, ``/v1/*`` needs one of them (or
-                    ``api_key``); a tenant key sets the ``serve.tenant`` field and is
-                    held to its tenant's limits.
+    tenants:        API keys mapped to tenants (``serving.tenants.TenantKeys``): with it,
+                    ``/v1/*`` needs one of them (or ``api_key``); a tenant key sets the
+                    ``serve.tenant`` field and is held to its tenant's limits.
     """
 
     def __init__(self, services: Iterable[PipelineService] | dict[str, PipelineService], *,

@@ -150,14 +150,11 @@ async def sse_response(request: Request, service: PipelineService, record: dict,
     first = await relay.first(request)  # ClientGone: the app answers 499
 
     async def guarded() -> AsyncIterator[bytes]:
-        finished = False
         try:
             async for event in events(relay, first):
                 yield event
             yield SSE_DONE
-            finished = True
         finally:
-            if not finished:
-                relay.abandon()
+            relay.abandon()  # a no-op once the request has ended
 
     return StreamingResponse(guarded(), media_type="text/event-stream", headers=_SSE_HEADERS)

@@ -119,11 +119,8 @@ class _Door:
 
 
 class PipelineService:
-    """Hosts one compiled pipeline continuously; callers ``submit``.
-
-    ``start()`` runs the pipeline on a thread and event loop of its own; ``start(loop)``
-    as tasks on the caller's running loop. Either way a lone query may run an idle
-    inline first stage on the caller's own stack (``own_loop.py``).
+    """Hosts one compiled pipeline continuously (``start``); callers ``submit``. A lone
+    query may run an idle inline first stage on the caller's own stack (``own_loop.py``).
 
     plan_or_pipeline: a ``Pipeline`` (compiled here) or a compiled ``Plan``; its source
                       must be declared without data and its sink without a target.

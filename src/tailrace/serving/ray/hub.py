@@ -113,8 +113,7 @@ class HubActor:
     def figures(self) -> dict[str, Any]:
         """What ``/metrics`` and ``/dashboard`` show: per pipeline its readiness and
         statistics, the gate's and the engine pools' statistics."""
-        gate = self.hub.gate
-        stats = getattr(gate, "statistics", None)
+        stats = getattr(self.hub.gate, "statistics", None)
         return {"services": {name: {"stats": s.stats(), "pending": s.pending,
                                     "queued": s.queued, "unrouted": s.unrouted}
                              for name, s in self.hub.services.items()},
