@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import traceback
 from dataclasses import asdict
@@ -139,8 +140,6 @@ def load_plan(args: argparse.Namespace) -> Any:
     """Compile the pipeline file ``args.pipeline`` (fused unless ``args.no_fuse``); dotted
     paths resolve from the current directory and the file's own directory, as ``python -m``
     would."""
-    import os
-
     for d in (os.path.dirname(os.path.abspath(args.pipeline)), os.getcwd()):
         if d not in sys.path:
             sys.path.insert(0, d)

@@ -15,7 +15,9 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 from ..errors import TailraceError
@@ -264,9 +266,6 @@ def serve_on_cluster(args: argparse.Namespace, plans: list[Any], *, api_key: str
                      tenants: Any) -> int:
     """``tailrace serve --runtime ray``: deploy the hub actor and the Ray Serve ingress,
     wait for Ctrl-C (or SIGTERM), drain and take them down; returns the exit status."""
-    import time
-    from functools import partial
-
     from ..runtime.ray import connect
     from ..serving.ray import ClusterServer, default_outstanding
 

@@ -92,17 +92,16 @@ class _Door:
         self.service = service
 
     async def admit(self, pipeline: str, record: Any) -> Any:
+        req = request_of(record)
         try:
             ticket = await self.gate.admit(pipeline, record)
         except Exception as e:
             retry = getattr(e, "retry_after", None)
-            req = request_of(record)
             if retry is not None and req is not None:
                 waiter = self.service._waiting.get(req.rid)
                 if waiter is not None:
                     waiter.retry_after = float(retry)
             raise
-        req = request_of(record)
         if req is not None and req.cancel.is_set():
             self.gate.done(ticket)
             raise CallerGone(f"pipeline '{pipeline}': the caller gave up while this request "
@@ -389,11 +388,8 @@ class PipelineService:
                                status=400, code="invalid_record")
         # one cancel concept: the caller's own event (if any) counts as set too
         signal = cancel if type(cancel) is Cancel else Cancel(cancel)
-        if request is None:
-            req = Request(cancel=signal)
-        else:
-            req = request
-            req.cancel = signal
+        req = Request(cancel=signal) if request is None else request
+        req.cancel = signal
         # this service's own id: requests made elsewhere (several ingress replicas in
         # front of one hub) may share ids, answers are routed by this one
         rid = req.rid = next(self._ids)
