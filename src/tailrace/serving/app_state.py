@@ -53,7 +53,6 @@ class AppState:
         plans = {name: s.plan for name, s in hub.services.items()}
         bindings = {name: bind(plan) for name, plan in plans.items()}
         serves = {name: plan.pipeline.serve for name, plan in plans.items()}
-        tenants = hub.tenants
         return cls(
             hub=hub, bindings=bindings,
             meta={name: {**accepts(plan, bindings[name]), **bounds(serves[name])}
@@ -64,9 +63,9 @@ class AppState:
             serves=serves,
             reserve={name: output_tokens(plan) for name, plan in plans.items()},
             pieces={name: piece_budget(plan) for name, plan in plans.items()},
-            limit=hub.max_body_bytes, started=int(time.time()), tenants=tenants,
+            limit=hub.max_body_bytes, started=int(time.time()), tenants=hub.tenants,
             keys=KeyCheck(hub.api_key, metrics_public=hub.metrics_public,
-                          operator_only=tenants is not None),
+                          operator_only=hub.tenants is not None),
             redact=hub_redactor(hub))
 
     def service(self, name: str) -> PipelineService:

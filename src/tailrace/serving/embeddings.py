@@ -80,23 +80,19 @@ def parse_embeddings(body: dict) -> EmbeddingRequest:
 
 def embed_spec(plan: Plan) -> dict | None:
     """The linked engine spec of the plan's first ``embed`` stage, or None."""
-    for s in plan.stages:
-        for o in s.ops:
-            if o.op.name == "embed" and o.params.get("_engine"):
-                return dict(o.params["_engine"])
-    return None
+    spec = next((o.params["_engine"] for s in plan.stages for o in s.ops
+                 if o.op.name == "embed" and o.params.get("_engine")), None)
+    return dict(spec) if spec is not None else None
 
 
 def engine_specs(plans: list[Plan]) -> dict[str, dict]:
     """Every engine an ``embed`` stage of ``plans`` uses, by its name under ``engines:``
     (the first spec of a name wins: engines of one name are one shared engine)."""
     out: dict[str, dict] = {}
-    for plan in plans:
-        for s in plan.stages:
-            for o in s.ops:
-                spec = o.params.get("_engine") if o.op.name == "embed" else None
-                if spec and spec.get("_name") and spec["_name"] not in out:
-                    out[spec["_name"]] = dict(spec)
+    for o in (o for plan in plans for s in plan.stages for o in s.ops):
+        spec = o.params.get("_engine") if o.op.name == "embed" else None
+        if spec and spec.get("_name") and spec["_name"] not in out:
+            out[spec["_name"]] = dict(spec)
     return out
 
 
