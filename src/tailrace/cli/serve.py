@@ -257,11 +257,6 @@ def _autoscale(value: str | None) -> tuple[int, int] | None:
     return int(lo), int(hi)
 
 
-def _free_port(host: str) -> int:
-    with _listen(host, 0) as sock:
-        return int(sock.getsockname()[1])
-
-
 def serve_on_cluster(args: argparse.Namespace, plans: list[Any], *, api_key: str | None,
                      tenants: Any) -> int:
     """``tailrace serve --runtime ray``: deploy the hub actor and the Ray Serve ingress,
@@ -285,7 +280,10 @@ def serve_on_cluster(args: argparse.Namespace, plans: list[Any], *, api_key: str
     if args.app_name in serve.status().applications:
         raise TailraceError(f"a Ray Serve application '{args.app_name}' already runs on this "
                             "cluster; stop it (serve shutdown) or give --app-name")
-    port = args.port or _free_port(args.host)
+    port = args.port
+    if not port:  # 0: any free one
+        with _listen(args.host, 0) as sock:
+            port = int(sock.getsockname()[1])
     cluster = args.gate_name if args.gate == "cluster" else None
     factory = (partial(build_gate, args.admission, plans, args.max_in_flight, cluster)
                if args.admission else None)
