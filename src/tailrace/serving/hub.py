@@ -79,8 +79,7 @@ class ServingHub:
             self.gate.close()
 
     def pools(self) -> dict[str, Any]:
-        """``statistics()`` of the engine pools (and engines that keep statistics) in
-        this process, by name; may be empty."""
+        """The ``statistics()`` of this process's engine pools (and engines keeping any)."""
         from ..engines import statistics
 
         return statistics()

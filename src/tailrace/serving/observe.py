@@ -76,11 +76,10 @@ def scrape(hub: Any, http: HttpMeter | None = None) -> Scrape:
     pipelines = []
     for svc in list(hub.services.values()):
         run = getattr(svc, "local_run", None) or getattr(svc, "_run", None)  # live meters
+        latency = getattr(run, "latency", None)
         pipelines.append(PipelineScrape(
-            svc.name, bool(svc.ready), svc.stats(),
-            stage_histograms(run) if run is not None else {}, _depths(svc),
-            latency if isinstance(latency := getattr(run, "latency", None), Histogram)
-            else None))
+            svc.name, bool(svc.ready), svc.stats(), stage_histograms(run), _depths(svc),
+            latency if isinstance(latency, Histogram) else None))
     return Scrape(tuple(pipelines), _admission(hub), tuple(_pools(hub)), http)
 
 
