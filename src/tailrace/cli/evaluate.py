@@ -1,14 +1,7 @@
-"""``tailrace eval``: retrieval and answer quality on FanOutQA dev sub-questions.
-
-The questions are the leaf sub-questions of the FanOutQA dev set whose evidence page
-is in the indexed corpus (558 with the bundled corpus). Reported:
-- retrieval recall@k and MRR@k of the evidence page, with the index's own embedder, for
-  each asked retrieve mode (dense, sparse BM25, hybrid: both fused by reciprocal rank;
-  default: the pipeline's);
-- answer accuracy of the RAG pipeline (every normalised gold answer found in the
-  normalised generated answer as whole tokens: "1" is in "the answer is 1." but not in
-  "9.71"; see ``stores.corpus.answer_correct``), and the same for a no-retrieval
-  baseline that asks the same model the bare question.
+"""``tailrace eval``: retrieval and answer quality on the FanOutQA dev sub-questions whose
+evidence page is in the index: recall@k and MRR@k of that page in each asked retrieve
+mode, and the answer accuracy (``stores.corpus.answer_correct``) of the RAG pipeline and
+of a no-retrieval baseline asking the same model. docs/retrieval.md has the figures.
 """
 
 from __future__ import annotations
@@ -43,9 +36,6 @@ class EvalReport:
     details: tuple[dict, ...] = ()
     modes: tuple[dict, ...] = ()  # {"mode", "recall_at_k", "mrr_at_k"} per evaluated mode
     fusion: dict | None = None  # the hybrid fusion used
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def retrieval_metrics(index: Any, engine: Any, qs: list[EvalQuestion], k: int, *,
@@ -155,8 +145,7 @@ def evaluate(pipeline_path: str, *, k: int = 10, limit: int | None = None,
         r, rr = retrieval_metrics(index, embedder, qs, k, mode=m, fusion=fused, allow=allow)
         per_mode.append({"mode": m, "recall_at_k": r, "mrr_at_k": rr})
     recall, mrr = per_mode[0]["recall_at_k"], per_mode[0]["mrr_at_k"]
-    rag = base = None
-    llm = None
+    rag = base = llm = None
     details: list[dict] = []
     gen = next((s for s in p.stages if s.op == "generate"), None)
     if answers and gen is not None:
@@ -166,8 +155,7 @@ def evaluate(pipeline_path: str, *, k: int = 10, limit: int | None = None,
             p.engines[gen.params["engine"]] = spec
         llm = spec.get("model")
         rag_answers = _answers(p, qs, f"RAG answers ({llm})")
-        base_p = baseline_pipeline(gen, spec)
-        base_answers = _answers(base_p, qs, f"baseline answers ({llm})")
+        base_answers = _answers(baseline_pipeline(gen, spec), qs, f"baseline answers ({llm})")
         rag, base = _accuracy(rag_answers, qs), _accuracy(base_answers, qs)
         details = _details(qs, rag_answers, base_answers)
     return EvalReport(len(qs), k, recall, mrr, rag, base, llm, index.model,
@@ -178,8 +166,7 @@ def evaluate(pipeline_path: str, *, k: int = 10, limit: int | None = None,
 def format_report(r: EvalReport) -> str:
     lines = [f"{r.questions} FanOutQA dev sub-questions with their evidence page in the "
              f"index (embedder {r.embedder})"]
-    for m in r.modes or ({"mode": "dense", "recall_at_k": r.recall_at_k,
-                          "mrr_at_k": r.mrr_at_k},):
+    for m in r.modes:
         lines.append(f"  {m['mode']:<6} retrieval recall@{r.k}: {m['recall_at_k']:.3f}   "
                      f"MRR@{r.k}: {m['mrr_at_k']:.3f}")
     if r.fusion:

@@ -1,15 +1,9 @@
 """``tailrace ingest PATH... --index NAME``: index your own files, incrementally.
 
-Ingest is a tailrace pipeline (``ingest_pipeline``)::
-
-    files -> convert (flat_map: file -> documents) -> chunk (flat_map: document -> chunks)
-          -> embed (batched embedding engine) -> index write (the sink)
-
-so it has the usual per-stage table, runs on Ray with ``--runtime ray`` and ``tailrace
-ingest ... --plan`` prints it. Only new or changed files (by content hash) go through it:
-each file's chunks and vectors are cached as ``NAME.files/<key>.npz`` beside the index,
-the index is rebuilt from the cache (adding vectors is fast) and cache entries of deleted
-or changed files are removed. An unchanged folder makes no embedding call at all.
+Ingest is a tailrace pipeline (``ingest_pipeline``: files -> convert -> chunk -> embed
+-> index write), run on the new or changed files only (by content hash): each file's
+chunks and vectors are cached beside the index, which is rebuilt from the cache.
+docs/ingest.md ("Ingest is a pipeline", "Incremental").
 """
 
 from __future__ import annotations
@@ -73,11 +67,10 @@ def _matches(rel: str, patterns: list[str]) -> bool:
 
 def discover(paths: list[str], include: list[str] | None = None,
              exclude: list[str] | None = None) -> tuple[list[Path], int]:
-    """The files to ingest under ``paths`` (folders recursively, hidden entries skipped;
-    a file named on its own is always taken, so an unsupported one becomes an error
-    record), filtered by the include/exclude globs (on the path or the name), sorted; and
-    how many files of the folders were left out for an unsupported suffix. StoreError
-    when a path is missing or nothing matches."""
+    """The files to ingest under ``paths`` (folders recursively, hidden entries skipped; a
+    file named on its own is always taken: an unsupported one becomes an error record),
+    filtered by the globs, sorted; and how many files of the folders were left out for
+    their suffix. StoreError when a path is missing or nothing matches."""
     found: list[Path] = []
     unsupported = 0
     for raw in paths:
@@ -217,17 +210,14 @@ def ingest_files(paths: list[str], *, index: str, embedder: str = "minilm-l6-int
                  chunk_tokens: int = DEFAULT_CHUNK_TOKENS, overlap: int = DEFAULT_OVERLAP,
                  runtime: str = "local", force: bool = False, quiet: bool = False,
                  plan_only: bool = False, stream: Any = None) -> FilesResult | str:
-    """Index the files under ``paths`` as ``index``; only new or changed files are embedded.
+    """Index the files and folders (recursive) under ``paths`` as ``index`` (a name under
+    ``$TAILRACE_HOME/indexes`` or a directory) in a ``kind`` (flat | hnsw) faiss index;
+    only new or changed files are embedded (``force``: all), with the catalog ONNX model
+    ``embedder``, whose tokenizer measures ``chunk_tokens`` and ``overlap``.
 
-    paths:        files and folders (recursive).
-    index:        an index name (``$TAILRACE_HOME/indexes/NAME``) or a directory.
-    embedder:     the catalog ONNX embedding model (its tokenizer measures the chunks).
-    kind:         ``flat`` or ``hnsw`` faiss index.
     include, exclude: globs on the path or the file name.
     columns:      text and metadata fields of JSONL/JSON/CSV rows.
-    chunk_tokens, overlap: the chunker's budget and overlap, in embedder tokens.
     runtime:      ``local`` or ``ray`` for the ingest pipeline.
-    force:        re-embed every file (the cache is ignored and rewritten).
     quiet:        no progress bar and no stage table; ``stream``: where the error and
                   summary lines go (default: stderr, or nowhere when quiet).
     plan_only:    return the rendered plan and run nothing.

@@ -13,6 +13,7 @@ from typing import IO, Any
 
 from ..api.records import ErrorRecord
 from ..errors import InputError
+from ..serving.openai_wire import jsonable
 
 
 class JsonlReader:
@@ -20,7 +21,6 @@ class JsonlReader:
     to ``on_bad(ErrorRecord)`` and kept in ``problems`` as ``FILE:LINE: reason``."""
 
     def __init__(self, path: str, on_bad: Callable[[ErrorRecord], None]) -> None:
-        self.path = path
         self.on_bad = on_bad
         self.problems: list[str] = []
         self.name = "<stdin>" if path == "-" else path
@@ -67,20 +67,10 @@ def _json_type(v: Any) -> str:
         type(v), "a number")
 
 
-def _jsonable(v: Any) -> Any:
-    if isinstance(v, (set, frozenset, tuple)):
-        return list(v)
-    tolist = getattr(v, "tolist", None)  # numpy arrays and scalars
-    if callable(tolist):
-        return tolist()
-    return repr(v)
-
-
 class JsonlWriter:
     """Write records (and error records) as JSON lines to a file or stdout."""
 
     def __init__(self, path: str | None) -> None:
-        self.path = path
         if path and path != "-":
             try:
                 self._f: IO[str] = open(path, "w", encoding="utf-8")  # noqa: SIM115
@@ -88,14 +78,12 @@ class JsonlWriter:
                 raise InputError(f"{path}: cannot write output: {e.strerror}") from None
         else:
             self._f = sys.stdout
-        self._dumps = json.JSONEncoder(ensure_ascii=False, default=_jsonable).encode
-        self.count = 0
+        self._dumps = json.JSONEncoder(ensure_ascii=False, default=jsonable).encode
 
     def write(self, record: Any) -> None:
         if isinstance(record, dict) and any(k.startswith("_") for k in record):
             record = {k: v for k, v in record.items() if not k.startswith("_")}  # transient
         self._f.write(self._dumps(record) + "\n")
-        self.count += 1
 
     def write_error(self, err: ErrorRecord) -> None:
         self.write(err.to_dict())

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import traceback
+from dataclasses import asdict
 from typing import Any
 
 from .. import __version__
@@ -138,8 +140,6 @@ def load_plan(args: argparse.Namespace) -> Any:
     """Compile the pipeline file ``args.pipeline`` (fused unless ``args.no_fuse``); dotted
     paths resolve from the current directory and the file's own directory, as ``python -m``
     would."""
-    import os
-
     for d in (os.path.dirname(os.path.abspath(args.pipeline)), os.getcwd()):
         if d not in sys.path:
             sys.path.insert(0, d)
@@ -208,7 +208,7 @@ def _eval(args: argparse.Namespace) -> int:
     print(format_report(report))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report.to_dict(), f, indent=2)
+            json.dump(asdict(report), f, indent=2)
     return 0
 
 

@@ -1,14 +1,8 @@
-"""``tailrace serve``: pipelines behind an OpenAI-compatible HTTP server (uvicorn).
-
-Every pipeline file becomes one ``PipelineService`` (``model`` = its ``pipeline:``
-name); they share the process's engines and one admission gate. The server listens
-at once and prints its URL; engines load in the background (``/readyz`` turns 200 when
-they have). Ctrl-C (or SIGTERM) drains the pipelines (every waiting request gets its
-answer, or 503 after 30 s) and stops.
-
-``--runtime ray`` serves on a Ray cluster (``serving/ray/``; docs/ray.md, "Serving on a
-cluster"): this process only deploys the hub actor and the Ray Serve ingress, waits for
-Ctrl-C and takes them down (draining first).
+"""``tailrace serve``: pipelines behind an OpenAI-compatible HTTP server (uvicorn), one
+``PipelineService`` per pipeline file sharing the process's engines and one admission
+gate; Ctrl-C (or SIGTERM) drains them (answers, or 503 after 30 s) and stops.
+``--runtime ray`` only deploys the hub actor and the Ray Serve ingress (``serving/ray/``)
+and takes them down again. docs/serving.md and docs/ray.md, "Serving on a cluster".
 """
 
 from __future__ import annotations
@@ -21,7 +15,9 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 from ..errors import TailraceError
@@ -94,10 +90,9 @@ def add_parser(sub: Any) -> None:
 def build_gate(policy: str, plans: list[Any], max_in_flight: int,
                cluster: str | None = None) -> Any:
     """One admission gate of ``policy`` (simultaneous | fcfs | slo) for the compiled
-    ``plans``, read for their ``slo:`` and their model stages' ``max_tokens``; ``max_in_flight``:
-    records admitted at once (fcfs, slo). ``cluster``: the name of a Ray gate actor
-    (``ClusterGate``) to admit through instead of a gate in this process. ``tailrace run
-    --admission`` uses it too."""
+    ``plans`` (their ``slo:`` and model stages' ``max_tokens``), admitting ``max_in_flight``
+    at once (fcfs, slo); ``cluster``: the name of a Ray ``ClusterGate`` to admit through
+    instead. ``tailrace run --admission`` uses it too."""
     from ..control import PipelineSLO, make_policy
     from ..control.gate import AdmissionGate
     from ..serving.binding import output_tokens
@@ -144,23 +139,17 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def draining_server(config: Any, hub: Any, drain_s: float = 30.0, start_hub: bool = True) -> Any:
-    """A ``uvicorn.Server`` that starts ``hub``'s pipelines on its loop and drains them
-    as it shuts down.
-
-    uvicorn's shutdown waits for every open request, and a request waits for its
-    pipeline: without the drain, Ctrl-C with a record stuck in a stage would wait for
-    that request's timeout. Draining first answers every waiting request (its output if
-    the pipeline finishes it within ``drain_s`` seconds, else 503). ``start_hub``: start
-    the services not started yet on the server's loop.
-    """
+    """A ``uvicorn.Server`` that starts ``hub``'s pipelines on its loop (``start_hub``)
+    and drains them (at most ``drain_s`` s, then 503s) as it shuts down: uvicorn's
+    shutdown waits for every open request, which would otherwise wait for its pipeline
+    (a record stuck in a stage: for its timeout)."""
     import asyncio
 
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
         async def startup(self, sockets: Any = None) -> None:
-            # the pipelines run on the server's loop: a request reaches its pipeline and
-            # gets its answer with no thread hop (engines load in a worker thread)
+            # on the server's loop: no thread hop per request (engines load in a thread)
             if start_hub:
                 hub.start(asyncio.get_running_loop())
             await super().startup(sockets)
@@ -268,18 +257,10 @@ def _autoscale(value: str | None) -> tuple[int, int] | None:
     return int(lo), int(hi)
 
 
-def _free_port(host: str) -> int:
-    with _listen(host, 0) as sock:
-        return int(sock.getsockname()[1])
-
-
 def serve_on_cluster(args: argparse.Namespace, plans: list[Any], *, api_key: str | None,
                      tenants: Any) -> int:
     """``tailrace serve --runtime ray``: deploy the hub actor and the Ray Serve ingress,
     wait for Ctrl-C (or SIGTERM), drain and take them down; returns the exit status."""
-    import time
-    from functools import partial
-
     from ..runtime.ray import connect
     from ..serving.ray import ClusterServer, default_outstanding
 
@@ -299,7 +280,10 @@ def serve_on_cluster(args: argparse.Namespace, plans: list[Any], *, api_key: str
     if args.app_name in serve.status().applications:
         raise TailraceError(f"a Ray Serve application '{args.app_name}' already runs on this "
                             "cluster; stop it (serve shutdown) or give --app-name")
-    port = args.port or _free_port(args.host)
+    port = args.port
+    if not port:  # 0: any free one
+        with _listen(args.host, 0) as sock:
+            port = int(sock.getsockname()[1])
     cluster = args.gate_name if args.gate == "cluster" else None
     factory = (partial(build_gate, args.admission, plans, args.max_in_flight, cluster)
                if args.admission else None)

@@ -2,15 +2,15 @@
 
 ``create_app(hub)`` serves ``/v1/chat/completions``, ``/v1/completions``,
 ``/v1/embeddings``, ``/v1/models``, ``/v1/pipelines/{name}/runs``, ``/healthz`` and
-``/readyz`` (docs/serving.md); errors use OpenAI's ``{"error": {"message", "type",
-"code"}}``. The app does not start or stop the hub; its owner does (``tailrace serve``).
-``create_app`` only builds the app's state (``app_state.py``, read once from the hub)
-and registers the routes; each route is a handler over that state (``handlers.py``).
+``/readyz`` (docs/serving.md), errors as OpenAI's ``{"error": {...}}``, each a handler
+(``handlers.py``) over the state read once from the hub (``app_state.py``). The app does
+not start or stop the hub; its owner does (``tailrace serve``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,11 +22,13 @@ from .app_state import AppState
 from .errors import RequestFailed, ServiceError
 from .hub import ServingHub
 from .openai_wire import WireError, dumps, error_body, retry_headers
+from .relay import ClientGone
 
 Handler = Callable[[AppState, Request], Awaitable[Response]]
 
 
-def _error_response(e: WireError | ServiceError, redact: Callable[[str], str]) -> Response:
+def error_response(e: WireError | ServiceError, redact: Callable[[str], str] = str) -> Response:
+    """The OpenAI error response for ``e`` (its message through ``redact``)."""
     body = error_body(redact(str(e)), e.status, e.code)
     if isinstance(e, RequestFailed):
         rec = e.record.to_dict()
@@ -41,6 +43,10 @@ async def _validation_error(request: Request, e: RequestValidationError) -> Resp
                       for err in e.errors())
     return handlers.json_response(
         error_body(f"{request.url.path}: {where}", 400, "invalid_parameter"), 400)
+
+
+async def _client_gone(request: Request, e: ClientGone) -> Response:
+    return Response(status_code=499)  # the client left: its work was cancelled
 
 
 async def _http_error(request: Request, e: StarletteHTTPException) -> Response:
@@ -65,18 +71,18 @@ def create_app(hub: ServingHub) -> FastAPI:
     state = AppState.of(hub)
 
     async def refused(request: Request, e: WireError | ServiceError) -> Response:
-        return _error_response(e, state.redact)
+        return error_response(e, state.redact)
 
     for error, handle in ((WireError, refused), (ServiceError, refused),
                           (RequestValidationError, _validation_error),
-                          (StarletteHTTPException, _http_error)):
+                          (ClientGone, _client_gone), (StarletteHTTPException, _http_error)):
         app.exception_handler(error)(handle)
     for path, method, handler in (
             ("/healthz", "GET", handlers.healthz), ("/readyz", "GET", handlers.readyz),
             ("/v1/models", "GET", handlers.models),
             ("/v1/embeddings", "POST", handlers.embeddings),
-            ("/v1/chat/completions", "POST", handlers.chat_completions),
-            ("/v1/completions", "POST", handlers.completions)):
+            ("/v1/chat/completions", "POST", partial(handlers.completions, chat=True)),
+            ("/v1/completions", "POST", partial(handlers.completions, chat=False))):
         app.add_api_route(path, _over(state, handler), methods=[method])
     # a plain Starlette route: no dependency solving per request (the hot path)
     app.router.add_route("/v1/pipelines/{name}/runs", _over(state, handlers.runs),

@@ -26,22 +26,12 @@ from .urgency import bounds
 
 @dataclass(frozen=True, slots=True)
 class AppState:
-    """One app's view of its hub (read-only after ``of``).
-
-    hub:         the served hub (services, gate, limits).
-    bindings:    pipeline -> its OpenAI binding.
-    meta:        pipeline -> what ``GET /v1/models`` says it accepts.
-    embed_specs: pipeline -> its embed stage's engine spec (None: no embed stage).
-    engines:     embedding engine name -> spec, for engines served by their own name.
-    serves:      pipeline -> its ``serve:`` spec (None: none).
-    reserve:     pipeline -> output tokens one record may spend (tenants' reservations).
-    pieces:      pipeline -> most text pieces one streamed request may wait with.
-    limit:       largest request body, in bytes.
-    started:     Unix seconds the app was made (the models' ``created``).
-    tenants:     the hub's ``TenantKeys``, or None.
-    keys:        the API-key check.
-    redact:      scrubs secrets out of error text.
-    """
+    """One app's view of its hub (read-only after ``of``), the mappings by pipeline name:
+    ``meta`` is what ``GET /v1/models`` says it accepts, ``embed_specs`` its embed stage's
+    engine spec (or None), ``reserve`` the output tokens one record may spend (tenants'
+    reservations), ``pieces`` the most text pieces a stream may wait with; ``engines``
+    are the embedding engines served by their own name, ``limit`` the largest body in
+    bytes, ``started`` the Unix seconds the app was made (the models' ``created``)."""
 
     hub: ServingHub
     bindings: dict[str, Binding]
@@ -62,9 +52,7 @@ class AppState:
         """The state of an app serving ``hub``'s pipelines."""
         plans = {name: s.plan for name, s in hub.services.items()}
         bindings = {name: bind(plan) for name, plan in plans.items()}
-        serves = {name: getattr(getattr(plan, "pipeline", None), "serve", None)
-                  for name, plan in plans.items()}
-        tenants: Any = getattr(hub, "tenants", None)
+        serves = {name: plan.pipeline.serve for name, plan in plans.items()}
         return cls(
             hub=hub, bindings=bindings,
             meta={name: {**accepts(plan, bindings[name]), **bounds(serves[name])}
@@ -75,9 +63,9 @@ class AppState:
             serves=serves,
             reserve={name: output_tokens(plan) for name, plan in plans.items()},
             pieces={name: piece_budget(plan) for name, plan in plans.items()},
-            limit=hub.max_body_bytes, started=int(time.time()), tenants=tenants,
+            limit=hub.max_body_bytes, started=int(time.time()), tenants=hub.tenants,
             keys=KeyCheck(hub.api_key, metrics_public=hub.metrics_public,
-                          operator_only=tenants is not None),
+                          operator_only=hub.tenants is not None),
             redact=hub_redactor(hub))
 
     def service(self, name: str) -> PipelineService:
@@ -94,16 +82,11 @@ class AppState:
         key; 401 when a key is needed and missing or wrong."""
         if self.tenants is not None:
             scheme, _, token = request.headers.get("authorization", "").partition(" ")
-            bearer = scheme.lower() == "bearer" and bool(token)
-            tenant = self.tenants.tenant_of(token) if bearer else None
-            if tenant is not None:
-                return tenant
-            if not self.keys.enabled:
-                if not bearer:
-                    raise WireError("missing API key: send the header 'Authorization: "
-                                    "Bearer KEY'", status=401, code="missing_api_key")
-                raise WireError("invalid API key", status=401, code="invalid_api_key")
-        refused = self.keys.bearer(request.headers)
+            if scheme.lower() == "bearer" and token:
+                tenant = self.tenants.tenant_of(token)
+                if tenant is not None:
+                    return tenant
+        refused = self.keys.bearer(request.headers)  # operator_only: no other key passes
         if refused is not None:
             raise refused
         return None

@@ -36,21 +36,12 @@ def output_tokens(plan: Plan) -> int:
 
 @dataclass(frozen=True)
 class Binding:
-    """Which record fields an OpenAI request maps to for one pipeline.
-
-    input_field:  the field that receives the request's text (None: not usable).
-    answer_field: the answering stage's output field (None: no answering stage).
-    usage_field:  that stage's ``usage`` field, if it declares one (generate).
-    max_tokens:   that stage's ``max_tokens`` (route: its largest, over ``per_engine``).
-    engine:       that stage's engine spec (for counting tokens; route: the default or
-                  the cascade's last engine).
-    problem:      why the pipeline cannot answer chat/completion requests, or None.
-    frozen:       the options that stage's ``frozen:`` keeps from requests.
-    stage:        the answering stage's id (None: none).
-    kind:         its operator: ``generate``, ``route`` or ``tool_call`` (None: none).
-    response_formats: the ``response_format`` types that stage enforces (a generate
-                  stage's engine's; none for route and tool_call).
-    """
+    """Which record fields an OpenAI request maps to for one pipeline: the field that
+    receives its text (``input_field``) and, of the answering stage (``stage``, whose
+    operator is ``kind``; None: none), its output, ``usage``, ``max_tokens`` (route: the
+    largest), engine spec (for counting tokens), the options its ``frozen:`` keeps from
+    requests and the ``response_format`` types it enforces. ``problem``: why the
+    pipeline cannot answer chat/completion requests, or None."""
 
     input_field: str | None
     answer_field: str | None
@@ -116,7 +107,6 @@ def answering_stage(plan: Plan) -> tuple[Any, str | None]:
 def bind(plan: Plan) -> Binding:
     """Work out a pipeline's ``Binding`` from its compiled plan."""
     ops = [o for s in plan.stages for o in s.ops]
-    field = None
     source = next(o for o in ops if o.op.kind == "source")
     if source.params.get("fields"):
         field = source.params["fields"][0]
@@ -191,12 +181,11 @@ def usage_of(b: Binding, record: dict, reply: Reply, text: str,
     return usage
 
 
-def finish_reason(b: Binding, usage: dict[str, Any], reply: Reply | None = None) -> str:
+def finish_reason(b: Binding, usage: dict[str, Any], reply: Reply) -> str:
     """The finish reason the answering stage reported (``Reply.finish``); without one,
     ``"length"`` when the answer used all of ``max_tokens``, else ``"stop"``."""
-    reported = reply.finish if reply is not None else None
-    if isinstance(reported, str):
-        return reported
+    if isinstance(reply.finish, str):
+        return reply.finish
     return "length" if b.max_tokens and usage["completion_tokens"] >= b.max_tokens \
         else "stop"
 

@@ -63,9 +63,7 @@ def parse_embeddings(body: dict) -> EmbeddingRequest:
     if len(texts) > MAX_INPUTS:
         raise WireError(f"'input' has {len(texts)} texts; at most {MAX_INPUTS} per request",
                         code="too_many_inputs")
-    fmt = body.get("encoding_format")
-    if fmt is None:
-        fmt = "float"
+    fmt = "float" if body.get("encoding_format") is None else body["encoding_format"]
     if fmt not in ENCODINGS:
         raise WireError(f"'encoding_format' must be 'float' or 'base64', got {fmt!r}",
                         code="invalid_encoding_format")
@@ -82,23 +80,19 @@ def parse_embeddings(body: dict) -> EmbeddingRequest:
 
 def embed_spec(plan: Plan) -> dict | None:
     """The linked engine spec of the plan's first ``embed`` stage, or None."""
-    for s in plan.stages:
-        for o in s.ops:
-            if o.op.name == "embed" and o.params.get("_engine"):
-                return dict(o.params["_engine"])
-    return None
+    spec = next((o.params["_engine"] for s in plan.stages for o in s.ops
+                 if o.op.name == "embed" and o.params.get("_engine")), None)
+    return dict(spec) if spec is not None else None
 
 
 def engine_specs(plans: list[Plan]) -> dict[str, dict]:
     """Every engine an ``embed`` stage of ``plans`` uses, by its name under ``engines:``
     (the first spec of a name wins: engines of one name are one shared engine)."""
     out: dict[str, dict] = {}
-    for plan in plans:
-        for s in plan.stages:
-            for o in s.ops:
-                spec = o.params.get("_engine") if o.op.name == "embed" else None
-                if spec and spec.get("_name") and spec["_name"] not in out:
-                    out[spec["_name"]] = dict(spec)
+    for o in (o for plan in plans for s in plan.stages for o in s.ops):
+        spec = o.params.get("_engine") if o.op.name == "embed" else None
+        if spec and spec.get("_name") and spec["_name"] not in out:
+            out[spec["_name"]] = dict(spec)
     return out
 
 
@@ -132,10 +126,7 @@ def embed_texts(spec: dict, req: EmbeddingRequest) -> tuple[Any, int]:
     if req.dimensions is not None and vecs.shape[1] != req.dimensions:
         raise _wrong_dims(req, int(vecs.shape[1]))
     count = getattr(engine, "count_tokens", None)
-    if callable(count):
-        tokens = sum(int(count(t)) for t in req.texts)
-    else:
-        tokens = sum(approx_tokens(t) for t in req.texts)
+    tokens = sum(int(count(t)) if callable(count) else approx_tokens(t) for t in req.texts)
     return vecs, tokens
 
 

@@ -11,6 +11,11 @@ from ..errors import TailraceError
 
 #: Error record types that mean the caller's record was unusable (HTTP 400).
 BAD_INPUT_ERRORS = frozenset({"FieldError", "ContextOverflow", "InputError"})
+#: Error record types -> (HTTP status, code) of ``RequestFailed``; any other is a 500
+_STATUS = {"AdmissionRejected": (429, "admission_rejected"),
+           "StageTimeout": (504, "stage_timeout"),
+           "GateUnavailable": (503, "gate_unavailable"),  # the cluster's gate actor is gone
+           **{e: (400, e) for e in BAD_INPUT_ERRORS}}
 
 
 class ServiceError(TailraceError):
@@ -46,16 +51,7 @@ class RequestFailed(ServiceError):
     """The pipeline answered with an error record (``.record``) instead of an output."""
 
     def __init__(self, record: ErrorRecord, retry_after: float | None = None) -> None:
-        if record.error == "AdmissionRejected":
-            status, code = 429, "admission_rejected"
-        elif record.error in BAD_INPUT_ERRORS:
-            status, code = 400, record.error
-        elif record.error == "StageTimeout":
-            status, code = 504, "stage_timeout"
-        elif record.error == "GateUnavailable":  # the cluster's gate actor is gone
-            status, code = 503, "gate_unavailable"
-        else:
-            status, code = 500, record.error
+        status, code = _STATUS.get(record.error, (500, record.error))
         super().__init__(f"stage '{record.stage}': {record.error}: {record.message}",
                          status=status, code=code, retry_after=retry_after)
         self.record = record

@@ -30,15 +30,13 @@ from .openai_wire import (
     WireRequest,
     chunk,
     completion_body,
-    completions_body,
     dumps,
     error_body,
     parse_chat,
     parse_completion,
     sse,
 )
-from .relay import ClientGone, Relay, sse_response, unless_gone
-from .security import Redactor
+from .relay import Relay, sse_response, unless_gone
 from .service import Cancel, PipelineService
 from .sessions import session_of
 from .tenants import Tenant, request_fields
@@ -98,10 +96,7 @@ def request_record(state: AppState, name: str, fields: dict[Any, Any], request: 
     (updated in place) with the pipeline's ``serve:`` fields (the tenant's last: the
     caller cannot choose it), and its ``Request``. Checks them (400 naming a bad one),
     then charges the tenant for ``text`` and ``n`` records' output tokens (429 over).
-
-    body: the OpenAI request's JSON object; None for ``/runs``, whose body is the
-          record (priority, deadline and session then come from headers only).
-    """
+    ``body``: the OpenAI request's JSON object; None for ``/runs`` (headers only)."""
     serve = state.serves[name]
     headers = request.headers
     urgent = urgency(serve, name, body, headers)
@@ -120,7 +115,7 @@ def request_record(state: AppState, name: str, fields: dict[Any, Any], request: 
 
 async def _submit(request: Request, service: PipelineService, record: dict,
                   env: Envelope) -> Any:
-    """The output record; ``ClientGone`` when the client left first (its work cancelled)."""
+    """The output record; ``ClientGone`` (499) when the client left first."""
     cancel = Cancel()
     return await unless_gone(request, service.submit(record, cancel=cancel, request=env),
                              cancel)
@@ -143,12 +138,11 @@ async def readyz(state: AppState, request: Request) -> Response:
 
 async def models(state: AppState, request: Request) -> Response:
     state.tenant_of(request)  # no limits: listing models costs nothing
+    listed = {**state.meta, **{name: {"endpoints": ["embeddings"], "engine": spec.get("model")}
+                               for name, spec in state.engines.items()}}
     return json_response({"object": "list", "data": [
         {"id": name, "object": "model", "created": state.started, "owned_by": "tailrace",
-         "metadata": state.meta[name]} for name in state.hub.services] + [
-        {"id": name, "object": "model", "created": state.started, "owned_by": "tailrace",
-         "metadata": {"endpoints": ["embeddings"], "engine": spec.get("model")}}
-        for name, spec in state.engines.items()]})
+         "metadata": meta} for name, meta in listed.items()]})
 
 
 async def embeddings(state: AppState, request: Request) -> Response:
@@ -179,15 +173,8 @@ async def embeddings(state: AppState, request: Request) -> Response:
     return json_response(embeddings_body(req, vecs, tokens))
 
 
-async def chat_completions(state: AppState, request: Request) -> Response:
-    return await _openai(state, request, True)
-
-
-async def completions(state: AppState, request: Request) -> Response:
-    return await _openai(state, request, False)
-
-
-async def _openai(state: AppState, request: Request, chat: bool) -> Response:
+async def completions(state: AppState, request: Request, chat: bool) -> Response:
+    """``/v1/chat/completions`` (``chat``) or ``/v1/completions``."""
     tenant = state.tenant_of(request)
     body = await read_json(request, state.limit)
     req = parse_chat(body) if chat else parse_completion(body)
@@ -205,20 +192,13 @@ async def _openai(state: AppState, request: Request, chat: bool) -> Response:
     if req.prompts:
         return await _several(request, service, b, req, record, env, rid, created)
     if req.stream:
-        return await _stream_openai(request, service, state.pieces[req.model], b, req,
-                                    record, env, rid, created, state.redact)
-    try:
-        out = await _submit(request, service, record, env)
-    except ClientGone:
-        return Response(status_code=499)
-    answer = answer_of(b, out)
-    usage = usage_of(b, out, env.reply, req.text, answer)
-    return json_response(completion_body(req, rid, created, answer,
-                                         finish_reason(b, usage, env.reply), usage))
+        return await _stream_openai(state, request, service, b, req, record, env, rid, created)
+    out = await _submit(request, service, record, env)
+    return json_response(completion_body(req, rid, created,
+                                         [_answered(b, out, env.reply, req.text)]))
 
 
 async def runs(state: AppState, request: Request) -> Response:
-    # a plain Starlette route: no dependency solving per request (the hot path)
     tenant = state.tenant_of(request)
     service = state.service(request.path_params["name"])
     stream = flag(request, "stream")
@@ -230,13 +210,8 @@ async def runs(state: AppState, request: Request) -> Response:
     record, env = request_record(state, service.name, record, request, tenant,
                                  text=dumps(record).decode() if tenant is not None else "")
     if stream:
-        return await _stream_runs(request, service, state.pieces[service.name], record,
-                                  env, state.redact)
-    try:
-        out = await _submit(request, service, record, env)
-    except ClientGone:
-        return Response(status_code=499)
-    return json_response(out)
+        return await _stream_runs(state, request, service, record, env)
+    return json_response(await _submit(request, service, record, env))
 
 
 # -- answers -----------------------------------------------------------------------------
@@ -262,21 +237,21 @@ async def _several(request: Request, service: PipelineService, b: Binding,
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
 
-    try:
-        outs = await unless_gone(request, every(), cancel)
-    except ClientGone:
-        return Response(status_code=499)
-    answers = []
-    for p, out, e in zip(req.prompts, outs, envs, strict=True):
-        answer = answer_of(b, out)
-        usage = usage_of(b, out, e.reply, p, answer)
-        answers.append((answer, finish_reason(b, usage, e.reply), usage))
-    return json_response(completions_body(req, rid, created, answers))
+    outs = await unless_gone(request, every(), cancel)
+    return json_response(completion_body(req, rid, created, [
+        _answered(b, out, e.reply, p) for p, out, e in zip(req.prompts, outs, envs, strict=True)]))
 
 
-async def _stream_openai(request: Request, service: PipelineService, budget: int,
+def _answered(b: Binding, out: dict, reply: Any, text: str) -> tuple[str, str, dict[str, Any]]:
+    """An output record's answer, finish reason and usage (``text``: its input)."""
+    answer = answer_of(b, out)
+    usage = usage_of(b, out, reply, text, answer)
+    return answer, finish_reason(b, usage, reply), usage
+
+
+async def _stream_openai(state: AppState, request: Request, service: PipelineService,
                          b: Binding, req: WireRequest, record: dict, env: Envelope,
-                         rid: str, created: int, redact: Redactor) -> Response:
+                         rid: str, created: int) -> Response:
     async def events(relay: Relay, first: Any) -> AsyncIterator[bytes]:
         if req.chat:
             yield chunk(req, rid, created, "", role=True)
@@ -288,7 +263,7 @@ async def _stream_openai(request: Request, service: PipelineService, budget: int
             out = relay.result()
             answer = answer_of(b, out)
         except ServiceError as e:
-            yield sse(error_body(redact(str(e)), e.status, e.code))
+            yield sse(error_body(state.redact(str(e)), e.status, e.code))
             return
         streamed = "".join(sent)
         if len(answer) > len(streamed) and answer.startswith(streamed):
@@ -301,20 +276,21 @@ async def _stream_openai(request: Request, service: PipelineService, budget: int
         if req.include_usage:
             yield chunk(req, rid, created, None, usage=usage)
 
-    return await sse_response(request, service, record, budget, events, env)
+    return await sse_response(request, service, record, state.pieces[req.model], events, env)
 
 
-async def _stream_runs(request: Request, service: PipelineService, budget: int,
-                       record: dict, env: Envelope, redact: Redactor) -> Response:
+async def _stream_runs(state: AppState, request: Request, service: PipelineService,
+                       record: dict, env: Envelope) -> Response:
     async def events(relay: Relay, first: Any) -> AsyncIterator[bytes]:
         async for text in relay.texts(first):
             yield sse({"token": text})
         try:
             yield sse({"output": relay.result()})
         except ServiceError as e:
-            body = error_body(redact(str(e)), e.status, e.code)
+            body = error_body(state.redact(str(e)), e.status, e.code)
             if isinstance(e, RequestFailed):
                 body["error"]["stage"] = e.record.stage
             yield sse(body)
 
-    return await sse_response(request, service, record, budget, events, env)
+    return await sse_response(request, service, record, state.pieces[service.name], events,
+                              env)

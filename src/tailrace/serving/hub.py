@@ -21,10 +21,9 @@ class ServingHub:
     max_body_bytes: largest request body accepted (HTTP 413 above it).
     metrics_public: serve ``/metrics`` without the key (for Prometheus scrapers that
                     cannot send one); nothing else opens.
-    tenants:        API keys mapped to tenants (``serving.tenants.TenantKeys``, from
-                    ``--keys-file``): with it, ``/v1/*`` needs one of them (or
-                    ``api_key``); a tenant key sets the ``serve.tenant`` field and is
-                    held to its tenant's limits.
+    tenants:        API keys mapped to tenants (``serving.tenants.TenantKeys``): with it,
+                    ``/v1/*`` needs one of them (or ``api_key``); a tenant key sets the
+                    ``serve.tenant`` field and is held to its tenant's limits.
     """
 
     def __init__(self, services: Iterable[PipelineService] | dict[str, PipelineService], *,
@@ -55,11 +54,9 @@ class ServingHub:
         return all(s.ready for s in self.services.values())
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> ServingHub:
-        """Start every service not started yet (engines load in the background).
-
-        loop: None: each on a thread of its own; else the running loop this is called
-              from (the HTTP server's): the services run there (``PipelineService.start``).
-        """
+        """Start every service not started yet (engines load in the background), each on
+        a thread of its own, or on ``loop``: the running loop this is called from
+        (``PipelineService.start``)."""
         for s in self.services.values():
             if not s.started:
                 s.start(loop)
@@ -74,18 +71,15 @@ class ServingHub:
             self.gate.close()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Drain and stop every service, then close the gate.
-
-        timeout: most seconds each service may take to drain.
-        """
+        """Drain (at most ``timeout`` seconds each) and stop every service, then close
+        the gate."""
         for s in self.services.values():
             s.stop(timeout)
         if self.gate is not None and hasattr(self.gate, "close"):
             self.gate.close()
 
     def pools(self) -> dict[str, Any]:
-        """``statistics()`` of the engine pools (and engines that keep statistics) in
-        this process, by name; may be empty."""
+        """The ``statistics()`` of this process's engine pools (and engines keeping any)."""
         from ..engines import statistics
 
         return statistics()

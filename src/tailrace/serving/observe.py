@@ -36,22 +36,16 @@ STATIC = {"dashboard.html": "text/html; charset=utf-8",
           "dashboard.js": "text/javascript; charset=utf-8"}
 
 
-def _live_run(service: Any) -> Any:
-    """The service's running ``LocalRun`` (its meters hold the live histograms), or None."""
-    return getattr(service, "local_run", None) or getattr(service, "_run", None)
-
-
 def _pools(hub: Any) -> list[Any]:
     """Engine pool statistics that describe replicas (``PoolStatistics``)."""
-    pools = hub.pools() if callable(getattr(hub, "pools", None)) else []
+    pools = hub.pools()
     if isinstance(pools, dict):
         pools = list(pools.values())
     return [p for p in pools if hasattr(p, "replicas") and hasattr(p, "queued")]
 
 
 def _admission(hub: Any) -> Any:
-    gate = getattr(hub, "gate", None)
-    stats = getattr(gate, "statistics", None)
+    stats = getattr(hub.gate, "statistics", None)
     return stats() if callable(stats) else None
 
 
@@ -71,13 +65,9 @@ def stage_histograms(run: Any) -> dict[str, StageHistograms]:
     for ws in list(workers.values()):
         for i, meter in enumerate(ws[0].meters):
             ms = [w.meters[i] for w in ws]
-            if len(ms) == 1:
-                out[meter.stage] = StageHistograms(meter.queue_wait, meter.service,
-                                                   meter.batch_size)
-            else:
-                out[meter.stage] = StageHistograms(merged(m.queue_wait for m in ms),
-                                                   merged(m.service for m in ms),
-                                                   merged(m.batch_size for m in ms))
+            out[meter.stage] = StageHistograms(merged(m.queue_wait for m in ms),
+                                               merged(m.service for m in ms),
+                                               merged(m.batch_size for m in ms))
     return out
 
 
@@ -85,12 +75,11 @@ def scrape(hub: Any, http: HttpMeter | None = None) -> Scrape:
     """What ``/metrics`` reports now (``http``: the app's HTTP meter, if any)."""
     pipelines = []
     for svc in list(hub.services.values()):
-        run = _live_run(svc)
+        run = getattr(svc, "local_run", None) or getattr(svc, "_run", None)  # live meters
+        latency = getattr(run, "latency", None)
         pipelines.append(PipelineScrape(
-            svc.name, bool(svc.ready), svc.stats(),
-            stage_histograms(run) if run is not None else {}, _depths(svc),
-            latency if isinstance(latency := getattr(run, "latency", None), Histogram)
-            else None))
+            svc.name, bool(svc.ready), svc.stats(), stage_histograms(run), _depths(svc),
+            latency if isinstance(latency, Histogram) else None))
     return Scrape(tuple(pipelines), _admission(hub), tuple(_pools(hub)), http)
 
 
@@ -261,15 +250,6 @@ class ObserveMiddleware:
 
 # -- mounting ------------------------------------------------------------------------------
 
-def _refusal(e: Any) -> Any:
-    from starlette.responses import Response
-
-    from .openai_wire import dumps, error_body
-
-    return Response(dumps(error_body(str(e), e.status, e.code)), status_code=e.status,
-                    media_type="application/json")
-
-
 def install_observability(app: Any, hub: Any, keys: KeyCheck | None = None) -> None:
     """Mount ``/metrics``, ``/dashboard`` (+ ``/dashboard/data``) and request tracing.
     ``keys``: who may read them (default: the hub's ``api_key`` and ``metrics_public``)."""
@@ -280,6 +260,8 @@ def install_observability(app: Any, hub: Any, keys: KeyCheck | None = None) -> N
         generate_latest,
     )
     from starlette.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response
+
+    from .app import error_response
 
     if not tracing_enabled():
         configure_tracing()  # on only if OTEL_EXPORTER_OTLP_ENDPOINT is set
@@ -292,20 +274,19 @@ def install_observability(app: Any, hub: Any, keys: KeyCheck | None = None) -> N
              for name, ctype in STATIC.items()}
 
     if keys is None:
-        keys = KeyCheck(getattr(hub, "api_key", None),
-                        metrics_public=bool(getattr(hub, "metrics_public", False)))
+        keys = KeyCheck(hub.api_key, metrics_public=hub.metrics_public)
 
     def metrics(request: Any) -> Response:
         refused = keys.metrics(request.headers)
         if refused is not None:
-            return _refusal(refused)
+            return error_response(refused)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     def dashboard(request: Any) -> Response:
         refused, remember = keys.dashboard(request.headers, request.cookies,
                                            request.query_params.get("key"))
         if refused is not None:
-            return _refusal(refused)
+            return error_response(refused)
         if remember:  # the key leaves the address bar; the cookie carries its HMAC
             rest = urlencode([(k, v) for k, v in request.query_params.multi_items()
                               if k != "key"])
@@ -319,7 +300,7 @@ def install_observability(app: Any, hub: Any, keys: KeyCheck | None = None) -> N
     def data(request: Any) -> Response:
         refused, _ = keys.dashboard(request.headers, request.cookies, None)
         if refused is not None:
-            return _refusal(refused)
+            return error_response(refused)
         return JSONResponse(dashboard_data(hub, meter), headers={"Cache-Control": "no-store"})
 
     def static(request: Any) -> Response:

@@ -23,13 +23,9 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 
 
 class WireError(Exception):
-    """A request the server refuses, with its HTTP status and OpenAI error fields.
-
-    message:     what is wrong and how to fix it, in one line.
-    status:      HTTP status.
-    code:        OpenAI's ``error.code`` (a short reason).
-    retry_after: seconds for the ``Retry-After`` header (429, 503), else None.
-    """
+    """A request the server refuses: its message (what is wrong and how to fix it, in one
+    line), HTTP status, OpenAI ``error.code`` and ``Retry-After`` seconds (or None), as
+    ``ServiceError``'s."""
 
     def __init__(self, message: str, *, status: int = 400, code: str = "invalid_request",
                  retry_after: float | None = None) -> None:
@@ -55,7 +51,9 @@ def retry_headers(retry_after: float | None) -> dict[str, str]:
             "retry-after-ms": str(max(1, math.ceil(retry_after * 1000)))}
 
 
-def _jsonable(v: Any) -> Any:
+def jsonable(v: Any) -> Any:
+    """A JSON encoder's ``default``: sets and tuples as lists, numpy values as lists or
+    numbers, anything else its repr."""
     if isinstance(v, (set, frozenset, tuple)):
         return list(v)
     tolist = getattr(v, "tolist", None)  # numpy arrays and scalars
@@ -64,7 +62,7 @@ def _jsonable(v: Any) -> Any:
     return repr(v)
 
 
-_encode = json.JSONEncoder(ensure_ascii=False, default=_jsonable,
+_encode = json.JSONEncoder(ensure_ascii=False, default=jsonable,
                            separators=(",", ":")).encode
 
 
@@ -208,9 +206,7 @@ def _common(body: dict, chat: bool) -> tuple[str, bool, bool]:
     if not isinstance(model, str) or not model:
         raise WireError("'model' is required: the name of a served pipeline "
                         "(GET /v1/models lists them)", code="missing_model")
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
+    stream = False if body.get("stream") is None else body["stream"]
     if not isinstance(stream, bool):
         raise WireError(f"'stream' must be true or false, got {stream!r}",
                         code="invalid_stream")
@@ -323,25 +319,14 @@ def parse_completion(body: dict) -> WireRequest:
 
 
 # -- responses ---------------------------------------------------------------------------
-def completion_body(req: WireRequest, rid: str, created: int, answer: str, finish: str,
-                    usage: dict[str, Any]) -> dict[str, Any]:
-    """The non-streaming response object (``created``: Unix seconds)."""
-    if req.chat:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None,
-                                  "message": {"role": "assistant", "content": answer}}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": answer, "finish_reason": finish, "logprobs": None}
-        obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": req.model,
-            "choices": [choice], "usage": usage}
-
-
-def completions_body(req: WireRequest, rid: str, created: int,
-                     answers: list[tuple[str, str, dict[str, Any]]]) -> dict[str, Any]:
-    """The response to a completion request with a list of prompts: one choice per
-    prompt (``answers``: its answer, finish reason and usage, in order), usage summed."""
-    choices = [{"index": i, "text": a, "finish_reason": f, "logprobs": None}
+def completion_body(req: WireRequest, rid: str, created: int,
+                    answers: list[tuple[str, str, dict[str, Any]]]) -> dict[str, Any]:
+    """The non-streaming response object (``created``: Unix seconds): one choice per
+    answer (its text, finish reason and usage; a completion's list of prompts gives
+    several, in order), usage summed."""
+    choices = [{"index": i, "finish_reason": f, "logprobs": None,
+                "message": {"role": "assistant", "content": a}} if req.chat
+               else {"index": i, "text": a, "finish_reason": f, "logprobs": None}
                for i, (a, f, _) in enumerate(answers)]
     usage: dict[str, Any] = {k: sum(u[k] for _, _, u in answers)
                              for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
@@ -349,8 +334,8 @@ def completions_body(req: WireRequest, rid: str, created: int,
                  for _, _, u in answers)
     if cached:
         usage["prompt_tokens_details"] = {"cached_tokens": cached}
-    return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
-            "choices": choices, "usage": usage}
+    return {"id": rid, "object": "chat.completion" if req.chat else "text_completion",
+            "created": created, "model": req.model, "choices": choices, "usage": usage}
 
 
 def chunk(req: WireRequest, rid: str, created: int, text: str | None,

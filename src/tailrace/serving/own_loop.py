@@ -1,19 +1,11 @@
 """The event loop of a ``PipelineService`` started on a thread of its own, and its lock.
 
-A lone query to such a service used to cross threads twice (the caller's loop wakes the
-service's, which wakes the caller's back): on an idle VM each wake-up of a thread whose
-vCPU has halted costs some 200 us, which made a query through four no-op maps take
-~450 us. Spinning before sleeping would not remove that cost in Python: a thread that
-waits for the GIL sleeps too (its vCPU halts), and a spinning thread that keeps taking
-the GIL back starves the one it waits for.
-
-So the service's loop holds a lock at all times except while it waits in ``select`` for
-something to do. A caller thread that takes it without blocking has the whole run to
-itself (no callback or task of the service's loop runs until it lets go) and may run a
-lone record through an idle inline first stage on its own stack, as a caller on the
-run's loop does (``PipelineService.submit``): no thread hand-off, no wake-up. The loop
-pays one uncontended release and acquire per iteration; while a caller holds the lock,
-a loop woken meanwhile waits for it (at most one inline step).
+The loop holds the lock at all times except while it waits in ``select``. A caller
+thread that takes it without blocking has the whole run to itself and may run a lone
+record through an idle inline first stage on its own stack (``PipelineService.submit``):
+no thread hand-off and no wake-up of a halted vCPU (~200 us each on an idle VM;
+spinning does not help in Python). The loop pays one uncontended release and acquire
+per iteration. Measurements and alternatives: docs/design.md.
 """
 
 from __future__ import annotations

@@ -2,10 +2,9 @@
 answer's pieces wait for it within a bound.
 
 ``unless_gone`` awaits a submission and, when the client disconnects first, sets the
-request's cancel (the answering stage frees its engine sequence at the next token) and
-raises ``ClientGone`` (the handler answers 499). ``Relay`` carries one streamed
-request's text pieces to the client on a bounded queue; ``sse_response`` turns its
-events into a ``text/event-stream`` response ending ``data: [DONE]``.
+request's cancel (the engine stops at the next token) and raises ``ClientGone`` (the app
+answers 499). ``Relay`` carries a streamed request's pieces on a bounded queue, which
+``sse_response`` turns into a ``text/event-stream`` ending ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -71,14 +70,9 @@ def _quiet(task: asyncio.Future) -> None:
 
 
 class Relay:
-    """One submitted request whose text pieces arrive on a queue, then ``END``.
-
-    The queue holds at most ``budget`` pieces (plus ``END``): pieces wait there only
-    while the client reads slower than the engine writes, and a conforming pipeline
-    sends fewer than ``piece_budget`` pieces in all, so only an engine writing past its
-    ``max_tokens`` to a slow client can fill it. A piece past the bound stops the
-    generation (the request's cancel) and the stream ends with an error event.
-    """
+    """One submitted request whose text pieces arrive on a queue, then ``END``. The queue
+    holds at most ``budget`` pieces (a conforming pipeline sends fewer in all): a piece
+    past it stops the generation and the stream ends with an error event."""
 
     def __init__(self, service: PipelineService, record: dict, budget: int,
                  env: Envelope | None = None) -> None:
@@ -153,20 +147,14 @@ async def sse_response(request: Request, service: PipelineService, record: dict,
     that goes away stops the generation for it. ``budget``: most pieces that may wait
     for the client (``piece_budget``); ``env``: the record's request."""
     relay = Relay(service, record, budget, env)
-    try:
-        first = await relay.first(request)
-    except ClientGone:
-        return Response(status_code=499)
+    first = await relay.first(request)  # ClientGone: the app answers 499
 
     async def guarded() -> AsyncIterator[bytes]:
-        finished = False
         try:
             async for event in events(relay, first):
                 yield event
             yield SSE_DONE
-            finished = True
         finally:
-            if not finished:
-                relay.abandon()
+            relay.abandon()  # a no-op once the request has ended
 
     return StreamingResponse(guarded(), media_type="text/event-stream", headers=_SSE_HEADERS)

@@ -37,7 +37,8 @@ class KeyCheck:
     metrics_public: ``/metrics`` needs no key even when one is set.
     operator_only:  there is no key but callers hold tenant keys (``--keys-file``): the
                     operator's pages (``/metrics``, ``/dashboard``) stay closed, since a
-                    tenant key must not open them and there is no operator key.
+                    tenant key must not open them, and ``bearer`` passes no request (the
+                    caller checks the tenant keys first).
     """
 
     def __init__(self, key: str | None, *, metrics_public: bool = False,
@@ -48,11 +49,6 @@ class KeyCheck:
         self.cookie = (hmac.new(self._key, b"tailrace-dashboard", hashlib.sha256).hexdigest()
                        if self._key else None)
 
-    @property
-    def enabled(self) -> bool:
-        """True when a key is required."""
-        return self._key is not None
-
     def _matches(self, token: str) -> bool:
         assert self._key is not None
         return hmac.compare_digest(token.strip().encode(), self._key)
@@ -60,7 +56,7 @@ class KeyCheck:
     def bearer(self, headers: Mapping[str, str], *, dashboard: bool = False) -> WireError | None:
         """Why a request with these headers may not pass (401), or None; ``dashboard``:
         the request is for the dashboard (its refusal says how to open it)."""
-        if self._key is None:
+        if self._key is None and not self.operator_only:
             return None
         scheme, _, token = headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token:
@@ -68,7 +64,7 @@ class KeyCheck:
                    "'Authorization: Bearer KEY'" if dashboard
                    else "send the header 'Authorization: Bearer KEY'")
             return WireError(f"missing API key: {how}", status=401, code="missing_api_key")
-        if not self._matches(token):
+        if self._key is None or not self._matches(token):
             return WireError("invalid API key", status=401, code="invalid_api_key")
         return None
 
@@ -152,11 +148,9 @@ def hub_redactor(hub: Any, env: Mapping[str, str] | None = None) -> Redactor:
     ``os.environ``)."""
     env = os.environ if env is None else env
     secrets = {v for k, v in env.items() if _SECRET_NAME.search(k) and v}
-    key = getattr(hub, "api_key", None)
-    if key:
-        secrets.add(key)
+    if hub.api_key:
+        secrets.add(hub.api_key)
     hosts: set[str] = set()
-    for service in getattr(hub, "services", {}).values():
-        pipeline = getattr(getattr(service, "plan", None), "pipeline", None)
-        _walk(getattr(pipeline, "engines", None), secrets, hosts, env)
+    for service in hub.services.values():
+        _walk(service.plan.pipeline.engines, secrets, hosts, env)
     return Redactor(secrets, hosts)

@@ -17,6 +17,7 @@ import contextlib
 import itertools
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from dataclasses import replace as dataclass_replace
 from functools import partial
 from time import perf_counter
@@ -46,13 +47,11 @@ from .own_loop import own_loop
 _STOP = object()
 
 
+@dataclass(slots=True)
 class _Waiter:
-    __slots__ = ("loop", "future", "retry_after")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> None:
-        self.loop = loop
-        self.future = future
-        self.retry_after: float | None = None
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    retry_after: float | None = None
 
 
 def _answer(waiter: _Waiter, value: Any, exc: BaseException | None) -> None:
@@ -77,10 +76,8 @@ def _streamer(loop: asyncio.AbstractEventLoop, on_token: Callable[[str], Any],
 
 def _nothing_else_ready(loop: asyncio.AbstractEventLoop) -> bool:
     """Is the calling task all that ``loop`` has to run now (a lone query, not one of a
-    burst that arrived together and should cross the stages as one micro-batch, nor one
-    of a loop busy with other work)? Read from CPython's ``asyncio`` loop, which keeps
-    its ready callbacks in ``_ready``; a loop that does not (uvloop) is never asked to
-    run a stage on its caller's stack."""
+    burst that should cross the stages as one micro-batch)? Read from CPython's ready
+    callbacks (``_ready``); a loop without them (uvloop) never lends a caller a stage."""
     ready = getattr(loop, "_ready", None)
     return ready is not None and not ready
 
@@ -95,17 +92,16 @@ class _Door:
         self.service = service
 
     async def admit(self, pipeline: str, record: Any) -> Any:
+        req = request_of(record)
         try:
             ticket = await self.gate.admit(pipeline, record)
         except Exception as e:
             retry = getattr(e, "retry_after", None)
-            req = request_of(record)
             if retry is not None and req is not None:
                 waiter = self.service._waiting.get(req.rid)
                 if waiter is not None:
                     waiter.retry_after = float(retry)
             raise
-        req = request_of(record)
         if req is not None and req.cancel.is_set():
             self.gate.done(ticket)
             raise CallerGone(f"pipeline '{pipeline}': the caller gave up while this request "
@@ -122,11 +118,8 @@ class _Door:
 
 
 class PipelineService:
-    """Hosts one compiled pipeline continuously; callers ``submit``.
-
-    ``start()`` runs the pipeline on a thread and event loop of its own; ``start(loop)``
-    as tasks on the caller's running loop. Either way a lone query may run an idle
-    inline first stage on the caller's own stack (``own_loop.py``).
+    """Hosts one compiled pipeline continuously (``start``); callers ``submit``. A lone
+    query may run an idle inline first stage on the caller's own stack (``own_loop.py``).
 
     plan_or_pipeline: a ``Pipeline`` (compiled here) or a compiled ``Plan``; its source
                       must be declared without data and its sink without a target.
@@ -137,8 +130,8 @@ class PipelineService:
     runtime:          "local" (this process) or "ray" (stage actors on a Ray cluster,
                       this process the driver; needs ``pip install 'tailrace[ray]'``).
     address:          with "ray": the cluster (``HOST:PORT``, ``ray://HOST:PORT``,
-                      ``auto``); None: the current connection, ``RAY_ADDRESS`` or a new
-                      local Ray. Connected once, when the service starts.
+                      ``auto``; None: the current connection, ``RAY_ADDRESS`` or a new
+                      local Ray), connected when the service starts.
     placement:        with "ray": ``{stage id: {num_cpus, num_gpus, memory, resources,
                       strategy}}``.
     runs:             with "ray": the caller's ``runtime.ray.ActiveRuns`` that lists the
@@ -250,10 +243,8 @@ class PipelineService:
         return self
 
     def wait_ready(self, timeout: float | None = None) -> bool:
-        """Block until ready (True), failed or ``timeout`` seconds passed (False).
-
-        timeout: most seconds to wait (None: until ready or failed).
-        """
+        """Block until ready (True), failed or ``timeout`` seconds (None: no limit)
+        passed (False)."""
         deadline = None if timeout is None else perf_counter() + timeout
         while not self._ready.wait(0.05):
             if self._state in ("failed", "stopped"):
@@ -263,11 +254,8 @@ class PipelineService:
         return self.ready
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Stop taking requests, finish those in the pipeline, then end the run.
-
-        timeout: most seconds to wait for the drain; callers still waiting then get
-                 ``ServiceUnavailable``.
-        """
+        """Stop taking requests, finish those in the pipeline, then end the run; callers
+        still waiting after ``timeout`` seconds get ``ServiceUnavailable``."""
         with self._lock:
             if self._state != "running":
                 if self._state == "new":
@@ -345,20 +333,21 @@ class PipelineService:
         from ..runtime.local import LocalRun
 
         inputs, outputs, _ = bind_io(self.plan, self._feed, self._on_output)
-        door = _Door(self.gate, self) if self.gate is not None else None
+        io: dict[str, Any] = {
+            "inputs": inputs, "outputs": outputs, "on_error": self._on_error,
+            "on_drop": self._on_drop, "drop_key": REQUEST,
+            "admission": _Door(self.gate, self) if self.gate is not None else None}
         if self.runtime == "ray":
-            await self._serve_on_ray(inputs, outputs, door)
+            await self._serve_on_ray(io)
             return
-        build = partial(LocalRun, self.plan, inputs=inputs, outputs=outputs,
-                        on_error=self._on_error, admission=door, on_drop=self._on_drop,
-                        drop_key=REQUEST)  # loads engines
+        build = partial(LocalRun, self.plan, **io)  # loads engines
         # on a shared loop, the engines load in a worker thread: the loop keeps serving
         self._run = build() if self._task is None else await asyncio.to_thread(build)
         self._t0 = perf_counter()
         self._ready.set()
         await self._run.execute()
 
-    async def _serve_on_ray(self, inputs: dict, outputs: dict, door: _Door | None) -> None:
+    async def _serve_on_ray(self, io: dict[str, Any]) -> None:
         """The run on Ray: ready once every stage replica (and its engines) is installed."""
         from ..runtime.ray import serving_run
 
@@ -366,10 +355,8 @@ class PipelineService:
             self._t0 = perf_counter()
             self._ready.set()
 
-        build = partial(serving_run, self.plan, inputs=inputs, outputs=outputs,
-                        on_error=self._on_error, on_drop=self._on_drop, drop_key=REQUEST,
-                        on_ready=installed, admission=door, address=self.address,
-                        placement=self.placement)
+        build = partial(serving_run, self.plan, on_ready=installed, address=self.address,
+                        placement=self.placement, **io)
         run = self._run = await asyncio.to_thread(build)  # connecting blocks: off the loop
         await (run.execute() if self.runs is None else self.runs.execute(run))
 
@@ -402,11 +389,8 @@ class PipelineService:
                                status=400, code="invalid_record")
         # one cancel concept: the caller's own event (if any) counts as set too
         signal = cancel if type(cancel) is Cancel else Cancel(cancel)
-        if request is None:
-            req = Request(cancel=signal)
-        else:
-            req = request
-            req.cancel = signal
+        req = Request(cancel=signal) if request is None else request
+        req.cancel = signal
         # this service's own id: requests made elsewhere (several ingress replicas in
         # front of one hub) may share ids, answers are routed by this one
         rid = req.rid = next(self._ids)
@@ -484,9 +468,8 @@ class PipelineService:
 
     def _waiter_of(self, record: Any) -> _Waiter | None:
         req = request_of(record)
-        rid = req.rid if req is not None else None
         with self._lock:
-            waiter = self._waiting.pop(rid, None) if rid is not None else None
+            waiter = self._waiting.pop(req.rid, None) if req is not None else None
         if waiter is None:
             self.unrouted += 1
         return waiter
@@ -570,10 +553,8 @@ class PipelineService:
     def queue_depths(self) -> dict[str, int]:
         """Records buffered now in each stage's input channel, by stage id (a local run;
         on Ray the queues live in the actors: ``stats()`` has their peaks)."""
-        lr = self._run
-        if lr is None or self.runtime == "ray":
-            return {}
-        return {sid: ch.depth for sid, ch in lr.channels.items()}
+        lr = self.local_run
+        return {} if lr is None else {sid: ch.depth for sid, ch in lr.channels.items()}
 
 
 class _Feed(Feed):

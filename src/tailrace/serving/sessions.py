@@ -1,11 +1,7 @@
 """A request's session id: which conversation it belongs to, for engine pools that route a
 session's requests to the replica that served it before (``dispatch: prefix_affinity``).
-
-An OpenAI request carries it as its ``user`` field or the ``X-Tailrace-Session`` header (the
-header wins where both are sent; ``/runs`` takes only the header); the request
-(``Request.session``) takes it to the generate stage, which puts it on its
-``GenerationRequest.session``. A session is a routing hint only: nothing is kept per session
-but the pool's memory of its replica.
+A routing hint only (``Request.session``): nothing is kept per session but the pool's
+memory of its replica. docs/serving.md has the fields.
 """
 
 from __future__ import annotations

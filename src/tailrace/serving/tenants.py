@@ -1,16 +1,8 @@
-"""Who is asking: a pipeline's ``serve:`` mapping and API keys mapped to tenants.
-
-``request_fields(serve, body, headers)`` is what a pipeline's ``serve.fields`` takes from
-one request (``user``, ``metadata.KEY``, ``header:NAME``); a source the request lacks
-sets nothing.
-
-``TenantKeys`` is a keys file (``tailrace serve --keys-file``): API key -> tenant and
-optional per-tenant limits. Keys are compared in constant time (``hmac.compare_digest``,
-every key each time). ``requests_per_s`` is a token bucket (burst: one second's worth,
-at least 1); ``tokens_per_min`` a bucket of tokens (burst: one minute's worth) from which
-each request reserves the approximate tokens of its text plus its pipeline's generate
-stages' ``max_tokens``. Over a limit: 429 with ``Retry-After`` (when the bucket will
-hold enough again).
+"""Who is asking: what a pipeline's ``serve.fields`` takes from one request
+(``request_fields``), and API keys mapped to tenants with per-tenant limits
+(``TenantKeys``, from ``tailrace serve --keys-file``): token buckets of requests (burst:
+one second's worth, at least 1) and of tokens (burst: one minute's worth), compared in
+constant time, every key each time. docs/serving.md, "Who is asking".
 """
 
 from __future__ import annotations

@@ -66,10 +66,6 @@ def _one(body: Mapping[str, Any] | None, headers: Mapping[str, str], field: str,
     return got
 
 
-def _ms(x: float) -> str:
-    return f"{x:g}"  # 30000.0 -> 30000
-
-
 def urgency(serve: ServeSpec | None, name: str, body: Mapping[str, Any] | None,
             headers: Mapping[str, str]) -> dict[str, Any] | None:
     """The request's ``{"priority": CLASS, "deadline_ms": MS}`` (the keys it set), or None
@@ -102,10 +98,10 @@ def urgency(serve: ServeSpec | None, name: str, body: Mapping[str, Any] | None,
         lo, hi = bounds
         if (lo is not None and deadline < lo) or (hi is not None and deadline > hi):
             span = " and ".join(part for part in (
-                f"at least {_ms(lo)}" if lo is not None else "",
-                f"at most {_ms(hi)}" if hi is not None else "") if part)
+                f"at least {lo:g}" if lo is not None else "",
+                f"at most {hi:g}" if hi is not None else "") if part)
             raise WireError(f"'deadline_ms' must be {span} for pipeline '{name}', got "
-                            f"{_ms(deadline)}", code="deadline_not_allowed")
+                            f"{deadline:g}", code="deadline_not_allowed")
         out["deadline_ms"] = deadline
     return out
 

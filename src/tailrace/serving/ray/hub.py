@@ -1,19 +1,12 @@
 """The hub actor and an ingress replica's handles on it: the one place a served request
-crosses between the HTTP face and the pipelines on Ray.
+crosses between the HTTP face and the pipelines on Ray, so both sides of the crossing
+(method names, what a reply holds, how a stream and a cancellation travel) live here.
 
-A room of its own because both sides of that crossing must agree on it (method names,
-what a reply holds, how a stream and a cancellation travel) and nothing else does:
-the ingress only builds the app over ``RemoteHub``, the server only creates the actor.
-
-The hub actor (``HubActor``, ``tailrace-hub-APP``) holds the ``ServingHub`` of every
-pipeline's ``PipelineService(runtime="ray")`` and their ONE admission gate, so SLO
-policies decide with the global view at no extra round trip: the call that hands a
-request over is the one that is admitted. A request's answer is the reply of its own
-actor call (``HubActor.submit``); a streamed one is a Ray streaming generator
-(``HubActor.stream``). A client that disconnects cancels its replica's call, and Ray
-cancels the hub's coroutine, which stops the generation. The request crosses as its
-data (``tailrace/request.py``); errors cross as values (``ServiceError`` pickles with
-its status, code and record).
+``HubActor`` (``tailrace-hub-APP``) holds every pipeline's ``PipelineService`` and their
+ONE admission gate: the call that hands a request over is the one admitted, so SLO
+policies see every waiting request at no extra round trip. The request crosses as its
+data (``tailrace/request.py``), errors as values (``ServiceError`` pickles whole); a
+cancelled call stops the generation. docs/ray.md, "Serving on a cluster".
 """
 
 from __future__ import annotations
@@ -50,13 +43,8 @@ def hub_name(app: str) -> str:
 
 
 class HubActor:
-    """The actor body: the served pipelines' ``ServingHub`` and its gate (see module).
-
-    plans:        compiled plans, one per served pipeline.
-    gate_factory: builds the shared admission gate in the actor (None: admit all).
-    max_pending, timeout_s: as ``PipelineService``.
-    placement:    ``{pipeline: {stage id: options}}`` for the stage hosts.
-    """
+    """The actor body: a ``ServingHub`` of ``plans`` behind the one gate ``gate_factory``
+    builds here (None: admit all); ``placement``: ``{pipeline: {stage id: options}}``."""
 
     def __init__(self, plans: list[Any], gate_factory: Callable[[], Any] | None = None,
                  max_pending: int = 1024, timeout_s: float = 300.0,
@@ -82,11 +70,9 @@ class HubActor:
                 for name, s in self.hub.services.items()}
 
     async def submit(self, msg: bytes) -> bytes:
-        """Run one record of a request: ``msg`` is ``encode((pipeline, record, request))``
-        (the request arrived as data: its live parts are this actor's); answers
+        """Run one record: ``msg`` is ``encode((pipeline, record, request))``; answers
         ``encode((True, (output, reply)))`` or ``encode((False, ServiceError))``. One bytes
-        each way: Ray copies bytes as they are, where it pickles each argument of
-        another type on its own (measured: bench/serve_ray.py, RESULTS.md)."""
+        each way: Ray pickles each argument of another type on its own (bench/serve_ray.py)."""
         name, record, request = pickle.loads(msg)
         try:
             out = await self.hub.services[name].submit(record, request=request)
@@ -127,8 +113,7 @@ class HubActor:
     def figures(self) -> dict[str, Any]:
         """What ``/metrics`` and ``/dashboard`` show: per pipeline its readiness and
         statistics, the gate's and the engine pools' statistics."""
-        gate = self.hub.gate
-        stats = getattr(gate, "statistics", None)
+        stats = getattr(self.hub.gate, "statistics", None)
         return {"services": {name: {"stats": s.stats(), "pending": s.pending,
                                     "queued": s.queued, "unrouted": s.unrouted}
                              for name, s in self.hub.services.items()},
@@ -145,10 +130,9 @@ class HubActor:
 
 class RemoteService:
     """An ingress replica's handle on one pipeline of the hub actor; what ``create_app``
-    needs of a ``PipelineService`` (``submit``, ``ready``, ``stats``, ...)."""
+    needs of a ``PipelineService`` (``submit``, ``ready``, ``stats``, ...); the stage
+    queues live in the stage actors (``stats()`` has their peaks)."""
 
-    runtime = "ray"
-    local_run = None
     started = True
 
     def __init__(self, link: _HubLink, name: str, plan: Any) -> None:
@@ -217,17 +201,6 @@ class RemoteService:
 
     def stats(self) -> Any:
         return self.link.figures()["services"][self.name]["stats"]
-
-    @property
-    def pending(self) -> int:
-        return int(self.link.figures()["services"][self.name]["pending"])
-
-    @property
-    def queued(self) -> int:
-        return int(self.link.figures()["services"][self.name]["queued"])
-
-    def queue_depths(self) -> dict[str, int]:
-        return {}  # the queues live in the stage actors; stats() has their peaks
 
     async def aclose(self, timeout: float = 30.0) -> None:
         """The hub's owner (``ClusterServer``) drains the pipelines, not a replica."""

@@ -1,16 +1,9 @@
-"""What runs in Ray Serve's replicas: the ingress deployment (the HTTP face of a served
-job on Ray), its middleware, and the tiny deployment answering ``/healthz``.
-
-A room of its own because this code runs in Serve's processes, not tailrace's: each
-class here is shipped to a replica and built there, against the hub actor it finds by
-name (``hub.remote_hub``). The ingress replicas serve the same ``create_app`` as a local
-server, over ``RemoteService`` handles on the hub. Each bounds the requests it holds
-(``_Outstanding``): one more is refused at once with 429 before it reaches the hub, so
-an overload's backlog never piles up in the replica or in Serve's proxy, and since it
-only ever refuses, the one gate's ``max_in_flight`` holds. ``/healthz`` is a Serve
-application of its own, routed past the ingress replicas so it never waits behind
-request work. Both turn Nagle's algorithm off (``nodelay.py``) and run the app on the
-replica's own event loop (``REPLICA_ENV``). Failures: docs/ray.md.
+"""What runs in Ray Serve's replicas (shipped there, built against the hub actor found by
+name): the ingress deployment, serving the same ``create_app`` as a local server over
+``RemoteService`` handles; its bound (``_Outstanding``: one request more is refused with
+429 before the hub, so an overload's backlog never piles up, and the one gate's
+``max_in_flight`` holds); and ``/healthz`` as a Serve application of its own, routed past
+the ingress replicas. Layout and failures: docs/ray.md, "Serving on a cluster".
 """
 
 from __future__ import annotations
@@ -21,37 +14,29 @@ from typing import Any
 from .hub import remote_hub
 from .nodelay import NoDelay, nodelay_for
 
-#: Serve's logging for tailrace's deployments and proxy: warnings only, no access log
-#: line per request (the hot path stays lean; ``/metrics`` counts requests)
+#: Serve's logging for tailrace's deployments: warnings only, no access log per request
 QUIET = {"log_level": "WARNING", "enable_access_log": False}
-#: ``/v1/*`` requests an ingress replica holds at once by default without a gate that
-#: bounds what is in flight; more get 429 at once
+#: ``/v1/*`` requests an ingress replica holds at once by default (no gate bounding what
+#: is in flight); more get 429 at once
 MAX_OUTSTANDING = 256
-#: with such a gate the default is this many times its ``max_in_flight`` (at least
-#: ``MIN_OUTSTANDING``): room for what it runs, what it queues and the refusals on
-#: their way, and no more (a longer backlog only waits to be refused, and grows the
-#: replica's and Serve's memory: bench/serve_ray.py part 3)
+#: with such a gate: this many times its ``max_in_flight``, at least ``MIN_OUTSTANDING``
+#: (a longer backlog only waits to be refused and grows memory: bench/serve_ray.py part 3)
 OUTSTANDING_PER_IN_FLIGHT = 4
 MIN_OUTSTANDING = 32
-#: requests Serve may hand a replica beyond its bound: probes (/healthz, /readyz,
-#: /metrics) and the refusals on their way out (Serve's ``max_ongoing_requests`` is
-#: the bound plus this)
+#: requests Serve may hand a replica beyond its bound: probes and refusals on their way
 PROBE_HEADROOM = 64
 #: seconds a refused client is told to wait (``Retry-After``)
 REFUSED_RETRY_S = 1.0
-#: the replicas' environment: Serve runs user code on a second event loop in a thread
-#: of its own by default; the app's handlers never block (blocking reads are plain
-#: routes, run in worker threads), so on the replica's main loop a request saves that
-#: thread hand-off each way (~1 ms per request here: bench/serve_ray.py, RESULTS.md)
+#: the app on the replica's main loop, not Serve's default second loop in a thread: its
+#: handlers never block, and a request saves a thread hand-off each way (~1 ms here)
 REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 #: Ray options of both deployments' replicas (they reserve no CPU)
 REPLICA_OPTIONS = {"num_cpus": 0, "runtime_env": {"env_vars": REPLICA_ENV}}
 
 
 def default_outstanding(max_in_flight: int | None) -> int:
-    """The per-replica bound when none is given: sized to a gate's ``max_in_flight``
-    (``OUTSTANDING_PER_IN_FLIGHT`` times, at least ``MIN_OUTSTANDING``), or
-    ``MAX_OUTSTANDING`` when nothing bounds what is in flight."""
+    """The per-replica bound when none is given, sized to a gate's ``max_in_flight``
+    (None: nothing bounds what is in flight)."""
     if max_in_flight is None:
         return MAX_OUTSTANDING
     return max(MIN_OUTSTANDING, OUTSTANDING_PER_IN_FLIGHT * max_in_flight)
@@ -59,15 +44,9 @@ def default_outstanding(max_in_flight: int | None) -> int:
 
 def build_ingress_app(app_name: str, plans: list[Any], gated: bool,
                       options: dict[str, Any], max_outstanding: int = MAX_OUTSTANDING) -> Any:
-    """The FastAPI app of one ingress replica (runs in the replica).
-
-    app_name:        the Serve application (names the hub actor).
-    plans:           the served plans (their names and shapes: bindings, limits).
-    gated:           whether the hub has an admission gate.
-    options:         ``ServingHub`` options (api_key, max_body_bytes, metrics_public,
-                     tenants).
-    max_outstanding: ``/v1/*`` requests this replica holds at once; more get 429.
-    """
+    """The FastAPI app of one ingress replica (runs in the replica), over the hub actor
+    of Serve application ``app_name`` (``gated``: it has an admission gate; ``options``:
+    ``ServingHub``'s)."""
     from starlette.middleware import Middleware
 
     from ..app import create_app
@@ -83,16 +62,10 @@ def build_ingress_app(app_name: str, plans: list[Any], gated: bool,
 
 
 class _Outstanding:
-    """ASGI middleware: at most ``bound`` ``/v1/*`` requests in this replica at once (a
-    request counts until its response's last byte, or its client's disconnect, or its
-    error); one more is answered 429 with ``Retry-After`` at once, without reading its
-    body or calling the hub. Other paths (``/healthz``, ``/readyz``, ``/metrics``) are
-    never counted nor refused.
-
-    app:     the ASGI application to wrap.
-    bound:   most requests held at once.
-    replica: names this replica in the refusal's message.
-    """
+    """ASGI middleware: at most ``bound`` ``/v1/*`` requests in this replica at once (each
+    counts until its response ends or fails); one more is answered 429 with
+    ``Retry-After`` without reading its body. Other paths are never counted nor refused;
+    ``replica`` names this one in the refusal."""
 
     def __init__(self, app: Any, bound: int, replica: str) -> None:
         from ..openai_wire import dumps, error_body, retry_headers

@@ -1,19 +1,12 @@
 """Nagle's algorithm off on an ingress replica's own HTTP connections, without touching
 asyncio or Serve.
 
-Why: behind HAProxy each replica answers on Serve's own HTTP server (Ray 2.60), which
-listens on a socket made with protocol 0; asyncio turns ``TCP_NODELAY`` on only for
-sockets made with ``IPPROTO_TCP``, uvicorn writes a response's headers and body in two
-writes, and the body then waits for the client's delayed ACK, ~40 ms (measured: a no-op
-request took 52 ms instead of ~10). uvloop, where installed, sets the option itself.
-
-How: Serve gives the replica's code nothing of that server, only the address a request
-came in on (the ASGI scope's ``server``), and Linux copies a listening socket's
-``TCP_NODELAY`` onto every connection it accepts. So on a replica's first request
-``NoDelay`` sets it on the process's sockets bound to that port, found in
-``/proc/self/fd``: the listener and the connections it accepted already (once more
-``RECHECK_S`` later). A socket is only ever given that one option; without ``/proc``
-nothing changes, and behind Serve's Python proxy nothing matches the scope's port.
+Serve's replica server (Ray 2.60) listens on a socket asyncio does not take for TCP, so
+every response body waited ~40 ms for a delayed ACK. Serve gives the replica only the
+port a request came in on (the ASGI scope), and Linux copies a listener's
+``TCP_NODELAY`` onto the connections it accepts: so on the first request the option is
+set on this process's sockets bound to that port (``/proc/self/fd``). Without ``/proc``
+nothing changes. Why not in asyncio: docs/design.md.
 """
 
 from __future__ import annotations

