@@ -168,13 +168,26 @@ def test_only_the_most_urgent_class_is_prefilled_within_the_budget():
     assert by["urgent-short"].state is State.DECODING
     allot = sched.prefill()
     assert {names([s])[0]: c for s, c in allot.items()} == {"urgent-long": 8}
-    # the urgent class ends: the low prompt still waits while a class-1 sequence runs,
-    # then is prefilled
+    # the urgent class ends; while the class-1 sequence only decodes, the low prompt
+    # gets one background chunk a step (no more: the decoding tokens wait for it)
     for name in ("urgent-long", "urgent-short"):
         streams.done(sched, by[name])
-    assert sched.prefill() == {}
+    assert {names([s])[0]: c for s, c in sched.prefill().items()} == {"low": 8}
     streams.done(sched, by["decoding"])
     assert {names([s])[0]: c for s, c in sched.prefill().items()} == {"low": 8}
+
+
+def test_a_less_urgent_prompt_waits_while_a_more_urgent_one_is_prefilled():
+    """Background chunks go in only while the urgent class decodes; one a step."""
+    sched, streams = Scheduler(n_active=4, n_streams=4, chunk=8, n_batch=64), Streams()
+    sched.add(job("urgent", priority=2, prompt=20))
+    sched.add(job("low-a", prompt=30))
+    sched.add(job("low-b", prompt=30))
+    sched.schedule(streams.start)
+    by = {s.job.request.prompt: s for s in sched.active}
+    assert {names([s])[0]: c for s, c in sched.prefill().items()} == {"urgent": 8}
+    by["urgent"].feed(20)  # now it decodes
+    assert {names([s])[0]: c for s, c in sched.prefill().items()} == {"low-a": 8}
 
 
 def test_a_chunk_that_does_not_fit_is_skipped_for_smaller_ones():

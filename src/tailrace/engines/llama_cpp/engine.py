@@ -60,7 +60,7 @@ class LlamaCppEngine:
     def __init__(self, model: str = "smollm2-135m-instruct", *, path: str | None = None,
                  n_threads: int | None = None, n_ctx: int = 2048, n_seq_max: int = 8,
                  n_batch: int = 512, seed: int = 0, prefix_cache: bool = True,
-                 cache_sequences: int = 0, prefill_chunk: int = 64):
+                 cache_sequences: int = 0, prefill_chunk: int = 16):
         """Load the model and create its multi-sequence context.
 
         model:     catalog name (see ``registry.MODELS``); with ``path``, just the name.

@@ -192,14 +192,18 @@ class Scheduler:
 
     def prefill(self) -> dict[Seq, int]:
         """The prompt tokens each prefilling sequence sends in this step: a chunk each,
-        most urgent first, only for the most urgent class with an active sequence, and
-        no more than the step has room for beside the decoding sequences' tokens."""
+        most urgent first, for the most urgent class with an active sequence, and no more
+        than the step has room for beside the decoding sequences' tokens. While that
+        class only decodes, one chunk of the most urgent less urgent prompt goes in too
+        (a background chunk: the urgent tokens pay one chunk a step, the slots the
+        others hold do not sit idle)."""
         active = self.active
         top = max(s.priority for s in active)
         budget = self.n_batch - sum(1 for s in active if s.state is State.DECODING)
         allot: dict[Seq, int] = {}
         for s in sorted((s for s in active if s.state is State.PREFILLING), key=_rank):
-            if s.priority < top:
+            if s.priority < top and (allot or any(
+                    o.priority == top and o.state is State.PREFILLING for o in active)):
                 break  # sorted: every one after it is less urgent still
             c = min(self.chunk, s.n_prompt - s.fed)
             if c > budget:
