@@ -1,18 +1,14 @@
 """Text generation on llama.cpp (``llama-cpp-python``) with multi-sequence batch decoding.
 
-One ``LlamaCppEngine`` loads one GGUF model and one llama.cpp context that holds
-``n_seq_max`` sequences, decoded by one loop on the engine's own thread (continuous
-batching). ``generate`` calls from any number of threads hand their requests (``Job``)
-to that loop through the engine's inbox; the loop takes them in between steps, so a
-short request arriving while long ones generate starts at the next step instead of
-waiting for them to finish. The loop only orchestrates: the ``Scheduler`` decides which
-sequences hold the slots and which prompt chunks go into a step, the ``Decoder`` runs
-the step (one ``llama_batch``, sampling, finishing), the ``PrefixCache`` picks each new
-sequence's KV stream.
+One ``LlamaCppEngine`` loads one GGUF model and one context of ``n_seq_max`` sequences,
+decoded by one loop on the engine's own thread (continuous batching): ``generate`` calls
+from any thread put their requests (``Job``) in the engine's inbox, and the loop takes
+them in between steps, so a short request starts at the next step instead of waiting for
+long ones to finish (docs/engines.md, "How the engine is built").
 
-Context: the KV cache is split per sequence (llama.cpp's non-unified cache), created
-with ``n_ctx * n_streams`` cells, so every sequence gets its own ``n_ctx`` tokens:
-``context_length == n_ctx`` (capped at the model's training context).
+The KV cache is split per sequence (llama.cpp's non-unified cache) into ``n_ctx *
+n_streams`` cells, so every sequence gets its own ``n_ctx`` tokens: ``context_length ==
+n_ctx`` (capped at the model's training context).
 """
 
 from __future__ import annotations

@@ -2,14 +2,10 @@
 compiled once per schema, cloned for each sequence that generates under it, and asked
 about each token that sequence samples.
 
-``grammar_text`` turns a checked constraint into GBNF (``json_object``: llama-cpp-python's
-``JSON_GBNF``; ``json_schema``: its ``json_schema_to_gbnf``). ``Grammars`` keeps the
-compiled grammar samplers of the last ``GRAMMAR_CACHE`` schemas and hands out clones (a
-grammar sampler carries its parse state, so each sequence needs its own); the decode
-loop frees a clone when its sequence ends. ``GrammarMask`` checks a sampled token
-against a sequence's grammar: the token alone first (microseconds); only a token the
-grammar rejects costs a pass over the whole vocabulary and a new draw among the allowed
-tokens (the same distribution as sampling from the masked logits).
+A grammar sampler carries its parse state, so each sequence gets its own clone, freed
+when it ends. ``GrammarMask`` checks a sampled token against the grammar alone first
+(microseconds); only a rejected token costs a pass over the whole vocabulary and a new
+draw among the allowed tokens (the same distribution as sampling the masked logits).
 """
 
 from __future__ import annotations

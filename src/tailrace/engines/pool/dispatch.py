@@ -230,11 +230,8 @@ class RoundRobin:
 class PrefixAffinity:
     """The replica that most likely holds the request's longest prompt prefix in its KV
     cache, or its session's replica, unless that one is ``slack`` tokens busier than the
-    least-loaded; else least work. A request's work counts in full wherever it goes: counting
-    its cached prefix off let one replica queue many more requests than the other
-    (``bench/prefix.py``, 64 conversations: throughput 0.70 of least work; counted in
-    full: hit ratio 49% vs 38%, throughput 0.91, one busy-machine run each; on a quiet
-    machine, 3 seeds: hit ratio 51% vs 35%, throughput 1.23x, TTFT p50 and p99 ~20% lower).
+    least-loaded; else least work. A request's work counts in full wherever it goes
+    (counting its cached prefix off let one replica queue far more: docs/control.md).
 
     The pool cannot see an engine's cache, so the policy remembers what it sent where: the
     block keys of each request's prompt (``Affinity``), ``capacity`` prompts per replica
