@@ -1,15 +1,10 @@
 """The ``cluster:`` key of an engine spec: replicas of one engine spread over a Ray cluster.
 
-    engines:
-      llm:
-        backend: llama_cpp
-        model: smollm2-135m-instruct
-        cluster: {min_replicas: 1, max_replicas: 4, num_cpus: 2}
-
 Each replica holds one engine (the spec without ``cluster:``); the Ray runtime serves
-them as one Ray Serve deployment (``tailrace.runtime.ray.engine_serve``). This module only
-checks the mapping, at compile time and without Ray: the local runtime refuses such a
-spec when it opens it (``opener.open_engine``), since it has no cluster to place on.
+them as one Ray Serve deployment (``tailrace.runtime.ray.engine_serve``; the keys:
+docs/ray.md, "Engine replicas across the cluster"). This module only checks the
+mapping, at compile time and without Ray: the local runtime refuses such a spec when it
+opens it (``opener.open_engine``), since it has no cluster to place on.
 """
 
 from __future__ import annotations

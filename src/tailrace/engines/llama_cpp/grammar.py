@@ -105,8 +105,7 @@ class Grammars:
             checked = check_response_format(fmt)
         except ValueError as e:
             raise StructuredOutputError(str(e)) from None
-        if checked is None:  # {"type": "text"}: ``samplers`` never asks
-            raise StructuredOutputError("response_format: a 'text' one has no grammar")
+        assert checked is not None  # ``samplers`` never asks for {"type": "text"}
         proto = lib.llama_sampler_init_grammar(
             self._vocab, grammar_text(checked).encode(), b"root")
         if not proto:

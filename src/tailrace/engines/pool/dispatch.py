@@ -316,11 +316,8 @@ class PrefixAffinity:
 
 
 #: policy name -> class; ``make_dispatch`` creates a fresh instance (policies keep state)
-DISPATCH: dict[str, type[LeastOutstandingWork] | type[RoundRobin] | type[PrefixAffinity]] = {
-    LeastOutstandingWork.name: LeastOutstandingWork,
-    RoundRobin.name: RoundRobin,
-    PrefixAffinity.name: PrefixAffinity,
-}
+DISPATCH: dict[str, type[DispatchPolicy]] = {
+    c.name: c for c in (LeastOutstandingWork, RoundRobin, PrefixAffinity)}
 
 
 def make_dispatch(name: str, *, affinity_slack: int | None = None,

@@ -136,10 +136,9 @@ class EnginePool:
         self.max_retries, self.max_restarts = max_retries, max_restarts
         self.health_timeout_s = float(health_timeout_s)
         self._isolation = "thread" if endpoints is not None else isolation
-        # remote servers and continuous batching (llama.cpp) run several calls together;
-        # prefix_affinity sends one call per request and lets a llama.cpp replica queue
-        # some (4 x n_seq_max calls): ``affinity_slack`` bounds how much busier it gets
-        # than the others, not the call cap (which sent requests away from their prefix)
+        # remote servers and continuous batching (llama.cpp) run several calls together; a
+        # prefix_affinity llama.cpp replica queues 4 x n_seq_max, so ``affinity_slack``, not
+        # the call cap, sends a request away from its prefix (docs/control.md)
         in_flight = max_in_flight or (4 if endpoints is not None or continuous else 1)
         if max_in_flight is None and isinstance(self._policy, PrefixAffinity) \
                 and spec["backend"] == "llama_cpp":
