@@ -10,9 +10,8 @@ pool keeps the batch until one frees up.
     >>> make_dispatch("least_work").choose(loads, cost=50)
     1
 
-``prefix_affinity`` also reads the request's ``Affinity`` (chained hashes of its prompt's
-blocks and its session id, from ``affinity_of``) and remembers, per replica, the prompts it
-sent there, so it is still a pure function of its inputs and its own memory.
+``prefix_affinity`` also reads the request's ``Affinity`` (``affinity_of``) and its own
+memory of the prompts it sent where: still a pure function of what it is given.
 """
 
 from __future__ import annotations
@@ -187,14 +186,10 @@ class LeastOutstandingWork:
     def choose(self, loads: Sequence[ReplicaLoad], cost: int,
                affinity: Affinity | None = None) -> int | None:
         """The id of the least-loaded replica that can take ``cost``; None if none can."""
-        best: ReplicaLoad | None = None
-        for load in loads:
-            if not load.can_take(cost):
-                continue
-            if best is None or ((load.outstanding_work, load.in_flight, load.id)
-                                < (best.outstanding_work, best.in_flight, best.id)):
-                best = load
-        return None if best is None else best.id
+        ok = [load for load in loads if load.can_take(cost)]
+        if not ok:
+            return None
+        return min(ok, key=lambda x: (x.outstanding_work, x.in_flight, x.id)).id
 
 
 class RoundRobin:

@@ -39,14 +39,13 @@ def one_line(exc: BaseException) -> str:
 
 def serve(engine: Any, msg: GenerateBatch | EmbedBatch, send: Deliver,
           cancelled: dict[int, set[int]] | None = None) -> BatchResult:
-    """Run one batch on ``engine``; a failing batch is rerun one request at a time.
+    """Run one batch on ``engine``; a failing batch is rerun one request at a time, so the
+    request at fault (say one that overflows the context) fails alone and the other
+    callers merged into the batch still get their results.
 
     send:      where ``TokenPiece`` messages go while the batch runs.
     cancelled: batch id -> indexes of requests whose callers went away (filled in while
                the batch runs): the engine is told to stop them at their next token.
-
-    Rerunning singly isolates the request at fault (say one that overflows the context),
-    so the other callers merged into the same batch still get their results.
     """
     bid = msg.batch_id
     items: Sequence[Any]

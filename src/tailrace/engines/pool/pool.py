@@ -259,11 +259,8 @@ class EnginePool:
         return np.stack(rows).astype(np.float32, copy=False)
 
     def count_tokens(self, text: str) -> int:
-        """Tokens ``text`` takes in the replicas' model, counted in this process.
-
-        llama.cpp replicas: exact, with the model's vocabulary (loaded here on first use,
-        weights not needed); other backends: the 4-characters-a-token estimate.
-        """
+        """Tokens ``text`` takes in the replicas' model, counted in this process
+        (``tokens.token_counter``, made on first use: exact for llama.cpp)."""
         if self._counter is None:
             self._counter = token_counter(self.spec)
         return int(self._counter(text))
