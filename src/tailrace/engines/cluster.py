@@ -22,9 +22,8 @@ AUTOSCALING_KEYS = ("target_ongoing_requests", "upscale_delay_s", "downscale_del
 PLACEMENT_KEYS = ("num_cpus", "num_gpus", "memory", "resources")
 CLUSTER_KEYS = COUNT_KEYS + AUTOSCALING_KEYS + PLACEMENT_KEYS + ("max_ongoing_requests",)
 
-#: requests in flight per replica the autoscaler aims for: an engine that batches serves
-#: several at once at little cost each (Serve's own default, 2, adds a replica as soon as
-#: two requests overlap)
+#: requests in flight per replica the autoscaler aims for (above Serve's 2: an engine that
+#: batches serves several at once at little cost each)
 TARGET_ONGOING_REQUESTS = 4.0
 #: requests one replica takes at once (the rest wait in Serve's router for a free one);
 #: the same as an engine actor's concurrency

@@ -35,19 +35,15 @@ MAX_SESSIONS = 65_536
 
 @dataclass(frozen=True)
 class ReplicaLoad:
-    """What a dispatch policy sees of one replica.
-
-    max_work: the most outstanding tokens it holds (memory / sequence limit); None for no
-    limit. An idle replica takes any call, so a call larger than the limit still runs
-    (alone) instead of waiting forever.
-    """
+    """What a dispatch policy sees of one replica."""
 
     id: int  # the replica's id in its pool
     healthy: bool = True  # the replica is up and accepts work
     outstanding_work: int = 0  # predicted tokens (prompt + max_tokens) of the calls it runs
     in_flight: int = 0  # engine calls (batches) sent to it and not yet answered
     max_concurrency: int = 1  # the most engine calls it runs at once
-    max_work: int | None = None
+    max_work: int | None = None  # the most outstanding tokens it holds (None: no limit);
+    # an idle replica still takes a larger call (alone) rather than leave it waiting forever
 
     def can_take(self, cost: int) -> bool:
         """Whether a call of ``cost`` predicted tokens may be sent to it now."""

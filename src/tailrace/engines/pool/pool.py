@@ -421,10 +421,7 @@ class EnginePool:
             self._send(rid, part)
 
     def _hold(self, batch: Batch, front: bool) -> None:
-        if front:
-            self._held.appendleft(batch)
-        else:
-            self._held.append(batch)
+        (self._held.appendleft if front else self._held.append)(batch)
 
     def _send(self, rid: int, batch: Batch) -> None:
         r = self._replicas[rid]
