@@ -28,11 +28,9 @@ _NEG_INF = -math.inf
 
 
 def grammar_text(fmt: dict[str, Any]) -> str:
-    """The GBNF grammar of a checked ``response_format``; StructuredOutputError naming the
-    schema when llama-cpp-python cannot turn it into one.
-
-    fmt: ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {...}}``.
-    """
+    """The GBNF grammar of a checked ``response_format`` (``json_object`` or
+    ``json_schema``); StructuredOutputError naming the schema when llama-cpp-python cannot
+    turn it into one."""
     schema = schema_of(fmt)
     if schema is None:
         from llama_cpp.llama_grammar import JSON_GBNF
