@@ -30,9 +30,8 @@ class GenerationRequest:
     presence_penalty: float = 0.0  # subtracted from a token's logit once it was generated
     frequency_penalty: float = 0.0  # subtracted per time a token was generated
     response_format: dict[str, Any] | None = None  # structured output: a constraint checked
-    # by ``structured.check_response_format`` ({"type": "json_object"} or {"type":
-    # "json_schema", "json_schema": {"name", "schema", ...}}); None: free text. Engines
-    # whose ``response_formats`` lacks its type refuse the request
+    # by ``structured.check_response_format`` (its forms: that module); None: free text.
+    # Engines whose ``response_formats`` lacks its type refuse the request
     priority: int = 0  # the request's admission class (higher is more urgent): engines
     # that schedule (llama.cpp) start, prefill and preempt by it
     deadline: float | None = None  # wall-clock seconds (time.time()) it is due by;

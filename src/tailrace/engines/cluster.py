@@ -1,15 +1,10 @@
 """The ``cluster:`` key of an engine spec: replicas of one engine spread over a Ray cluster.
 
-    engines:
-      llm:
-        backend: llama_cpp
-        model: smollm2-135m-instruct
-        cluster: {min_replicas: 1, max_replicas: 4, num_cpus: 2}
-
 Each replica holds one engine (the spec without ``cluster:``); the Ray runtime serves
-them as one Ray Serve deployment (``tailrace.runtime.ray.engine_serve``). This module only
-checks the mapping, at compile time and without Ray: the local runtime refuses such a
-spec when it opens it (``opener.open_engine``), since it has no cluster to place on.
+them as one Ray Serve deployment (``tailrace.runtime.ray.engine_serve``; the keys:
+docs/ray.md, "Engine replicas across the cluster"). This module only checks the
+mapping, at compile time and without Ray: the local runtime refuses such a spec when it
+opens it (``opener.open_engine``), since it has no cluster to place on.
 """
 
 from __future__ import annotations
@@ -27,9 +22,8 @@ AUTOSCALING_KEYS = ("target_ongoing_requests", "upscale_delay_s", "downscale_del
 PLACEMENT_KEYS = ("num_cpus", "num_gpus", "memory", "resources")
 CLUSTER_KEYS = COUNT_KEYS + AUTOSCALING_KEYS + PLACEMENT_KEYS + ("max_ongoing_requests",)
 
-#: requests in flight per replica the autoscaler aims for: an engine that batches serves
-#: several at once at little cost each (Serve's own default, 2, adds a replica as soon as
-#: two requests overlap)
+#: requests in flight per replica the autoscaler aims for (above Serve's 2: an engine that
+#: batches serves several at once at little cost each)
 TARGET_ONGOING_REQUESTS = 4.0
 #: requests one replica takes at once (the rest wait in Serve's router for a free one);
 #: the same as an engine actor's concurrency

@@ -1,17 +1,12 @@
 """Structured output: the ``response_format`` a generation request may carry.
 
 A constraint is OpenAI's ``response_format`` object, checked and normalised by
-``check_response_format``:
-
-- ``{"type": "json_object"}``: the answer is one JSON object;
-- ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}``:
-  the answer is JSON that validates against ``schema`` (a JSON Schema);
-- ``{"type": "text"}`` (or nothing): no constraint (``None``).
-
+``check_response_format``: ``{"type": "json_object"}`` (one JSON object), ``{"type":
+"json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}`` (JSON that
+validates against ``schema``), or ``{"type": "text"}``/nothing (no constraint: None).
 An engine enforces the types in its class attribute ``response_formats`` (llama.cpp: a
-grammar on the sampled tokens; the ``openai`` backend: passed on to the server); an engine
-without it enforces none and refuses a constrained request. ``check_answer`` is the check
-every constrained answer gets afterwards, whatever the engine did.
+grammar; ``openai``: passed on to the server) and refuses the others; ``check_answer``
+is the check every constrained answer gets afterwards, whatever the engine did.
 """
 
 from __future__ import annotations
@@ -19,6 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ..errors import EngineError
 from .models import engine_class
 
 #: the constraint types there are (``GenerationRequest.response_format["type"]``)
@@ -29,8 +25,6 @@ def _jsonschema() -> Any:
     try:
         import jsonschema
     except ImportError:
-        from ..errors import EngineError
-
         raise EngineError("structured output (response_format, json_schema) needs the "
                           "jsonschema package; install it with: pip install jsonschema"
                           ) from None
@@ -53,12 +47,8 @@ def check_schema(schema: Any, where: str) -> dict[str, Any]:
 
 
 def check_response_format(fmt: Any, where: str = "response_format") -> dict[str, Any] | None:
-    """The normalised constraint of an OpenAI ``response_format`` (None: plain text);
-    ValueError naming the bad field (prefixed with ``where``).
-
-    fmt:   the ``response_format`` value (None, or an object with a ``type``).
-    where: the field's name in messages.
-    """
+    """The normalised constraint of an OpenAI ``response_format`` value ``fmt`` (None:
+    plain text); ValueError naming the bad field (prefixed with ``where``)."""
     if fmt is None:
         return None
     if not isinstance(fmt, dict):
@@ -109,10 +99,7 @@ def schema_of(fmt: dict[str, Any]) -> dict[str, Any] | None:
 
 def enforced_by(spec: Any) -> frozenset[str]:
     """The constraint types the engine of ``spec`` (an engine spec, a pool's too)
-    enforces: its class's ``response_formats``, found without opening it (empty if none).
-
-    spec: an engine spec like ``{backend: llama_cpp, model: ...}``.
-    """
+    enforces: its class's ``response_formats``, found without opening it (empty if none)."""
     return frozenset(getattr(engine_class(spec), "response_formats", ()))
 
 
@@ -120,11 +107,7 @@ def check_enforceable(spec: Any, fmt: dict[str, Any]) -> None:
     """Raise the engine's own error (e.g. ``StructuredOutputError``) if the engine of
     ``spec`` cannot turn the checked constraint ``fmt`` into one: its class's optional
     ``check_constraint(fmt)`` (llama.cpp: the schema converts to a grammar). Lets callers
-    refuse such a schema up front (a 400, a compile error) instead of at generation.
-
-    spec: an engine spec.
-    fmt:  a checked constraint.
-    """
+    refuse such a schema up front (a 400, a compile error) instead of at generation."""
     check = getattr(engine_class(spec), "check_constraint", None)
     if check is not None:
         check(fmt)
@@ -133,8 +116,6 @@ def check_enforceable(spec: Any, fmt: dict[str, Any]) -> None:
 def refuse(engine: Any, requests: Any) -> None:
     """EngineError if a request carries a constraint ``engine`` cannot enforce (engines call
     this first; one without ``response_formats`` enforces none)."""
-    from ..errors import EngineError
-
     kinds = getattr(engine, "response_formats", ())
     for r in requests:
         fmt = getattr(r, "response_format", None)
@@ -146,13 +127,8 @@ def refuse(engine: Any, requests: Any) -> None:
 
 def check_answer(text: str, fmt: dict[str, Any], finish_reason: str,
                  max_tokens: int) -> str | None:
-    """Why ``text`` does not satisfy the constraint ``fmt``, in one line (None: it does).
-
-    text:          the generated answer.
-    fmt:           the checked constraint.
-    finish_reason: the engine's (``length``: cut by ``max_tokens``).
-    max_tokens:    the request's ``max_tokens`` (for the message).
-    """
+    """Why the generated ``text`` does not satisfy the checked constraint ``fmt``, in one
+    line (None: it does); ``finish_reason`` and ``max_tokens`` explain a cut answer."""
     try:
         value = json.loads(text)
     except ValueError as e:

@@ -26,11 +26,8 @@ def approx_tokens(text: str) -> int:
 
 
 def token_counter(spec: dict[str, Any]) -> Callable[[str], int]:
-    """Count tokens for ``spec``'s model in this process without loading the engine.
-
-    llama.cpp models: exact, with the model's vocabulary only (no weights); other
-    backends: the 4-characters-a-token estimate.
-    """
+    """Count tokens for ``spec``'s model in this process without loading the engine: exact
+    for llama.cpp (its vocabulary only, no weights), else ``approx_tokens``."""
     if spec.get("backend") != "llama_cpp":
         return approx_tokens
     from .llama_cpp.vocab import LlamaVocab

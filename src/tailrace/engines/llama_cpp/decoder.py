@@ -1,10 +1,8 @@
-"""One llama.cpp context's decode steps: start a request in a KV stream, send one batch,
-sample each sequence's next token, finish sequences.
-
-Every step sends ONE ``llama_batch`` holding the next token of each decoding sequence
-(``seq_id`` = its stream) plus the prompt chunks the scheduler allotted, then samples
-each sequence whose logits came back. ``step`` is the engine's hot path: per token it
-only reads a logits row, samples, feeds the text stream and hands the text on.
+"""One llama.cpp context's decode steps: start a request in a KV stream, send one
+``llama_batch`` (each decoding sequence's next token plus the allotted prompt chunks),
+sample each sequence whose logits came back, finish sequences. ``step`` is the engine's
+hot path: per token it only reads a logits row, samples, feeds the text stream and hands
+the text on.
 """
 
 from __future__ import annotations

@@ -1,18 +1,14 @@
 """Text generation on llama.cpp (``llama-cpp-python``) with multi-sequence batch decoding.
 
-One ``LlamaCppEngine`` loads one GGUF model and one llama.cpp context that holds
-``n_seq_max`` sequences, decoded by one loop on the engine's own thread (continuous
-batching). ``generate`` calls from any number of threads hand their requests (``Job``)
-to that loop through the engine's inbox; the loop takes them in between steps, so a
-short request arriving while long ones generate starts at the next step instead of
-waiting for them to finish. The loop only orchestrates: the ``Scheduler`` decides which
-sequences hold the slots and which prompt chunks go into a step, the ``Decoder`` runs
-the step (one ``llama_batch``, sampling, finishing), the ``PrefixCache`` picks each new
-sequence's KV stream.
+One ``LlamaCppEngine`` loads one GGUF model and one context of ``n_seq_max`` sequences,
+decoded by one loop on the engine's own thread (continuous batching): ``generate`` calls
+from any thread put their requests (``Job``) in the engine's inbox, and the loop takes
+them in between steps, so a short request starts at the next step instead of waiting for
+long ones to finish (docs/engines.md, "How the engine is built").
 
-Context: the KV cache is split per sequence (llama.cpp's non-unified cache), created
-with ``n_ctx * n_streams`` cells, so every sequence gets its own ``n_ctx`` tokens:
-``context_length == n_ctx`` (capped at the model's training context).
+The KV cache is split per sequence (llama.cpp's non-unified cache) into ``n_ctx *
+n_streams`` cells, so every sequence gets its own ``n_ctx`` tokens: ``context_length ==
+n_ctx`` (capped at the model's training context).
 """
 
 from __future__ import annotations
@@ -111,14 +107,14 @@ class LlamaCppEngine:
                 info = None
         self.path = str(file)
         self.seed = seed
-        self._lock = threading.Lock()  # guards the context's life and the inbox
-        self._inbox: deque[Job] = deque()  # requests for the decode loop to take
-        self._looping = False  # the decode loop is running (or queued) on _thread
-        self._idle = threading.Event()
-        self._idle.set()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"llama-{model}")
         self._model = None
         self._ctx = None
+        self._lock = threading.Lock()  # guards the context's life and the inbox
+        self._inbox: deque[Job] = deque()  # requests for the decode loop to take
+        self._looping = False  # the decode loop is running (or queued) on _thread
+        self._idle = threading.Event()  # set last: close() reads it as "all of these exist"
+        self._idle.set()
         n_threads = int(n_threads or os.cpu_count() or 1)
         self.n_threads = n_threads
         self.n_seq_max = n_seq_max
@@ -245,10 +241,10 @@ class LlamaCppEngine:
 
     def close(self) -> None:
         """Free the llama.cpp context and model (the engine cannot be used afterwards)."""
-        lock, lib = getattr(self, "_lock", None), getattr(self, "_lib", None)
         idle = getattr(self, "_idle", None)
-        if lib is None or lock is None or idle is None:
+        if idle is None:
             return  # __init__ failed before the model was loaded
+        lock, lib = self._lock, self._lib
         deadline = time.monotonic() + 60
         while True:  # wait for calls still decoding (new ones may start meanwhile)
             if not idle.wait(timeout=max(deadline - time.monotonic(), 0)) or \
@@ -260,14 +256,13 @@ class LlamaCppEngine:
         try:
             if getattr(self, "_grammars", None) is not None:
                 self._grammars.close()
-            if getattr(self, "_ctx", None) is not None:
+            if self._ctx is not None:
                 lib.llama_free(self._ctx)
                 self._ctx = None
-            if getattr(self, "_model", None) is not None:
+            if self._model is not None:
                 lib.llama_model_free(self._model)
                 self._model = None
-            if getattr(self, "_thread", None) is not None:
-                self._thread.shutdown(wait=False)
+            self._thread.shutdown(wait=False)
         finally:
             lock.release()
 

@@ -2,14 +2,10 @@
 compiled once per schema, cloned for each sequence that generates under it, and asked
 about each token that sequence samples.
 
-``grammar_text`` turns a checked constraint into GBNF (``json_object``: llama-cpp-python's
-``JSON_GBNF``; ``json_schema``: its ``json_schema_to_gbnf``). ``Grammars`` keeps the
-compiled grammar samplers of the last ``GRAMMAR_CACHE`` schemas and hands out clones (a
-grammar sampler carries its parse state, so each sequence needs its own); the decode
-loop frees a clone when its sequence ends. ``GrammarMask`` checks a sampled token
-against a sequence's grammar: the token alone first (microseconds); only a token the
-grammar rejects costs a pass over the whole vocabulary and a new draw among the allowed
-tokens (the same distribution as sampling from the masked logits).
+A grammar sampler carries its parse state, so each sequence gets its own clone, freed
+when it ends. ``GrammarMask`` checks a sampled token against the grammar alone first
+(microseconds); only a rejected token costs a pass over the whole vocabulary and a new
+draw among the allowed tokens (the same distribution as sampling the masked logits).
 """
 
 from __future__ import annotations
@@ -32,11 +28,9 @@ _NEG_INF = -math.inf
 
 
 def grammar_text(fmt: dict[str, Any]) -> str:
-    """The GBNF grammar of a checked ``response_format``; StructuredOutputError naming the
-    schema when llama-cpp-python cannot turn it into one.
-
-    fmt: ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {...}}``.
-    """
+    """The GBNF grammar of a checked ``response_format`` (``json_object`` or
+    ``json_schema``); StructuredOutputError naming the schema when llama-cpp-python cannot
+    turn it into one."""
     schema = schema_of(fmt)
     if schema is None:
         from llama_cpp.llama_grammar import JSON_GBNF
@@ -109,8 +103,7 @@ class Grammars:
             checked = check_response_format(fmt)
         except ValueError as e:
             raise StructuredOutputError(str(e)) from None
-        if checked is None:  # {"type": "text"}: ``samplers`` never asks
-            raise StructuredOutputError("response_format: a 'text' one has no grammar")
+        assert checked is not None  # ``samplers`` never asks for {"type": "text"}
         proto = lib.llama_sampler_init_grammar(
             self._vocab, grammar_text(checked).encode(), b"root")
         if not proto:

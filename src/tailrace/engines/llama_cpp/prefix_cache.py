@@ -1,19 +1,13 @@
 """The prefix cache: which KV stream a new sequence starts in, and what a finished one
-leaves behind for the next.
+leaves behind for the next (docs/engines.md, "The prefix cache").
 
-The context has one KV stream per sequence slot plus ``cache_sequences`` streams that
-only keep prefixes. A finished sequence's stream keeps its prompt's KV; a new request
-starts in the idle stream holding its longest prefix (else the least recently used
-one, an empty one first) and computes only the rest. Two rules keep greedy answers the
-same with and without the cache:
-
-- only whole, aligned ``chunk``-token pieces of a prompt are reused: llama.cpp's results
-  depend on how a prompt is cut into batches, so the cache cuts exactly where a fresh
-  prefill would (a partial chunk's KV is computed differently: it is not kept);
-- generated tokens' KV is not kept (computed one token a step, it differs in the last
-  bits from a prefill's; reusing it made greedy chats diverge from a run without cache).
-
-The last prompt token is always run again: its logits start the generation.
+A finished sequence's stream keeps its prompt's KV; a new request starts in the idle
+stream holding its longest prefix (else the least recently used one, an empty one first)
+and computes only the rest. Greedy answers stay the same with and without the cache
+because only whole, aligned ``chunk``-token pieces of a prompt are reused (llama.cpp's
+results depend on how a prompt is cut into batches) and generated tokens' KV is not
+kept (computed one token a step, it differs in the last bits from a prefill's). The
+last prompt token is always run again: its logits start the generation.
 """
 
 from __future__ import annotations

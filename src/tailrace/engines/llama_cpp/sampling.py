@@ -1,9 +1,7 @@
-"""Per-sequence helpers for token-by-token generation: sampling and streamed text.
+"""Per-sequence token choice (``Sampler``) and streamed text (``TextStream``).
 
-Pure Python plus numpy (imported lazily by the engine that uses them); no model needed,
-so sampling, the stop-string and UTF-8 handling can be tested on their own. ``Sampler``
-is one sequence's choice of each next token from its logits row; ``TextStream`` turns
-the chosen tokens' bytes into the text its caller sees.
+Pure Python plus numpy (imported lazily); no model needed, so sampling, the stop-string
+and UTF-8 handling are tested on their own.
 """
 
 from __future__ import annotations

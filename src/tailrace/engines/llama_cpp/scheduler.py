@@ -1,26 +1,13 @@
 """Which requests hold the engine's sequence slots, and which prompt chunks go into a step.
 
-What it schedules: a request waiting for a slot (``Job``) and a request holding one
-(``Seq``). A ``Seq`` moves PREFILLING -> DECODING -> DONE; the scheduler may move a
-PREFILLING or DECODING one to PAUSED (preempted: it keeps its KV stream) and back to
-where it was. Rank is (class, deadline, arrival): lower is more urgent, so ``min``
-picks the most urgent and ``max`` the least.
-
-The decode loop asks the scheduler before every step; the scheduler only keeps lists
-and decides (no model, no llama.cpp), so its rules are tested on their own:
-
-- waiting requests start by class, then deadline, then arrival (one class and no
-  deadlines: first come, first served);
-- preemption: when every decoding slot is taken, a more urgent request waits and a KV
-  stream is spare, the least urgent sequence pauses (keeping its stream and KV) and
-  resumes where it stopped once it is the most urgent thing left to run;
-- prefill: only the prompts of the most urgent class that has a sequence running are
-  prefilled, most urgent first, one chunk each, within the step's token budget. A
-  prompt chunk costs as much as dozens of decode steps on a CPU, so a less urgent
-  prompt in every step would stretch each urgent token by that much.
-
-A paused sequence holds its stream, so streams in use = active + paused; preemption
-needs ``n_streams > n_active`` (the engine's ``cache_sequences``).
+A request waits for a slot as a ``Job`` and holds one as a ``Seq``, which moves
+PREFILLING -> DECODING -> DONE; preemption moves a PREFILLING or DECODING one to PAUSED
+(it keeps its KV stream) and back. Rank is (-class, deadline, arrival): lower is more
+urgent, so ``min`` picks the most urgent and ``max`` the least. The decode loop asks the
+scheduler before every step; it only keeps lists and decides (no model, no llama.cpp), so
+its rules (docs/engines.md, "Priorities inside the engine") are tested on their own.
+Streams in use = active + paused, so preemption needs ``n_streams > n_active`` (the
+engine's ``cache_sequences``).
 """
 
 from __future__ import annotations
@@ -96,9 +83,6 @@ class Seq:
     def prompt(self) -> Any:
         return self.job.prompt
 
-    def pause(self) -> None:
-        self.state = State.PAUSED
-
     def resume(self) -> None:
         """Go on where it stopped (its KV kept in its stream)."""
         self.state = State.DECODING if self.fed == self.n_prompt else State.PREFILLING
@@ -162,11 +146,11 @@ class Scheduler:
         """Pause the least urgent sequences while a more urgent request waits, every
         decoding slot is taken and a stream is spare for it."""
         while self._waiting and len(self.active) >= self.n_active and self._spare():
-            victim = max(self.active, key=_rank)
+            victim = max(self.active, key=lambda s: s.rank)
             if -self._waiting[0][0][0] <= victim.priority:
                 return
             self.active.remove(victim)
-            victim.pause()
+            victim.state = State.PAUSED
             self.paused.append(victim)
             self.preemptions += 1
 
@@ -175,7 +159,7 @@ class Scheduler:
         whichever ranks first; False when neither can run now."""
         if not (self._waiting or self.paused):
             return False
-        back = min(self.paused, key=_rank) if self.paused else None
+        back = min(self.paused, key=lambda s: s.rank) if self.paused else None
         if back is not None and (not self._waiting or not self._spare()
                                  or back.rank <= self._waiting[0][0]):
             self.paused.remove(back)
@@ -201,7 +185,8 @@ class Scheduler:
         top = max(s.priority for s in active)
         budget = self.n_batch - sum(1 for s in active if s.state is State.DECODING)
         allot: dict[Seq, int] = {}
-        for s in sorted((s for s in active if s.state is State.PREFILLING), key=_rank):
+        for s in sorted((s for s in active if s.state is State.PREFILLING),
+                        key=lambda s: s.rank):
             if s.priority < top and (allot or any(
                     o.priority == top and o.state is State.PREFILLING for o in active)):
                 break  # sorted: every one after it is less urgent still
@@ -223,7 +208,3 @@ class Scheduler:
         seqs, jobs = self.active + self.paused, [j for _, j in self._waiting]
         self.active, self.paused, self._waiting = [], [], []
         return seqs, jobs
-
-
-def _rank(s: Seq) -> Rank:
-    return s.rank

@@ -1,15 +1,11 @@
 """The ``llama_cpp`` module, loaded once; a model's vocabulary: text to tokens, tokens to
 text, the chat template.
 
-``llama_lib`` imports the module and initialises its backends once per process. llama.cpp
-logs to stderr by default; its messages go to Python logging instead (errors only),
-through one ctypes callback that must stay referenced while it is installed.
-
-``Vocab`` serves a loaded model (the engine's: prompts in, pieces out of the decode
-loop). ``LlamaVocab`` loads a GGUF file's vocabulary alone, to count tokens without the
-weights: an engine pool runs its llama.cpp replicas in other processes, and stages in
-this process still count prompt tokens exactly (refine budgets, the context-overflow
-check). Loading with ``vocab_only`` reads the vocabulary only (a few MB, milliseconds).
+llama.cpp logs to stderr by default; ``llama_lib`` routes its messages to Python logging
+(errors only) through one ctypes callback that must stay referenced while installed.
+``LlamaVocab`` loads a GGUF file's vocabulary alone (``vocab_only``: a few MB,
+milliseconds), so stages in a pool's process count prompt tokens exactly while its
+replicas run the weights in other processes.
 """
 
 from __future__ import annotations
@@ -161,25 +157,16 @@ class LlamaVocab:
     """Token counting with the vocabulary of the GGUF model file ``path``; thread-safe."""
 
     def __init__(self, path: str):
-        self._lib = lib = llama_lib()
+        lib = llama_lib()
         self._lock = threading.Lock()
         params = lib.llama_model_default_params()
         params.vocab_only = True
-        self._model: Any = lib.llama_model_load_from_file(path.encode(), params)
-        if not self._model:
+        model = lib.llama_model_load_from_file(path.encode(), params)
+        if not model:
             raise EngineError(f"llama.cpp could not read the vocabulary of {path}")
-        self._vocab = Vocab(lib, self._model, path)
+        self._vocab = Vocab(lib, model, path)  # the model stays loaded for the counter's life
 
     def count_tokens(self, text: str) -> int:
         """Tokens ``text`` takes as a raw prompt (with BOS), as ``LlamaCppEngine`` counts."""
         with self._lock:
-            if self._model is None:
-                raise EngineError("the tokenizer is closed")
             return self._vocab.count(text)
-
-    def close(self) -> None:
-        """Free the vocabulary."""
-        with self._lock:
-            if self._model is not None:
-                self._lib.llama_model_free(self._model)
-                self._model = None

@@ -2,14 +2,12 @@
 
 ``Batcher`` holds items in arrival order and says when a batch is due: when
 ``max_batch_size`` items wait, when their predicted tokens fill ``max_batch_tokens``, or
-when the oldest has waited ``max_wait_ms``. It reads no clock of its own: every call takes
-``now`` (seconds), so tests drive it with a virtual clock and the pool with its injected
-one. A batch never exceeds the size or the token budget, except that a single item larger
-than the budget is sent alone rather than stuck forever. Items may carry their request's
-priority class and deadline: a batch then takes the most urgent first (class, then
-deadline, then arrival) and holds only items of one class (a batch's answers come back
-together: an urgent item must not wait for a less urgent one's); without them it is first
-come, first served.
+when the oldest has waited ``max_wait_ms``. It reads no clock of its own (every call
+takes ``now``), so tests drive it with a virtual clock. A batch never exceeds the size or
+the token budget, except that an item larger than the budget goes alone rather than
+stuck forever. Items given a priority class or deadline go most urgent first (class,
+deadline, arrival), one class a batch (its answers come back together: an urgent item
+must not wait for a less urgent one's); without them it is first come, first served.
 
     >>> b = Batcher(max_batch_size=2, max_wait_ms=5)
     >>> b.add("a", tokens=10, now=0.0); b.ready(now=0.001)

@@ -10,9 +10,8 @@ pool keeps the batch until one frees up.
     >>> make_dispatch("least_work").choose(loads, cost=50)
     1
 
-``prefix_affinity`` also reads the request's ``Affinity`` (chained hashes of its prompt's
-blocks and its session id, from ``affinity_of``) and remembers, per replica, the prompts it
-sent there, so it is still a pure function of its inputs and its own memory.
+``prefix_affinity`` also reads the request's ``Affinity`` (``affinity_of``) and its own
+memory of the prompts it sent where: still a pure function of what it is given.
 """
 
 from __future__ import annotations
@@ -36,19 +35,15 @@ MAX_SESSIONS = 65_536
 
 @dataclass(frozen=True)
 class ReplicaLoad:
-    """What a dispatch policy sees of one replica.
-
-    max_work: the most outstanding tokens it holds (memory / sequence limit); None for no
-    limit. An idle replica takes any call, so a call larger than the limit still runs
-    (alone) instead of waiting forever.
-    """
+    """What a dispatch policy sees of one replica."""
 
     id: int  # the replica's id in its pool
     healthy: bool = True  # the replica is up and accepts work
     outstanding_work: int = 0  # predicted tokens (prompt + max_tokens) of the calls it runs
     in_flight: int = 0  # engine calls (batches) sent to it and not yet answered
     max_concurrency: int = 1  # the most engine calls it runs at once
-    max_work: int | None = None
+    max_work: int | None = None  # the most outstanding tokens it holds (None: no limit);
+    # an idle replica still takes a larger call (alone) rather than leave it waiting forever
 
     def can_take(self, cost: int) -> bool:
         """Whether a call of ``cost`` predicted tokens may be sent to it now."""
@@ -187,14 +182,10 @@ class LeastOutstandingWork:
     def choose(self, loads: Sequence[ReplicaLoad], cost: int,
                affinity: Affinity | None = None) -> int | None:
         """The id of the least-loaded replica that can take ``cost``; None if none can."""
-        best: ReplicaLoad | None = None
-        for load in loads:
-            if not load.can_take(cost):
-                continue
-            if best is None or ((load.outstanding_work, load.in_flight, load.id)
-                                < (best.outstanding_work, best.in_flight, best.id)):
-                best = load
-        return None if best is None else best.id
+        ok = [load for load in loads if load.can_take(cost)]
+        if not ok:
+            return None
+        return min(ok, key=lambda x: (x.outstanding_work, x.in_flight, x.id)).id
 
 
 class RoundRobin:
@@ -230,11 +221,8 @@ class RoundRobin:
 class PrefixAffinity:
     """The replica that most likely holds the request's longest prompt prefix in its KV
     cache, or its session's replica, unless that one is ``slack`` tokens busier than the
-    least-loaded; else least work. A request's work counts in full wherever it goes: counting
-    its cached prefix off let one replica queue many more requests than the other
-    (``bench/prefix.py``, 64 conversations: throughput 0.70 of least work; counted in
-    full: hit ratio 49% vs 38%, throughput 0.91, one busy-machine run each; on a quiet
-    machine, 3 seeds: hit ratio 51% vs 35%, throughput 1.23x, TTFT p50 and p99 ~20% lower).
+    least-loaded; else least work. A request's work counts in full wherever it goes
+    (counting its cached prefix off let one replica queue far more: docs/control.md).
 
     The pool cannot see an engine's cache, so the policy remembers what it sent where: the
     block keys of each request's prompt (``Affinity``), ``capacity`` prompts per replica
@@ -319,11 +307,8 @@ class PrefixAffinity:
 
 
 #: policy name -> class; ``make_dispatch`` creates a fresh instance (policies keep state)
-DISPATCH: dict[str, type[LeastOutstandingWork] | type[RoundRobin] | type[PrefixAffinity]] = {
-    LeastOutstandingWork.name: LeastOutstandingWork,
-    RoundRobin.name: RoundRobin,
-    PrefixAffinity.name: PrefixAffinity,
-}
+DISPATCH: dict[str, type[DispatchPolicy]] = {
+    c.name: c for c in (LeastOutstandingWork, RoundRobin, PrefixAffinity)}
 
 
 def make_dispatch(name: str, *, affinity_slack: int | None = None,

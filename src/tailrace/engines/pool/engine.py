@@ -37,33 +37,22 @@ def one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-def describe(engine: Any, kind: str) -> Ready:
-    """The ``Ready`` message for an engine just opened (only an embedder, ``kind``
-    ``"embed"``, is asked its ``dim``)."""
-    dim = int(engine.dim) if kind == "embed" else None
-    chat = getattr(engine, "chat", None) if kind == "generate" else None
-    return Ready(os.getpid(), str(getattr(engine, "model", "")),
-                 getattr(engine, "context_length", None), dim, chat)
-
-
 def serve(engine: Any, msg: GenerateBatch | EmbedBatch, send: Deliver,
           cancelled: dict[int, set[int]] | None = None) -> BatchResult:
-    """Run one batch on ``engine``; a failing batch is rerun one request at a time.
+    """Run one batch on ``engine``; a failing batch is rerun one request at a time, so the
+    request at fault (say one that overflows the context) fails alone and the other
+    callers merged into the batch still get their results.
 
     send:      where ``TokenPiece`` messages go while the batch runs.
     cancelled: batch id -> indexes of requests whose callers went away (filled in while
                the batch runs): the engine is told to stop them at their next token.
-
-    Rerunning singly isolates the request at fault (say one that overflows the context),
-    so the other callers merged into the same batch still get their results.
     """
     bid = msg.batch_id
     items: Sequence[Any]
     streamed: dict[int, Streamed] = {}  # request index -> its text sent (reruns skip it)
-    on_token: Callable[[int, str], bool] | None = None
+    run: Callable[[Sequence[Any], Any], Any]
     if isinstance(msg, GenerateBatch):
-        items = msg.requests
-        streamed = {i: Streamed() for i in msg.stream}
+        items, streamed = msg.requests, {i: Streamed() for i in msg.stream}
 
         def on_token(i: int, text: str) -> bool:
             mark = streamed.get(i)
@@ -74,9 +63,7 @@ def serve(engine: Any, msg: GenerateBatch | EmbedBatch, send: Deliver,
                 send(TokenPiece(bid, i, text))
             return cancelled is None or i not in cancelled.get(bid, ())
 
-        def run(batch: Sequence[Any], cb: Any) -> Any:
-            return engine.generate(batch, cb)
-        stream_cb = on_token if streamed else None
+        run, stream_cb = engine.generate, on_token if streamed else None
     else:
         items, stream_cb = msg.texts, None
 
@@ -108,7 +95,10 @@ def start_engine(spec: dict[str, Any], kind: str,
     engine = None
     try:
         engine = create_engine(spec, base_url)
-        return engine, describe(engine, kind)
+        dim = int(engine.dim) if kind == "embed" else None  # only an embedder has one
+        chat = getattr(engine, "chat", None) if kind == "generate" else None
+        return engine, Ready(os.getpid(), str(getattr(engine, "model", "")),
+                             getattr(engine, "context_length", None), dim, chat)
     except Exception as e:
         if engine is not None:
             with contextlib.suppress(Exception):

@@ -1,21 +1,15 @@
 """Engine pools: one per named engine, shared by every pipeline in the process.
 
 A pool owns N replicas of one engine (each its own process, or a remote endpoint) and one
-loop thread. Callers on any thread call ``generate``/``embed``; their requests become items
-of a ``Batcher`` (batching.py), so calls from different callers share engine calls; each
-batch goes to the replica the dispatch policy (dispatch.py) picks, and the results are split
-back to each caller. The loop only orchestrates; policy lives in those two objects. An
-engine that batches its calls itself (llama.cpp, a remote server) gets them with no window.
+loop thread that only orchestrates: callers' requests become items of a ``Batcher``
+(batching.py), each batch goes to the replica the dispatch policy (dispatch.py) picks,
+and the results are split back to each caller (docs/control.md, "Engine pools").
 
-Failure: a replica process that dies takes its in-flight batches with it; they are retried
-on another healthy replica (at most ``max_retries`` times, then ``EngineError`` to the
+Failure: a replica that dies takes its in-flight batches with it; they are retried on
+another healthy replica (at most ``max_retries`` times, then ``EngineError`` to the
 callers) and the replica is restarted in the background (marked down after
 ``max_restarts`` failed starts in a row). A request the engine rejects itself
 (``ContextOverflow``) fails only its caller and is not retried; other engine errors are.
-
-    with EnginePool("llm", {"backend": "llama_cpp", "model": "smollm2-135m-instruct",
-                            "n_threads": 1}, replicas=2) as pool:
-        [gen] = pool.generate([GenerationRequest(prompt="Hi", max_tokens=8)])
 """
 
 from __future__ import annotations
@@ -142,10 +136,9 @@ class EnginePool:
         self.max_retries, self.max_restarts = max_retries, max_restarts
         self.health_timeout_s = float(health_timeout_s)
         self._isolation = "thread" if endpoints is not None else isolation
-        # remote servers and continuous batching (llama.cpp) run several calls together;
-        # prefix_affinity sends one call per request and lets a llama.cpp replica queue
-        # some (4 x n_seq_max calls): ``affinity_slack`` bounds how much busier it gets
-        # than the others, not the call cap (which sent requests away from their prefix)
+        # remote servers and continuous batching (llama.cpp) run several calls together; a
+        # prefix_affinity llama.cpp replica queues 4 x n_seq_max, so ``affinity_slack``, not
+        # the call cap, sends a request away from its prefix (docs/control.md)
         in_flight = max_in_flight or (4 if endpoints is not None or continuous else 1)
         if max_in_flight is None and isinstance(self._policy, PrefixAffinity) \
                 and spec["backend"] == "llama_cpp":
@@ -154,18 +147,12 @@ class EnginePool:
         self._replicas = [ReplicaState(i, (self.endpoints or [None] * count)[i], in_flight)
                           for i in range(count)]
         self._clock = clock
-        # What the loop thread takes in. No maxsize, because every producer is bounded
-        # and a full queue would block a replica's reader (or ``stop``) behind the loop:
-        # - ``_submit``: one entry per call, and the calling thread then blocks in
-        #   ``call.wait()`` (no timeout) until the loop has finished it: at most one entry
-        #   per thread blocked in ``generate``/``embed``;
-        # - ``deliver``: per replica incarnation one ``Ready``/``StartFailed``, one
-        #   ``Exited`` and one ``BatchResult`` per batch sent (``can_take`` caps those at
-        #   its ``max_in_flight``); token pieces bypass the queue (``ReplicaState.piece``);
-        # - ``stop``: one ``_STOP``.
-        # So it holds at most callers + incarnations * (max_in_flight + 3) + 1 entries,
-        # incarnations being the replicas plus replaced ones still stopping
-        # (tests/serving/test_queue_bounds.py stalls the loop and counts them).
+        # What the loop thread takes in. No maxsize (a full queue would block a replica's
+        # reader, or ``stop``, behind the loop): each producer is bounded, so it holds at
+        # most callers + incarnations * (max_in_flight + 3) + 1 entries: one per caller
+        # blocked in ``call.wait()``; per replica incarnation (replaced ones still
+        # stopping too) one Ready/StartFailed, one Exited and a BatchResult per batch in
+        # flight (token pieces bypass it); one _STOP (tests/serving/test_queue_bounds.py).
         self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Condition()
         self._held: deque[Batch] = deque()  # batches waiting for a replica (retries first)
@@ -272,18 +259,13 @@ class EnginePool:
         return np.stack(rows).astype(np.float32, copy=False)
 
     def count_tokens(self, text: str) -> int:
-        """Tokens ``text`` takes in the replicas' model, counted in this process.
-
-        llama.cpp replicas: exact, with the model's vocabulary (loaded here on first use,
-        weights not needed); other backends: the 4-characters-a-token estimate.
-        """
+        """Tokens ``text`` takes in the replicas' model, counted in this process
+        (``tokens.token_counter``, made on first use: exact for llama.cpp)."""
         if self._counter is None:
             self._counter = token_counter(self.spec)
         return int(self._counter(text))
 
-    def close(self) -> None:
-        """Stop the pool (the engine protocol's name for ``stop``)."""
-        self.stop()
+    close = stop  # the engine protocol's name for ``stop``
 
     def statistics(self) -> PoolStatistics:
         """A snapshot: per replica load, calls, failures and restarts; batches formed."""
@@ -403,12 +385,8 @@ class EnginePool:
     def _route(self, batch: Batch, *, front: bool) -> bool:
         """Send ``batch`` (to replicas it has not failed on, while one is healthy); False
         if it (or a part) had to be held back (at the front of ``_held`` if ``front``).
-
-        ``prefix_affinity`` chooses per request: a batch mixing callers whose prefixes live
-        on different replicas is split into one engine call per chosen replica (llama.cpp
-        decodes a replica's concurrent calls together: the split costs calls, not decode
-        steps). Embedding batches go whole (no prefix).
-        """
+        ``prefix_affinity`` chooses per request, so a generation batch may be split into
+        one engine call per chosen replica (docs/control.md)."""
         untried = batch.tried and any(r.healthy and r.id not in batch.tried for r in self._replicas)
         loads = self._loads(batch.tried if untried else frozenset())
         if not isinstance(self._policy, PrefixAffinity) or self.kind != "generate":
@@ -443,10 +421,7 @@ class EnginePool:
             self._send(rid, part)
 
     def _hold(self, batch: Batch, front: bool) -> None:
-        if front:
-            self._held.appendleft(batch)
-        else:
-            self._held.append(batch)
+        (self._held.appendleft if front else self._held.append)(batch)
 
     def _send(self, rid: int, batch: Batch) -> None:
         r = self._replicas[rid]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -47,10 +46,6 @@ class ProcessReplica:
         self._child = child
         self._deliver = deliver
         self._reader = threading.Thread(target=self._read, name=f"{label}-reader", daemon=True)
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid
 
     def start(self) -> None:
         """Spawn the process and start reading its messages."""
@@ -113,10 +108,6 @@ class ThreadReplica:
         self._stopped = False
         self._cancelled: dict[int, set[int]] = {}
 
-    @property
-    def pid(self) -> int:
-        return os.getpid()
-
     def start(self) -> None:
         """Open the engine on a replica thread; ``Ready`` or ``StartFailed`` follows."""
         self._exec.submit(self._open)
@@ -146,9 +137,9 @@ class ThreadReplica:
     def request_stop(self) -> None:
         self._stopped = True
 
-    def stop(self, grace_s: float = 2.0) -> None:
-        """Wait for running calls, drop queued ones, close the engine. ``grace_s`` is
-        unused: calls on threads cannot be interrupted; they end by their timeout."""
+    def stop(self) -> None:
+        """Wait for running calls (they end by their timeout), drop queued ones, close the
+        engine."""
         self._stopped = True
         self._exec.shutdown(wait=True, cancel_futures=True)
         if self._engine is not None:
