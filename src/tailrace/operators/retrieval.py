@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from ..engines import home
@@ -61,7 +62,7 @@ def _build_embed(params: dict, ctx: BuildContext) -> OpRuntime:
         vecs = engine.embed(texts)
         return [{**r, out: v} for r, v in zip(keep, vecs, strict=True)]
 
-    return OpRuntime("map", batch_fn=batch_fn, max_batch=params["max_batch"])
+    return OpRuntime("map", batch_fn=batch_fn)
 
 
 register(OpDef(
@@ -191,7 +192,7 @@ def _build_retrieve(params: dict, ctx: BuildContext) -> OpRuntime:
                 [x for _, x in rows], k, fusion=fusion, allow=allow) if keep else []
         return [{**r, out: h} for r, h in zip(keep, hits, strict=True)]
 
-    return OpRuntime("map", batch_fn=batch_fn, max_batch=params["max_batch"])
+    return OpRuntime("map", batch_fn=batch_fn)
 
 
 register(OpDef(
@@ -295,7 +296,7 @@ def _build_rerank(params: dict, ctx: BuildContext) -> OpRuntime:
             result.append({**r, out: ranked})
         return result
 
-    return OpRuntime("map", batch_fn=batch_fn, max_batch=params["max_batch"])
+    return OpRuntime("map", batch_fn=batch_fn)
 
 
 def _prepare_rerank(params: dict, ctx: LinkContext) -> dict:
@@ -337,14 +338,14 @@ def _shingles(text: str) -> set[str]:
     return set(_WORD.findall(text.lower()))
 
 
+@dataclass(frozen=True)
 class Packer:
     """Pack passages into a token budget: drop near-duplicates (word-set Jaccard >=
     ``dedup``), keep the given (relevance) order, truncate the last one to fit."""
 
-    def __init__(self, max_tokens: int, dedup: float, count: Any) -> None:
-        self.max_tokens = max_tokens
-        self.dedup = dedup
-        self.count = count
+    max_tokens: int
+    dedup: float
+    count: Any
 
     def pack(self, passages: list[dict]) -> tuple[str, list[dict]]:
         parts: list[str] = []

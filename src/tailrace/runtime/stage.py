@@ -1,17 +1,13 @@
 """One stage worker: one replica of a plan stage running batches under its ``Execution``.
 
-The same worker runs every stage of every runtime: the local runtime's replica tasks,
-the Ray runtime's workers inside host actors and, through the local runtime, served
-pipelines. A runtime only moves batches: it hands the worker a batch and passes on the
-ports it returns. The worker calls the operators the way the compiler decided
-(``chain``, ``per_record`` or ``collect``, in its own threads when blocking), turns
-failures into error records, reports records that ended without output, and meters
-every operator.
-
-``run_chain`` is the hot path: one micro-batch through the stage's fused operators, a
-list-comprehension-sized loop per operator, two clock reads per operator per micro-batch
-and no per-record work beyond the operator itself. Given a ``Trace`` (the Ray runtime),
-it also records which input each output and error came from (``lineage.py``).
+The same worker runs every stage of every runtime (local, Ray, served; docs/architecture.md
+§4): a runtime only moves batches, hands the worker one and passes on the ports it
+returns. The worker calls the operators as the compiler decided (``chain``,
+``per_record`` or ``collect``, in its own threads when blocking), turns failures into
+error records, reports records that ended without output, and meters every operator.
+``run_chain`` is the hot path: two clock reads per operator per micro-batch and no
+per-record work beyond the operator itself. Given a ``Trace`` (Ray), it also records
+which input each output and error came from (``lineage.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +25,7 @@ from ..compiler import PlanOp, PlanStage
 from ..errors import PlanError
 from ..observability import StageMeter
 from ..operators import OpRuntime
+from ..operators.core import per_record
 from .lineage import Trace, compose, error_positions, fan_out, kept_positions, split_branch
 from .policy import call_with_policy
 
@@ -62,18 +59,7 @@ def sink_runtime(target: Any) -> OpRuntime:
     if not callable(target):
         raise TypeError(f"a sink target must be a list or a callable, got "
                         f"{type(target).__name__}")
-
-    def batch_fn(batch: list, errors: list) -> None:
-        it = iter(batch)
-        while True:
-            try:
-                for x in it:
-                    target(x)
-                return
-            except Exception as e:
-                errors.append((x, e))
-
-    return OpRuntime("sink", batch_fn=batch_fn, record_fn=lambda x: target(x))
+    return OpRuntime("sink", batch_fn=per_record(target), record_fn=target)
 
 
 def write_sink(op_id: str, rt: OpRuntime, m: StageMeter, batch: list,
@@ -216,11 +202,15 @@ class StageWorker:
                     trace.esrc.extend(compose(src, failed))
                     pt, pf = split_branch(batch, t, f, failed)
                     trace.src = {"true": compose(src, pt), "false": compose(src, pf)}
-                self._done(m, perf_counter() - t0, n, len(t) + len(f), errs, errors, i)
+                m.records_out += len(t) + len(f)
+                m.service.record((perf_counter() - t0) * 1e6 / n, n)
+                m.batch_size.record(n)
+                if errs:
+                    self._failed(m, i, errs, errors)
                 return {"true": t, "false": f}
             else:  # pragma: no cover - compiler guarantees the kinds above
                 raise RuntimeError(f"operator kind {kind!r} cannot run in a chain")
-            m.records_out += len(batch)  # (``_done``, inline: the hot path)
+            m.records_out += len(batch)
             m.service.record(dt * 1e6 / n, n)
             m.batch_size.record(n)
             if errs:
@@ -228,14 +218,6 @@ class StageWorker:
         if trace is not None:
             trace.src = {None: src}
         return {None: batch}
-
-    def _done(self, m: StageMeter, dt: float, n_in: int, n_out: int, errs: list,
-              errors: list, i: int) -> None:
-        m.records_out += n_out
-        m.service.record(dt * 1e6 / n_in, n_in)
-        m.batch_size.record(n_in)
-        if errs:
-            self._failed(m, i, errs, errors)
 
     def _failed(self, m: StageMeter, i: int, errs: list, errors: list) -> None:
         """Operator ``i``'s failed records ``(input, exception)`` as error records."""
