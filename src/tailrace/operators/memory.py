@@ -137,10 +137,7 @@ def _prepare_read(params: dict, ctx: LinkContext) -> dict:
         params["k"] = 0
     elif params.get("k") is None:
         params["k"] = 3
-    params = _prepare_store(params, ctx, "query")
-    if params["ordered"] and params["wait_ms"] <= 0:
-        raise ValueError(f"'wait_ms' must be a positive number, got {params['wait_ms']!r}")
-    return link_token_counter(params, ctx)
+    return link_token_counter(_prepare_store(params, ctx, "query"), ctx)
 
 
 def _query_value(record: Any, name: str) -> Any:
@@ -167,11 +164,10 @@ def _build_read(params: dict, ctx: BuildContext) -> OpRuntime:
 
     def batch_fn(batch: list, errors: list) -> list:
         keep, parsed = each_record(batch, errors, parse, FieldError)
-        rows = [(r, ids, query) for r, (ids, query) in zip(keep, parsed, strict=True)]
-        texts = [q for _, _, q in rows if isinstance(q, str)]
+        texts = [q for _, q in parsed if isinstance(q, str)]
         vecs = iter(embedder.embed(texts)) if texts else iter(())
         result = []
-        for r, (user, session), query in rows:
+        for r, ((user, session), query) in zip(keep, parsed, strict=True):
             vec = next(vecs) if isinstance(query, str) else query
             now = clock()
             try:

@@ -76,9 +76,14 @@ def write_sink(op_id: str, rt: OpRuntime, m: StageMeter, batch: list,
     m.batch_size.record(n)
     m.records_out += n - len(errs)
     if errs:
-        m.errors += len(errs)
-        errors.extend(ErrorRecord.from_exception(op_id, x, e) for x, e in errs)
+        fail_records(op_id, m, errs, errors)
     return n - len(errs)
+
+
+def fail_records(op_id: str, m: StageMeter, errs: list, errors: list) -> None:
+    """Operator ``op_id``'s failed records ``(input, exception)`` as error records."""
+    m.errors += len(errs)
+    errors.extend(ErrorRecord.from_exception(op_id, x, e) for x, e in errs)
 
 
 def dropped(before: list, after: list, errs: list, key: str) -> list:
@@ -206,7 +211,7 @@ class StageWorker:
                 m.service.record((perf_counter() - t0) * 1e6 / n, n)
                 m.batch_size.record(n)
                 if errs:
-                    self._failed(m, i, errs, errors)
+                    fail_records(self.ops[i].id, m, errs, errors)
                 return {"true": t, "false": f}
             else:  # pragma: no cover - compiler guarantees the kinds above
                 raise RuntimeError(f"operator kind {kind!r} cannot run in a chain")
@@ -214,16 +219,10 @@ class StageWorker:
             m.service.record(dt * 1e6 / n, n)
             m.batch_size.record(n)
             if errs:
-                self._failed(m, i, errs, errors)
+                fail_records(self.ops[i].id, m, errs, errors)
         if trace is not None:
             trace.src = {None: src}
         return {None: batch}
-
-    def _failed(self, m: StageMeter, i: int, errs: list, errors: list) -> None:
-        """Operator ``i``'s failed records ``(input, exception)`` as error records."""
-        m.errors += len(errs)
-        sid = self.ops[i].id
-        errors.extend(ErrorRecord.from_exception(sid, x, e) for x, e in errs)
 
     async def call_per_record(self, batch: list, errors: list,
                               trace: Trace | None = None) -> Ports:
@@ -261,13 +260,9 @@ class StageWorker:
         if batch:
             m.service.record((perf_counter() - t0) * 1e6 / len(batch), len(batch))
             m.batch_size.record(1, len(batch))
-        if branch:
-            if trace is not None:
-                trace.src = {"true": pos, "false": pos_f}
-            return {"true": out, "false": falses}
         if trace is not None:
-            trace.src = {None: pos}
-        return {None: out}
+            trace.src = {"true": pos, "false": pos_f} if branch else {None: pos}
+        return {"true": out, "false": falses} if branch else {None: out}
 
     async def call_collect(self, batch: list, errors: list,
                            trace: Trace | None = None) -> list:
@@ -302,9 +297,7 @@ class StageWorker:
         else:
             if rt.kind == "collect":
                 result = [result]
-            if rejected:
-                m.errors += len(rejected)
-                errors.extend(ErrorRecord.from_exception(op.id, x, e) for x, e in rejected)
+            fail_records(op.id, m, rejected, errors)
         m.service.record((perf_counter() - t0) * 1e6 / n, n)
         m.records_out += len(result)
         if trace is not None:
