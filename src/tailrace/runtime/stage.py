@@ -110,8 +110,8 @@ class StageWorker:
                ``drop_key``, a field every record keeps. Nothing is checked without it.
     """
 
-    __slots__ = ("stage", "ops", "rts", "meters", "execution", "fans", "drop_hook",
-                 "drop_key", "run_blocking", "pool", "idle")
+    __slots__ = ("ops", "rts", "meters", "execution", "fans", "drop_hook", "drop_key",
+                 "run_blocking", "pool", "idle")
 
     def __init__(self, stage: PlanStage, rts: list[OpRuntime],
                  drop_hook: Callable[[str, list], None] | None = None,
@@ -119,7 +119,6 @@ class StageWorker:
         if drop_hook is not None and drop_key is None:
             raise ValueError("a drop hook needs the drop_key its records keep")
         assert stage.execution is not None, "a source stage has no worker"
-        self.stage = stage
         self.ops = stage.ops
         self.rts = rts
         self.execution = stage.execution
