@@ -58,11 +58,6 @@ def each_record(batch: list, errors: list, fn: Callable[[Any], Any],
     return keep, values
 
 
-def positive_int(v: Any) -> bool:
-    """True for an integer >= 1 (not a bool)."""
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
-
-
 def non_negative(v: Any) -> bool:
     """True for a number >= 0 (not a bool)."""
     return not isinstance(v, bool) and v >= 0
@@ -76,7 +71,7 @@ def positive(v: Any) -> bool:
 def count_param(name: str, default: int | None = None, *, required: bool = False) -> Param:
     """An integer parameter >= 1: a batch size, a token budget, a number of rounds."""
     return Param(name, (int,), required=required, default=default, want="a positive integer",
-                 check=positive_int)
+                 check=lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1)
 
 
 def link_engine(params: dict, ctx: LinkContext, kind: str, *, key: str = "engine") -> dict:

@@ -11,9 +11,8 @@ there); YAML pipelines name them in ``op:``, functions by dotted path:
 >>> tr.run(p, input=[{"text": "ab"}, {"text": ""}]).outputs
 [{'text': 'ab', 'n': 2}]
 
-Each ``_build_*`` returns fresh runtime callables. Batch functions use one loop per
-micro-batch and isolate failures per record without re-running the records that
-succeeded: on an exception the failing record is noted and the same iterator resumes.
+Each ``_build_*`` returns fresh runtime callables; batch functions isolate failures per
+record (``per_record``).
 """
 
 from __future__ import annotations
@@ -54,10 +53,6 @@ def _fields_io(params: dict) -> tuple:
     return reads, (out or inp,)
 
 
-def _fn(params: dict) -> Callable:
-    return resolve(params["fn"])
-
-
 def per_record(f: Callable[[Any], Any], *, many: bool = False) -> Callable[[list, list], list]:
     """A batch function applying ``f`` to each record (one output each, or each item of
     the iterable it returns when ``many``); a record whose call raises goes to ``errors``
@@ -85,7 +80,7 @@ def per_record(f: Callable[[Any], Any], *, many: bool = False) -> Callable[[list
 
 # -- map ------------------------------------------------------------------------------
 def _build_map(params: dict, ctx: BuildContext) -> OpRuntime:
-    raw = _fn(params)
+    raw = resolve(params["fn"])
     inp, target = _io(params)
     f = _with_fields(raw, inp, target)
     if is_async_callable(raw):
@@ -118,7 +113,7 @@ def _whole_batch(fn: Callable, params: dict) -> Callable:
 
 # -- filter ---------------------------------------------------------------------------
 def _build_filter(params: dict, ctx: BuildContext) -> OpRuntime:
-    raw = _fn(params)
+    raw = resolve(params["fn"])
     inp = params.get("input")
     pred = raw if inp is None else (lambda r: raw(get_field(r, inp)))
     return OpRuntime("map", batch_fn=per_record(lambda x: (x,) if pred(x) else (), many=True),
@@ -127,7 +122,7 @@ def _build_filter(params: dict, ctx: BuildContext) -> OpRuntime:
 
 # -- flat_map -------------------------------------------------------------------------
 def _build_flat_map(params: dict, ctx: BuildContext) -> OpRuntime:
-    raw = _fn(params)
+    raw = resolve(params["fn"])
     inp, target = _io(params)
     if target is None:
         items = raw
@@ -141,13 +136,13 @@ def _build_flat_map(params: dict, ctx: BuildContext) -> OpRuntime:
 
 # -- key_by ---------------------------------------------------------------------------
 def _build_key_by(params: dict, ctx: BuildContext) -> OpRuntime:
-    kf = _fn(params)
+    kf = resolve(params["fn"])
     return _build_map({"fn": lambda x: (kf(x), x)}, ctx)
 
 
 # -- branch ---------------------------------------------------------------------------
 def _build_branch(params: dict, ctx: BuildContext) -> OpRuntime:
-    raw = _fn(params)
+    raw = resolve(params["fn"])
     inp = params.get("input")
     pred = raw if inp is None else (lambda r: raw(get_field(r, inp)))
     marked = per_record(lambda x: (x, bool(pred(x))))
@@ -161,7 +156,7 @@ def _build_branch(params: dict, ctx: BuildContext) -> OpRuntime:
 
 # -- stateful -------------------------------------------------------------------------
 def _build_stateful(params: dict, ctx: BuildContext) -> OpRuntime:
-    fn = _fn(params)
+    fn = resolve(params["fn"])
     key, (inp, target) = params.get("key"), _io(params)
     state: dict = {}
 
@@ -199,10 +194,6 @@ def _stateful_fields(params: dict) -> tuple:
 
 
 # -- merge / batch / source / sink ----------------------------------------------------
-def _build_identity(params: dict, ctx: BuildContext) -> OpRuntime:
-    return OpRuntime("map")
-
-
 def _build_batch(params: dict, ctx: BuildContext) -> OpRuntime:
     out = params.get("output")
     if out is None:
@@ -225,7 +216,7 @@ register(OpDef("key_by", "map", _build_key_by, (FN,), doc="(key, record) pairs")
 register(OpDef("branch", "branch", _build_branch, (FN, INPUT),
                fields=lambda p: (((p["input"],) if p.get("input") else None), ()),
                doc="split into true/false ports"))
-register(OpDef("merge", "map", _build_identity, (), fields=lambda p: ((), ()),
+register(OpDef("merge", "map", _build_placeholder("map"), (), fields=lambda p: ((), ()),
                doc="interleave several streams"))
 register(OpDef("stateful", "map", _build_stateful,
                (FN, INPUT, OUTPUT, Param("key", (str,), doc="key field", want="a field name")),

@@ -1,12 +1,9 @@
 """Generation operators: ``prompt`` (fill a template) and ``generate`` (call an LLM).
 
-``generate`` calls its engine once per micro-batch (at most ``max_batch`` records, or
-the stage's ``batch`` contract), so concurrent requests share one batched decode.
-An answer constrained to JSON (``json_schema``, or a served ``response_format``) is
-checked afterwards: one that does not match makes the record an error record. A served
-record's request (``tailrace/request.py``) shapes the call: its options, granted
-priority, token sink and cancel (docs/serving.md, "Conversations" and "Per-request
-options").
+``generate`` calls its engine once per micro-batch, so concurrent requests share one
+batched decode; an answer constrained to JSON that does not match becomes an error
+record. A served record's request (``tailrace/request.py``) shapes the call: options,
+granted priority, token sink and cancel (docs/serving.md, "Conversations").
 """
 
 from __future__ import annotations
@@ -199,17 +196,13 @@ def conversation(record: Any, field: str | None) -> Any:
     record field ``field`` names; None without one."""
     if not field or type(record) is not dict:
         return None
-    if field == CONVERSATION:
-        req = request_of(record)
-        return req.messages if req is not None else record.get(field)
-    return record.get(field)
+    req = request_of(record) if field == CONVERSATION else None
+    return req.messages if req is not None else record.get(field)
 
 
 def with_urgency(kw: dict[str, Any], record: Any) -> dict[str, Any]:
-    """``kw`` plus the class and deadline admission granted the record's request
-    (``(class, wall-clock deadline)``), and its session (engine pools route a session's
-    requests together), for engines that schedule by them (docs/engines.md,
-    "Priorities inside the engine")."""
+    """``kw`` plus the class and deadline admission granted the record's request, and
+    its session, for engines that schedule by them (docs/engines.md)."""
     req = request_of(record)
     if req is None:
         return kw
@@ -366,7 +359,7 @@ def _build_generate(params: dict, ctx: BuildContext) -> OpRuntime:
             return result
 
     # no record_fn: the runtime calls batch_fn([x]) per record and raises its error
-    return OpRuntime("map", batch_fn=batch_fn, max_batch=params["max_batch"])
+    return OpRuntime("map", batch_fn=batch_fn)
 
 
 register(OpDef(

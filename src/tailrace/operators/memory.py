@@ -1,13 +1,9 @@
 """Memory operators: ``memory_read`` and ``memory_write`` over a structured memory store.
 
-``memory_write`` stores a record's conversation turns under its (user, session) and,
-optionally, long-term facts about its user (text, embedding, metadata, TTL).
-``memory_read`` returns the session's last turns and the user's facts most relevant
-to a query, packed into a token budget as one text block. Records name the user and
-session in fields (``user: user_id``); the user is the tenant, so a record only ever
-reads its own user's memory. The store (``store: {backend: sqlite, path: ...}`` or
-``{backend: postgres, dsn: ...}``; SQLite at ``$TAILRACE_HOME/memory.sqlite`` by
-default) is checked at compile time and shared by every stage naming it.
+``memory_write`` stores a record's turns under its (user, session) and, optionally,
+facts about its user; ``memory_read`` packs the session's last turns and the user's
+facts most relevant to a query into a token budget. The user is the tenant: a record
+only reads its own user's memory (docs/memory.md).
 
 >>> import tailrace as tr
 >>> mem = {"backend": "sqlite", "path": ":memory:"}
@@ -49,16 +45,15 @@ FACTS_HEADER = "Known facts about the user:"
 TURNS_HEADER = "Conversation so far:"
 
 
-def _common_params() -> tuple[Param, ...]:
-    return (
-        Param("user", (str,), required=True, want="the field holding the user (tenant) id"),
-        Param("session", (str,), required=True, want="the field holding the session id"),
-        Param("store", (dict,), want="a mapping like {backend: sqlite, path: memory.sqlite} "
-              "or {backend: postgres, dsn: postgresql://...}"),
-        Param("embedder", (str,), want=ENGINE_HINT + " (an embedding engine)"),
-        Param("clock", (str,), callable=True,
-              want="a callable returning epoch seconds (tests inject one)"),
-    )
+COMMON_PARAMS = (
+    Param("user", (str,), required=True, want="the field holding the user (tenant) id"),
+    Param("session", (str,), required=True, want="the field holding the session id"),
+    Param("store", (dict,), want="a mapping like {backend: sqlite, path: memory.sqlite} "
+          "or {backend: postgres, dsn: postgresql://...}"),
+    Param("embedder", (str,), want=ENGINE_HINT + " (an embedding engine)"),
+    Param("clock", (str,), callable=True,
+          want="a callable returning epoch seconds (tests inject one)"),
+)
 
 
 def _record_id(record: Any, name: str) -> str:
@@ -142,17 +137,12 @@ def _prepare_read(params: dict, ctx: LinkContext) -> dict:
         params["k"] = 0
     elif params.get("k") is None:
         params["k"] = 3
-    params = _prepare_store(params, ctx, "query")
-    if params["ordered"] and params["wait_ms"] <= 0:
-        raise ValueError(f"'wait_ms' must be a positive number, got {params['wait_ms']!r}")
-    return link_token_counter(params, ctx)
+    return link_token_counter(_prepare_store(params, ctx, "query"), ctx)
 
 
 def _query_value(record: Any, name: str) -> Any:
     v = get_field(record, name)
-    if isinstance(v, str):
-        return v
-    if isinstance(v, list) or type(v).__name__ == "ndarray":
+    if isinstance(v, str | list) or type(v).__name__ == "ndarray":
         return v
     raise FieldError(f"field '{name}' must be the query text (or a vector), got "
                      f"{type(v).__name__}")
@@ -174,11 +164,10 @@ def _build_read(params: dict, ctx: BuildContext) -> OpRuntime:
 
     def batch_fn(batch: list, errors: list) -> list:
         keep, parsed = each_record(batch, errors, parse, FieldError)
-        rows = [(r, ids, query) for r, (ids, query) in zip(keep, parsed, strict=True)]
-        texts = [q for _, _, q in rows if isinstance(q, str)]
+        texts = [q for _, q in parsed if isinstance(q, str)]
         vecs = iter(embedder.embed(texts)) if texts else iter(())
         result = []
-        for r, (user, session), query in rows:
+        for r, ((user, session), query) in zip(keep, parsed, strict=True):
             vec = next(vecs) if isinstance(query, str) else query
             now = clock()
             try:
@@ -204,12 +193,12 @@ def _build_read(params: dict, ctx: BuildContext) -> OpRuntime:
             result.append(rec)
         return result
 
-    return OpRuntime("map", batch_fn=batch_fn, max_batch=1 if ordered else params["max_batch"])
+    return OpRuntime("map", batch_fn=batch_fn)
 
 
 register(OpDef(
     "memory_read", "map", _build_read,
-    _common_params() + (
+    COMMON_PARAMS + (
         Param("query", (str,), want="a text field (or vector field) to rank facts by"),
         Param("turns", (int,), default=6, want="a number of turns >= 0",
               check=non_negative),
@@ -301,12 +290,12 @@ def _build_write(params: dict, ctx: BuildContext) -> OpRuntime:
         store.add(turns, facts, clock(), release=keys)  # also ends the sessions' ordered reads
         return keep
 
-    return OpRuntime("map", batch_fn=batch_fn, max_batch=params["max_batch"])
+    return OpRuntime("map", batch_fn=batch_fn)
 
 
 register(OpDef(
     "memory_write", "map", _build_write,
-    _common_params() + (
+    COMMON_PARAMS + (
         Param("turns", (dict,), default={"user": "question", "assistant": "answer"},
               want="a mapping of role -> text field, like {user: question, assistant: answer}",
               check=lambda v: all(isinstance(k, str) and k and isinstance(f, str) and f

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from ..engines import home
@@ -27,26 +28,19 @@ from .common import (
 from .registry import BuildContext, LinkContext, OpDef, OpRuntime, Param, register
 
 
-def _typed(record: Any, field: str, want: type | tuple) -> Any:
+def _typed(record: Any, field: str, want: type) -> Any:
     """``record[field]``; FieldError if it is missing or not of type ``want``."""
     v = get_field(record, field)
     if not isinstance(v, want):
-        raise FieldError(f"field '{field}' must be {_type_name(want)}, got {type(v).__name__}")
+        name = {"str": "text", "ndarray": "a vector (from an embed stage)"}.get(
+            want.__name__, want.__name__)
+        raise FieldError(f"field '{field}' must be {name}, got {type(v).__name__}")
     return v
 
 
-def _batch_rows(batch: list, errors: list, field: str, want: type | tuple) -> tuple[list, list]:
+def _batch_rows(batch: list, errors: list, field: str, want: type) -> tuple[list, list]:
     """(records, values) of the records whose ``field`` is present and of type ``want``."""
     return each_record(batch, errors, lambda r: _typed(r, field, want), FieldError)
-
-
-def _type_name(want: type | tuple) -> str:
-    names = [t.__name__ for t in (want if isinstance(want, tuple) else (want,))]
-    return {"str": "text", "ndarray": "a vector (from an embed stage)"}.get(names[0], names[0])
-
-
-def _io(params: dict, reads: tuple[str, ...]) -> tuple:
-    return tuple(r for r in reads if r), (params["output"],)
 
 
 # -- embed ----------------------------------------------------------------------------
@@ -61,7 +55,7 @@ def _build_embed(params: dict, ctx: BuildContext) -> OpRuntime:
         vecs = engine.embed(texts)
         return [{**r, out: v} for r, v in zip(keep, vecs, strict=True)]
 
-    return OpRuntime("map", batch_fn=batch_fn, max_batch=params["max_batch"])
+    return OpRuntime("map", batch_fn=batch_fn)
 
 
 register(OpDef(
@@ -70,7 +64,7 @@ register(OpDef(
      Param("input", (str,), required=True, want="a text field"),
      Param("output", (str,), required=True, want="a field name"),
      count_param("max_batch", 256)),
-    batchable=True, blocking=True, fields=lambda p: _io(p, (p["input"],)),
+    batchable=True, blocking=True, fields=lambda p: ((p["input"],), (p["output"],)),
     prepare=lambda p, ctx: link_engine(p, ctx, "embed"),
     doc="embed a text field into a vector field"))
 
@@ -118,9 +112,7 @@ def _prepare_retrieve(params: dict, ctx: LinkContext) -> dict:
     that wrote the query vector."""
     from ..stores.filters import compile_filter
 
-    mode = params["mode"]
-    if mode not in MODES:
-        raise ValueError(f"unknown retrieve mode '{mode}'; known: {', '.join(MODES)}")
+    mode = params["mode"]  # one of MODES (the param's check)
     if mode != "sparse" and not params.get("query"):
         raise ValueError(f"mode {mode} needs 'query' (a vector field written by an embed "
                          "stage)")
@@ -191,7 +183,7 @@ def _build_retrieve(params: dict, ctx: BuildContext) -> OpRuntime:
                 [x for _, x in rows], k, fusion=fusion, allow=allow) if keep else []
         return [{**r, out: h} for r, h in zip(keep, hits, strict=True)]
 
-    return OpRuntime("map", batch_fn=batch_fn, max_batch=params["max_batch"])
+    return OpRuntime("map", batch_fn=batch_fn)
 
 
 register(OpDef(
@@ -209,7 +201,7 @@ register(OpDef(
      Param("filter", (dict,), want="a mapping of document field to condition, like "
            "{path: {in: [a.md]}, page: {gte: 2}}")),
     batchable=True, blocking=True,
-    fields=lambda p: _io(p, (p.get("query") or "", p.get("text") or "")),
+    fields=lambda p: (tuple(f for f in (p.get("query"), p.get("text")) if f), (p["output"],)),
     prepare=_prepare_retrieve,
     doc="top-k passages from an index: dense, BM25 (sparse) or both fused (hybrid)"))
 
@@ -295,7 +287,7 @@ def _build_rerank(params: dict, ctx: BuildContext) -> OpRuntime:
             result.append({**r, out: ranked})
         return result
 
-    return OpRuntime("map", batch_fn=batch_fn, max_batch=params["max_batch"])
+    return OpRuntime("map", batch_fn=batch_fn)
 
 
 def _prepare_rerank(params: dict, ctx: LinkContext) -> dict:
@@ -337,14 +329,14 @@ def _shingles(text: str) -> set[str]:
     return set(_WORD.findall(text.lower()))
 
 
+@dataclass(frozen=True)
 class Packer:
     """Pack passages into a token budget: drop near-duplicates (word-set Jaccard >=
     ``dedup``), keep the given (relevance) order, truncate the last one to fit."""
 
-    def __init__(self, max_tokens: int, dedup: float, count: Any) -> None:
-        self.max_tokens = max_tokens
-        self.dedup = dedup
-        self.count = count
+    max_tokens: int
+    dedup: float
+    count: Any
 
     def pack(self, passages: list[dict]) -> tuple[str, list[dict]]:
         parts: list[str] = []

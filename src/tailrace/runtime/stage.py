@@ -1,17 +1,13 @@
 """One stage worker: one replica of a plan stage running batches under its ``Execution``.
 
-The same worker runs every stage of every runtime: the local runtime's replica tasks,
-the Ray runtime's workers inside host actors and, through the local runtime, served
-pipelines. A runtime only moves batches: it hands the worker a batch and passes on the
-ports it returns. The worker calls the operators the way the compiler decided
-(``chain``, ``per_record`` or ``collect``, in its own threads when blocking), turns
-failures into error records, reports records that ended without output, and meters
-every operator.
-
-``run_chain`` is the hot path: one micro-batch through the stage's fused operators, a
-list-comprehension-sized loop per operator, two clock reads per operator per micro-batch
-and no per-record work beyond the operator itself. Given a ``Trace`` (the Ray runtime),
-it also records which input each output and error came from (``lineage.py``).
+The same worker runs every stage of every runtime (local, Ray, served; docs/architecture.md
+§4): a runtime only moves batches, hands the worker one and passes on the ports it
+returns. The worker calls the operators as the compiler decided (``chain``,
+``per_record`` or ``collect``, in its own threads when blocking), turns failures into
+error records, reports records that ended without output, and meters every operator.
+``run_chain`` is the hot path: two clock reads per operator per micro-batch and no
+per-record work beyond the operator itself. Given a ``Trace`` (Ray), it also records
+which input each output and error came from (``lineage.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +25,7 @@ from ..compiler import PlanOp, PlanStage
 from ..errors import PlanError
 from ..observability import StageMeter
 from ..operators import OpRuntime
+from ..operators.core import per_record
 from .lineage import Trace, compose, error_positions, fan_out, kept_positions, split_branch
 from .policy import call_with_policy
 
@@ -62,18 +59,7 @@ def sink_runtime(target: Any) -> OpRuntime:
     if not callable(target):
         raise TypeError(f"a sink target must be a list or a callable, got "
                         f"{type(target).__name__}")
-
-    def batch_fn(batch: list, errors: list) -> None:
-        it = iter(batch)
-        while True:
-            try:
-                for x in it:
-                    target(x)
-                return
-            except Exception as e:
-                errors.append((x, e))
-
-    return OpRuntime("sink", batch_fn=batch_fn, record_fn=lambda x: target(x))
+    return OpRuntime("sink", batch_fn=per_record(target), record_fn=target)
 
 
 def write_sink(op_id: str, rt: OpRuntime, m: StageMeter, batch: list,
@@ -90,9 +76,14 @@ def write_sink(op_id: str, rt: OpRuntime, m: StageMeter, batch: list,
     m.batch_size.record(n)
     m.records_out += n - len(errs)
     if errs:
-        m.errors += len(errs)
-        errors.extend(ErrorRecord.from_exception(op_id, x, e) for x, e in errs)
+        fail_records(op_id, m, errs, errors)
     return n - len(errs)
+
+
+def fail_records(op_id: str, m: StageMeter, errs: list, errors: list) -> None:
+    """Operator ``op_id``'s failed records ``(input, exception)`` as error records."""
+    m.errors += len(errs)
+    errors.extend(ErrorRecord.from_exception(op_id, x, e) for x, e in errs)
 
 
 def dropped(before: list, after: list, errs: list, key: str) -> list:
@@ -119,8 +110,8 @@ class StageWorker:
                ``drop_key``, a field every record keeps. Nothing is checked without it.
     """
 
-    __slots__ = ("stage", "ops", "rts", "meters", "execution", "fans", "drop_hook",
-                 "drop_key", "run_blocking", "pool", "idle")
+    __slots__ = ("ops", "rts", "meters", "execution", "fans", "drop_hook", "drop_key",
+                 "run_blocking", "pool", "idle")
 
     def __init__(self, stage: PlanStage, rts: list[OpRuntime],
                  drop_hook: Callable[[str, list], None] | None = None,
@@ -128,7 +119,6 @@ class StageWorker:
         if drop_hook is not None and drop_key is None:
             raise ValueError("a drop hook needs the drop_key its records keep")
         assert stage.execution is not None, "a source stage has no worker"
-        self.stage = stage
         self.ops = stage.ops
         self.rts = rts
         self.execution = stage.execution
@@ -216,32 +206,22 @@ class StageWorker:
                     trace.esrc.extend(compose(src, failed))
                     pt, pf = split_branch(batch, t, f, failed)
                     trace.src = {"true": compose(src, pt), "false": compose(src, pf)}
-                self._done(m, perf_counter() - t0, n, len(t) + len(f), errs, errors, i)
+                m.records_out += len(t) + len(f)
+                m.service.record((perf_counter() - t0) * 1e6 / n, n)
+                m.batch_size.record(n)
+                if errs:
+                    fail_records(self.ops[i].id, m, errs, errors)
                 return {"true": t, "false": f}
             else:  # pragma: no cover - compiler guarantees the kinds above
                 raise RuntimeError(f"operator kind {kind!r} cannot run in a chain")
-            m.records_out += len(batch)  # (``_done``, inline: the hot path)
+            m.records_out += len(batch)
             m.service.record(dt * 1e6 / n, n)
             m.batch_size.record(n)
             if errs:
-                self._failed(m, i, errs, errors)
+                fail_records(self.ops[i].id, m, errs, errors)
         if trace is not None:
             trace.src = {None: src}
         return {None: batch}
-
-    def _done(self, m: StageMeter, dt: float, n_in: int, n_out: int, errs: list,
-              errors: list, i: int) -> None:
-        m.records_out += n_out
-        m.service.record(dt * 1e6 / n_in, n_in)
-        m.batch_size.record(n_in)
-        if errs:
-            self._failed(m, i, errs, errors)
-
-    def _failed(self, m: StageMeter, i: int, errs: list, errors: list) -> None:
-        """Operator ``i``'s failed records ``(input, exception)`` as error records."""
-        m.errors += len(errs)
-        sid = self.ops[i].id
-        errors.extend(ErrorRecord.from_exception(sid, x, e) for x, e in errs)
 
     async def call_per_record(self, batch: list, errors: list,
                               trace: Trace | None = None) -> Ports:
@@ -279,13 +259,9 @@ class StageWorker:
         if batch:
             m.service.record((perf_counter() - t0) * 1e6 / len(batch), len(batch))
             m.batch_size.record(1, len(batch))
-        if branch:
-            if trace is not None:
-                trace.src = {"true": pos, "false": pos_f}
-            return {"true": out, "false": falses}
         if trace is not None:
-            trace.src = {None: pos}
-        return {None: out}
+            trace.src = {"true": pos, "false": pos_f} if branch else {None: pos}
+        return {"true": out, "false": falses} if branch else {None: out}
 
     async def call_collect(self, batch: list, errors: list,
                            trace: Trace | None = None) -> list:
@@ -320,9 +296,7 @@ class StageWorker:
         else:
             if rt.kind == "collect":
                 result = [result]
-            if rejected:
-                m.errors += len(rejected)
-                errors.extend(ErrorRecord.from_exception(op.id, x, e) for x, e in rejected)
+            fail_records(op.id, m, rejected, errors)
         m.service.record((perf_counter() - t0) * 1e6 / n, n)
         m.records_out += len(result)
         if trace is not None:

@@ -2,10 +2,7 @@
 
 A ``Channel`` lives in one event loop. Its ``bound`` is the most records it buffers:
 ``put`` waits while adding a micro-batch would exceed it, so a full channel blocks
-its producer and memory stays bounded however fast the source is. A small bound
-keeps memory and queueing delay low under overload; a large one absorbs bursts and
-lets consumers take bigger micro-batches (fewer hand-offs). The default is 1024.
-
+its producer and memory stays bounded however fast the source is (docs/design.md).
 Consumers never wait for a batch to fill: ``get`` returns whatever is buffered (up
 to ``max_n`` records) as soon as anything is. Blocking calls have ``*_nowait`` twins.
 """

@@ -1,18 +1,16 @@
-"""The local runtime: a Plan on one asyncio event loop.
+"""The local runtime: a Plan on one asyncio event loop (docs/architecture.md §4).
 
 Each stage is one task per replica (per call a replica may have in flight,
-``Execution.in_flight``) reading micro-batches from its bounded input channel and
-handing them to its ``StageWorker`` (``runtime/stage.py``), which calls the operators as
-the compiler decided (``Execution``). The runtime only moves batches: sources are read by
-``runtime/ingress.py``, results go to the downstream channels. When a stage's replicas
-have all seen the end of their input, it closes its downstream channels, so end-of-input
-propagates through branches, merges and replicas.
+``Execution.in_flight``) moving micro-batches from its bounded input channel through its
+``StageWorker`` to the downstream channels. When a stage's replicas have all seen the end
+of their input, it closes its downstream channels, so end-of-input propagates through
+branches, merges and replicas.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from time import perf_counter
 from typing import Any
 
@@ -37,18 +35,14 @@ class LocalRun:
                  on_drop: Callable[[str, list], None] | None = None,
                  admission_window: int = MAX_MICROBATCH,
                  drop_key: str | None = None) -> None:
-        """Prepare a run (``execute`` runs it).
-
-        inputs, outputs: records for sources and targets for sinks declared without them.
+        """inputs, outputs: records for sources and targets for sinks declared without them.
         on_error:  receives each ``ErrorRecord``.
         admission: the admission gate each record waits for, or None.
         on_drop:   ``on_drop(stage id, records)`` for records that ended without an
-                   output or error (a server answers those requests instead of waiting
-                   forever); needs ``drop_key``.
-        admission_window: most arriving records waiting for admission at once; past
-                   that the source stops reading its input.
-        drop_key:  with ``on_drop``: a field every record keeps (a request id); a
-                   record ended where no output or error of an operator carries its key.
+                   output or error (a server answers their requests), found by
+                   ``drop_key``: a field every record keeps (a request id).
+        admission_window: most records waiting for admission at once; past that the
+                   source stops reading its input.
         """
         self.plan = plan
         self.on_error = on_error
@@ -153,24 +147,22 @@ class LocalRun:
                 del tickets[key]
                 self.admission.done(entry[0])
 
-    async def _admitted(self, data: Any, down: list[Channel], meter: StageMeter) -> None:
+    async def _admitted(self, sid: str, data: Any, meter: StageMeter) -> None:
         """Admission at the source (``ingress.read_admitted``); an admitted record enters
         the plan with its request holding its ticket (a batch run's record gets a
         request here; a served one has its own)."""
         urgency = getattr(self.admission, "urgency", None)  # class + deadline, engines'
+        copies = len(self.down[sid].get(None, ()))
 
         async def send(x: Any, ticket: Any, born: float) -> None:
-            self.tickets[id(ticket)] = [ticket, len(down)]
+            self.tickets[id(ticket)] = [ticket, copies]
             req = request_of(x)
             if req is None:
                 req = Request()
                 x = {**x, REQUEST: req}
             req.ticket = ticket
             req.granted = urgency(ticket) if urgency is not None else None
-            rec = [x]
-            for ch in down:
-                if not ch.put_nowait(rec, born):
-                    await ch.put(rec, born)
+            await self._emit(sid, {None: [x]}, born)
 
         def refuse(x: Any, e: BaseException) -> None:
             self.errors += 1
@@ -200,11 +192,8 @@ class LocalRun:
         meter = self.source_meters[s.id]
         down = self.down[s.id].get(None, [])
 
-        async def send(chunk: list) -> None:
-            born = perf_counter()
-            for ch in down:
-                if not ch.put_nowait(chunk, born):
-                    await ch.put(chunk, born)
+        def send(chunk: list) -> Awaitable[None]:
+            return self._emit(s.id, {None: chunk}, perf_counter())
 
         run_now = self._runner(down[0]) if len(down) == 1 else None
 
@@ -218,7 +207,7 @@ class LocalRun:
 
         try:
             if self.admission is not None:
-                await self._admitted(data, down, meter)
+                await self._admitted(s.id, data, meter)
             else:
                 await read(data, min([MAX_MICROBATCH] + [ch.bound for ch in down]), meter,
                            send, offer if len(down) == 1 else None)
@@ -230,14 +219,11 @@ class LocalRun:
             self._close(s.id)
 
     def _runner(self, ch: Channel) -> Callable[[list], bool] | None:
-        """The stage that ``ch`` feeds, run on the caller's stack: for a lone record
-        (``Feed.push(records, alone=True)``) of a stage that ends in a sink and calls its
-        operators inline (a fused ``chain`` on the loop), an idle replica runs it at once,
-        where the offer is made (the step a served record on the run's loop otherwise
-        waits two task switches for: its worker's turn, then its caller's). Nothing is
-        buffered before it (``ch`` is empty and the replica waits on it), so the order
-        holds; every meter counts it as the worker would (queue wait 0). None: not such
-        a stage."""
+        """The stage that ``ch`` feeds, run on the caller's stack for a lone record
+        (``Feed.push(records, alone=True)``) by an idle replica, when the stage is an
+        inline ``chain`` ending in a sink (docs/design.md: two task switches saved). Nothing
+        is buffered before it, so the order holds; the meters count it as the worker
+        would (queue wait 0). None: not such a stage."""
         s = next(st for st in self.plan.stages if self.channels.get(st.id) is ch)
         x = s.execution
         if x is None or x.call != "chain" or s.id not in self.sinks or len(s.upstream) != 1:
