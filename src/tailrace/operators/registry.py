@@ -53,7 +53,6 @@ class OpRuntime:
     record_fn: Callable[[Any], Any] | None = None
     is_async: bool = False
     whole_batch: bool = False  # batch contract: record_fn takes the whole list
-    max_batch: int | None = None  # most records per call (e.g. an engine's batch size)
     counters: Callable[[], dict[str, float]] | None = None
     abandoned: int = 0  # runtime bookkeeping: timed-out blocking calls still running
 

@@ -309,7 +309,7 @@ def _build_route(params: dict, ctx: BuildContext) -> OpRuntime:
             out[f"{name}.tokens"] = e["prompt_tokens"] + e["completion_tokens"]
         return out
 
-    return OpRuntime("map", batch_fn=batch_fn, max_batch=params["max_batch"], counters=counters)
+    return OpRuntime("map", batch_fn=batch_fn, counters=counters)
 
 
 def _prepare_route(params: dict, ctx: LinkContext) -> dict:

@@ -195,7 +195,7 @@ def _build_semantic(params: dict, ctx: BuildContext) -> OpRuntime:
         return [{**r, out: {"index": name, "action": "delete" if r.get(ingester.delete)
                             else "upsert", "docs": size}} for r in good]
 
-    return OpRuntime("map", batch_fn=batch_fn, max_batch=params["max_batch"])
+    return OpRuntime("map", batch_fn=batch_fn)
 
 
 def _prepare_semantic(params: dict, ctx: LinkContext) -> dict:

@@ -356,7 +356,7 @@ def _build_tool_call(params: dict, ctx: BuildContext) -> OpRuntime:
                 result.append(r)
         return result
 
-    return OpRuntime("map", batch_fn=batch_fn, max_batch=params["max_batch"])
+    return OpRuntime("map", batch_fn=batch_fn)
 
 
 def _prepare_tool_call(params: dict, ctx: LinkContext) -> dict:

@@ -2,10 +2,10 @@
 
 Pushes wait for room in the replica's bounded input queue (the stage's ``queue``, in
 records); one loop runs the fused operators on each micro-batch with a ``StageWorker``
-(the same call as locally; one each for the calls in flight, ``Execution.in_flight``), tracing lineage (``lineage.Trace``), and
-hands the results on through credit-bounded ``Link``s. A push returns only when its
-results are acknowledged downstream; a fan-out stage then also commits it to the
-driver's ledger (``ledger.py``).
+(the same call as locally; one per call in flight, ``Execution.in_flight``), tracing
+lineage (``lineage.Trace``), and hands the results on through credit-bounded ``Link``s.
+A push returns only when its results are acknowledged downstream; a fan-out stage then
+also commits it to the driver's ledger (``ledger.py``).
 """
 
 from __future__ import annotations
