@@ -9,8 +9,8 @@ finished prompts saves, on the same engine settings with the cache on and off.
    question; prompt tokens the engine computed per request (prompt - reused), cache on
    and off.
 3. The price of aligned prefill: the cache needs prompts cut into ``prefill_chunk``
-   (64-token) pieces, one per step; TTFT of turn 5 cold (no cache) with chunks of 64
-   against 512 (llama.cpp's usual ``n_batch``), same engine otherwise.
+   (default 16-token) pieces, one per step; TTFT of turn 5 cold (no cache) with the
+   default chunk against 512 (llama.cpp's usual ``n_batch``), same engine otherwise.
 4. Memory: a long random workload (random lengths, half the requests sharing one of a
    few prefixes): the cache's KV budget (``cache_bytes``) is fixed at start, and the
    process's RSS before and after.
@@ -113,7 +113,7 @@ def main() -> None:
     print(f"without reuse {fmt(without)}   with reuse {fmt(with_)}   "
           f"ratio {statistics.median(ratios):.1f}x [{min(ratios):.1f}-{max(ratios):.1f}]")
 
-    # 3 (printed here): cold prefill, chunks of 64 vs 512
+    # 3 (printed here): cold prefill, the default chunk vs 512
     wide = LlamaCppEngine("smollm2-135m-instruct", prefix_cache=False, prefill_chunk=512,
                           **kw)
     narrow, broad = [], []
@@ -122,7 +122,8 @@ def main() -> None:
         narrow.append(ttft(off, msgs)[0])
         broad.append(ttft(wide, msgs)[0])
     wide.close()
-    print(f"cold turn 5, no cache: prefill_chunk 64 {fmt(narrow)}   512 {fmt(broad)}   "
+    print(f"cold turn 5, no cache: prefill_chunk {off.prefill_chunk} {fmt(narrow)}   "
+          f"512 {fmt(broad)}   "
           f"ratio {statistics.median(narrow) / statistics.median(broad):.2f}")
 
     # 2. RAG shape
