@@ -37,11 +37,10 @@ def test_least_work_skips_down_and_full_replicas_and_says_none_when_all_are():
     assert pick([], 10) is None
 
 
-def test_a_work_limit_refuses_more_but_an_idle_replica_takes_anything():
-    full = ReplicaLoad(0, outstanding_work=90, in_flight=1, max_concurrency=4, max_work=100)
-    idle = ReplicaLoad(1, max_work=100)
-    assert full.can_take(10) and not full.can_take(11)
-    assert idle.can_take(10_000)
+def test_a_replica_takes_calls_up_to_its_concurrency_while_healthy():
+    assert ReplicaLoad(0, outstanding_work=10_000, in_flight=3, max_concurrency=4).can_take(10)
+    full = ReplicaLoad(0, in_flight=4, max_concurrency=4)
+    assert not full.can_take(0) and not ReplicaLoad(1, healthy=False).can_take(0)
     assert LeastOutstandingWork().choose([full], 50) is None
 
 

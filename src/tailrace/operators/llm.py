@@ -191,6 +191,12 @@ def cancel_of(record: Any) -> Any:
     return req.cancel if req is not None else None
 
 
+def cancelled(record: Any) -> bool:
+    """Whether the record's request was cancelled (its caller gave up)."""
+    c = cancel_of(record)
+    return c is not None and c.is_set()
+
+
 def conversation(record: Any, field: str | None) -> Any:
     """The conversation a stage answers: its request's (``messages: _messages``) or the
     record field ``field`` names; None without one."""

@@ -27,6 +27,7 @@ from .llm import (
     TEMPERATURE,
     answering,
     cancel_of,
+    cancelled,
     chat_messages,
     check_prompt_source,
     conversation,
@@ -199,11 +200,6 @@ class _Target:
         return list(zip(keep, gens, strict=True))
 
 
-def _cancelled(record: Any) -> bool:
-    c = cancel_of(record)
-    return c is not None and c.is_set()
-
-
 def _ceiling(params: dict) -> int:
     """The most tokens one engine's answer may have: the largest ``max_tokens`` of the
     stage and its ``per_engine`` settings."""
@@ -268,7 +264,7 @@ def _build_route(params: dict, ctx: BuildContext) -> OpRuntime:
                 row[1]["engine"], row[1]["escalated"] = name, level > 0
                 conf = confidence(g.extra)
                 row[1]["confidence"].append(None if conf is None else round(conf, 4))
-                if last or _cancelled(row[0]) or (conf is not None
+                if last or cancelled(row[0]) or (conf is not None
                                                   and conf >= thresholds[level]):
                     done.append((row, g))
                     s = None if last else stream_of(row[0], out)

@@ -30,6 +30,7 @@ from .llm import (
     TEMPERATURE,
     answering,
     cancel_of,
+    cancelled,
     chat_messages,
     check_prompt_source,
     conversation,
@@ -75,11 +76,6 @@ class Conversation:
         self.options = options or {}
         self.finish = "stop"
         self.usage = [0, 0]
-
-    def cancelled(self) -> bool:
-        """Whether the record's request was cancelled (its caller gave up)."""
-        c = cancel_of(self.record)
-        return c is not None and c.is_set()
 
 
 class ToolRunner:
@@ -165,7 +161,7 @@ class JsonChat:
         complete)."""
         if not any(cancel_of(c.record) is not None for c in convs):
             return self.engine.generate(reqs)
-        return self.engine.generate(reqs, lambda i, piece: not convs[i].cancelled())
+        return self.engine.generate(reqs, lambda i, piece: not cancelled(convs[i].record))
 
     def __call__(self, convs: list[Conversation], tools_on: bool) -> list:
         """Per conversation: ``(text, [(id, name, arguments)], (prompt_tokens,
@@ -304,7 +300,7 @@ def _build_tool_call(params: dict, ctx: BuildContext) -> OpRuntime:
         for rnd in range(1, max_rounds + 2):
             final = rnd > max_rounds
             for conv in active:
-                if conv.cancelled():  # its caller gave up: no further round
+                if cancelled(conv.record):  # its caller gave up: no further round
                     conv.answer, conv.finish = "", "cancelled"
             active = [c for c in active if c.answer is None]
             if not active:
@@ -318,7 +314,7 @@ def _build_tool_call(params: dict, ctx: BuildContext) -> OpRuntime:
                 text, calls, (p_tokens, c_tokens, finish) = reply
                 conv.usage[0] += p_tokens
                 conv.usage[1] += c_tokens
-                if conv.cancelled():  # its caller gave up: no further round
+                if cancelled(conv.record):  # its caller gave up: no further round
                     conv.answer, conv.finish = text, "cancelled"
                 elif not calls:
                     conv.answer, conv.finish = text, finish

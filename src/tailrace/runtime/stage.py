@@ -26,6 +26,7 @@ from ..errors import PlanError
 from ..observability import StageMeter
 from ..operators import OpRuntime
 from ..operators.core import per_record
+from ..request import REQUEST
 from .lineage import Trace, compose, error_positions, fan_out, kept_positions, split_branch
 from .policy import call_with_policy
 
@@ -106,18 +107,15 @@ class StageWorker:
     stage:     the compiled stage (its ``execution`` says how it is called).
     rts:       its operators' runtimes (a runtime may leave out a sink it runs itself).
     drop_hook: ``drop_hook(operator id, records)`` hears of records that ended without
-               an output or error (a server answers their requests), found by
-               ``drop_key``, a field every record keeps. Nothing is checked without it.
+               an output or error (a server answers their requests), found by their
+               ``REQUEST``, which every served record keeps. Nothing is checked without it.
     """
 
-    __slots__ = ("ops", "rts", "meters", "execution", "fans", "drop_hook", "drop_key",
-                 "run_blocking", "pool", "idle")
+    __slots__ = ("ops", "rts", "meters", "execution", "fans", "drop_hook", "run_blocking",
+                 "pool", "idle")
 
     def __init__(self, stage: PlanStage, rts: list[OpRuntime],
-                 drop_hook: Callable[[str, list], None] | None = None,
-                 drop_key: str | None = None) -> None:
-        if drop_hook is not None and drop_key is None:
-            raise ValueError("a drop hook needs the drop_key its records keep")
+                 drop_hook: Callable[[str, list], None] | None = None) -> None:
         assert stage.execution is not None, "a source stage has no worker"
         self.ops = stage.ops
         self.rts = rts
@@ -125,7 +123,6 @@ class StageWorker:
         # fan-out operators: their outputs need ordinals, their replays a commit (lineage)
         self.fans = tuple(o.op.name == "flat_map" for o in stage.ops[:len(rts)])
         self.drop_hook = drop_hook
-        self.drop_key = drop_key
         self.meters = [stage_meter(stage, j) for j in range(len(stage.ops))]
         self.run_blocking: Callable | None = None
         self.pool: ThreadPoolExecutor | None = None
@@ -196,7 +193,7 @@ class StageWorker:
                 dt = perf_counter() - t0
                 if (drop_hook is not None and trace is None
                         and (errs or len(batch) != n or not all(map(is_, batch, before)))):
-                    gone = dropped(before, batch, errs, self.drop_key or "")
+                    gone = dropped(before, batch, errs, REQUEST)
                     if gone:
                         drop_hook(self.ops[i].id, gone)
             elif kind == "branch":

@@ -335,7 +335,7 @@ class PipelineService:
         inputs, outputs, _ = bind_io(self.plan, self._feed, self._on_output)
         io: dict[str, Any] = {
             "inputs": inputs, "outputs": outputs, "on_error": self._on_error,
-            "on_drop": self._on_drop, "drop_key": REQUEST,
+            "on_drop": self._on_drop,
             "admission": _Door(self.gate, self) if self.gate is not None else None}
         if self.runtime == "ray":
             await self._serve_on_ray(io)

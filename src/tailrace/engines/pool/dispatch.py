@@ -27,7 +27,7 @@ from ..tokens import approx_tokens
 #: characters per block of a raw prompt's text (about 64 tokens: one llama.cpp prefill chunk)
 BLOCK_CHARS = 256
 #: a shared prefix shorter than this (predicted tokens) is not worth routing for: the
-#: llama.cpp engine reuses whole prefill chunks of 64 tokens
+#: prompts shorter than this gain too little from a warm replica to wait for one
 MIN_PREFIX_TOKENS = 64
 #: sessions remembered (least recently used forgotten first)
 MAX_SESSIONS = 65_536
@@ -42,15 +42,10 @@ class ReplicaLoad:
     outstanding_work: int = 0  # predicted tokens (prompt + max_tokens) of the calls it runs
     in_flight: int = 0  # engine calls (batches) sent to it and not yet answered
     max_concurrency: int = 1  # the most engine calls it runs at once
-    max_work: int | None = None  # the most outstanding tokens it holds (None: no limit);
-    # an idle replica still takes a larger call (alone) rather than leave it waiting forever
 
     def can_take(self, cost: int) -> bool:
         """Whether a call of ``cost`` predicted tokens may be sent to it now."""
-        if not self.healthy or self.in_flight >= self.max_concurrency:
-            return False
-        return (self.max_work is None or self.in_flight == 0
-                or self.outstanding_work + cost <= self.max_work)
+        return self.healthy and self.in_flight < self.max_concurrency
 
 
 @dataclass(frozen=True)

@@ -33,14 +33,13 @@ class LocalRun:
     def __init__(self, plan: Plan, *, inputs: dict[str, Any], outputs: dict[str, Any],
                  on_error: Callable[[ErrorRecord], None], admission: Any = None,
                  on_drop: Callable[[str, list], None] | None = None,
-                 admission_window: int = MAX_MICROBATCH,
-                 drop_key: str | None = None) -> None:
+                 admission_window: int = MAX_MICROBATCH) -> None:
         """inputs, outputs: records for sources and targets for sinks declared without them.
         on_error:  receives each ``ErrorRecord``.
         admission: the admission gate each record waits for, or None.
         on_drop:   ``on_drop(stage id, records)`` for records that ended without an
                    output or error (a server answers their requests), found by
-                   ``drop_key``: a field every record keeps (a request id).
+                   their ``REQUEST``.
         admission_window: most records waiting for admission at once; past that the
                    source stops reading its input.
         """
@@ -66,7 +65,7 @@ class LocalRun:
                 continue
             self.channels[s.id] = Channel(s.queue, producers=len(s.upstream))
             n = s.replicas * s.execution.in_flight  # type: ignore[union-attr]
-            self.workers[s.id] = [StageWorker(s, self._build(s, outputs), on_drop, drop_key)
+            self.workers[s.id] = [StageWorker(s, self._build(s, outputs), on_drop)
                                   for _ in range(n)]
         ids = [s.id for s in plan.stages]
         self.down: dict[str, dict[str | None, list[Channel]]] = {

@@ -53,20 +53,20 @@ class RayInterrupted(Exception):
 
 def serving_run(plan: Plan, *, inputs: dict[str, Any], outputs: dict[str, Any],
                 on_error: Callable[[ErrorRecord], None], on_drop: Callable[[str, list], None],
-                drop_key: str, on_ready: Callable[[], None], admission: Any = None,
+                on_ready: Callable[[], None], admission: Any = None,
                 address: str | None = None, placement: dict | None = None) -> Any:
     """A ``RayRun`` for a served pipeline (``PipelineService(runtime="ray")``), this
     process connected to Ray; ``await run.execute()`` runs it until its source ends.
     Blocks while connecting (call it off the serving loop).
 
-    on_drop, drop_key: records that end unanswered; the key of the request every record
-                       keeps (``REQUEST``; live in the driver: ``served.py``).
+    on_drop:           records that end unanswered (found by the ``REQUEST`` every record
+                       keeps; live in the driver: ``served.py``).
     on_ready:          called once every stage replica is installed.
     Other arguments as ``run_on_ray``; raises ``RayUnavailable``, ``PlanError``.
     """
     return _ray_run(plan, address, placement, inputs=inputs, outputs=outputs,
                     on_error=on_error, admission=admission, on_drop=on_drop,
-                    drop_key=drop_key, on_ready=on_ready)
+                    on_ready=on_ready)
 
 
 def run_on_ray(plan: Plan, *, inputs: dict[str, Any], outputs: dict[str, Any],

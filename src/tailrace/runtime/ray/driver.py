@@ -87,8 +87,8 @@ class RayRun:
     plan, inputs, outputs, on_error, admission: as ``run_on_ray``.
     placements: stage index -> ``StagePlacement`` (``parse_placement``).
     on_drop:    ``on_drop(stage ids, records)`` for source records that ended without an
-                output or error record (a served run: the caller is answered at once).
-    drop_key:   the field every record keeps (its request, ``REQUEST``): a served run.
+                output or error record (a served run, its records found by their
+                ``REQUEST``: the caller is answered at once).
     on_ready:   called once every stage replica is installed (engines opened).
     """
 
@@ -96,14 +96,11 @@ class RayRun:
                  on_error: Callable[[ErrorRecord], None], admission: Any = None,
                  placements: dict[int, StagePlacement] | None = None,
                  on_drop: Callable[[str, list], None] | None = None,
-                 drop_key: str | None = None,
                  on_ready: Callable[[], None] | None = None) -> None:
-        if on_drop is not None and drop_key is None:
-            raise ValueError("a drop hook needs the drop_key its records keep")
         self.plan = plan
         self.on_drop = on_drop
         self.on_ready = on_ready
-        self.served = ServedRequests(self._sink) if drop_key is not None else None
+        self.served = ServedRequests(self._sink) if on_drop is not None else None
         ops = [o for s in plan.stages for o in s.ops if o.op.kind not in ("source", "sink")]
         self.droppers = ", ".join(o.id for o in ops if o.op.name in ("filter", "flat_map")
                                   ) or ", ".join(o.id for o in ops)  # named in a drop
@@ -133,7 +130,7 @@ class RayRun:
                 self.sinks[i] = _Sink(o.id, sink_runtime(sink_target(o, outputs)),
                                       stage_meter(s, j), queued=j == 0, first=i in self.first)
         # stages in this process (no actor hop), then those the hosts run
-        self.in_driver = driver_stages(plan, self.placements, served=drop_key is not None)
+        self.in_driver = driver_stages(plan, self.placements, served=on_drop is not None)
         self.local: dict[int, HostedWorker] = {}  # their replicas (``install``)
         self.box = _DriverBox(self)
         self.host_stages = [i for i, s in enumerate(plan.stages)
