@@ -49,6 +49,7 @@ per-token overheads dominate more than they would on a 7B model.
     python bench/vs_llama_server.py --quick          # 1 short run
     python bench/vs_llama_server.py --runs 3 --json out.json
     python bench/vs_llama_server.py --no-llama-server   # tailrace's side only
+    python bench/vs_llama_server.py --engine-set prefill_chunk=64  # an engine setting
     python bench/vs_llama_server.py --table out.json    # the table of a saved run
 """
 
@@ -74,6 +75,7 @@ from typing import Any
 import httpx
 import numpy as np
 import psutil
+import yaml
 
 from llama_server_build import ensure_llama_server  # bench/, the script's own folder
 
@@ -319,9 +321,13 @@ class Server:
             self.proc.wait()
 
 
+#: tailrace engine settings given with --engine-set KEY=VALUE (e.g. prefill_chunk=64)
+ENGINE_SETTINGS: dict[str, Any] = {}
+
+
 def tailrace_yaml(path: Path, model: dict[str, str]) -> Path:
     engine = {"backend": "llama_cpp", **model, "n_threads": THREADS, "n_ctx": CTX,
-              "n_seq_max": SLOTS, "cache_sequences": SLOTS}
+              "n_seq_max": SLOTS, "cache_sequences": SLOTS, **ENGINE_SETTINGS}
     path.write_text(
         "version: 1\npipeline: chat\nsource: {fields: [question]}\n"
         "serve: {priorities: [interactive, batch]}\n"
@@ -497,7 +503,8 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     print("vs_llama_server: measuring memory bandwidth and matmul peak", flush=True)
     limits = {**bandwidth_gbs(), "matmul_f32_gflops": matmul_gflops()}
     report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "machine": machine(),
-                              "limits": limits, "max_tokens": args.tokens, "models": {}}
+                              "limits": limits, "max_tokens": args.tokens,
+                              "engine_settings": ENGINE_SETTINGS, "models": {}}
     for label, gguf, model in find_models():
         facts = model_facts(gguf)
         runs: dict[str, list[dict]] = {s: [] for s in servers}
@@ -591,10 +598,17 @@ def main() -> None:
     ap.add_argument("--runs", type=int, help="runs per server (default 2; --quick: 1)")
     ap.add_argument("--tokens", type=int, default=64, help="max_tokens per answer (64)")
     ap.add_argument("--no-llama-server", action="store_true", help="tailrace's side only")
+    ap.add_argument("--engine-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a setting of tailrace's engine (YAML value), e.g. prefill_chunk=64")
     ap.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     ap.add_argument("--table", metavar="FILE", help="only print the table of a saved --json")
     args = ap.parse_args()
     args.runs = args.runs or (1 if args.quick else 2)
+    for kv in args.engine_set:
+        key, eq, value = kv.partition("=")
+        if not eq or not key:
+            ap.error(f"--engine-set wants KEY=VALUE, got {kv!r}")
+        ENGINE_SETTINGS[key] = yaml.safe_load(value)
     if args.table:
         print(table(json.loads(Path(args.table).read_text())))
         return
