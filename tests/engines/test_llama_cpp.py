@@ -361,10 +361,26 @@ def test_the_cache_is_bounded_by_its_streams_and_stays_correct(reuse, no_reuse):
     ({"cache_sequences": -1}, "cache_sequences must be an integer >= 0"),
     ({"cache_sequences": 300}, r"n_seq_max \+ cache_sequences <= 256 \(got 300\)"),
     ({"cache_sequences": 2, "prefix_cache": False}, "cache_sequences needs prefix_cache"),
+    ({"flash_attn": "no"}, "flash_attn must be true or false, got 'no'"),
 ])
 def test_bad_cache_options_are_refused(kw, message):
     with pytest.raises(EngineError, match=message):
         LlamaCppEngine("smollm2-135m-instruct", n_threads=1, n_ctx=64, n_seq_max=1, **kw)
+
+
+def test_plain_attention_keeps_prefix_reuse_exact():
+    """``flash_attn: false`` computes attention another way (answers may differ from the
+    default's in the last bits), but with the cache on or off it answers the same."""
+    engines = [LlamaCppEngine("smollm2-135m-instruct", n_threads=2, n_ctx=1024, n_seq_max=2,
+                              flash_attn=False, **kw)
+               for kw in ({"prefix_cache": False}, {"cache_sequences": 2})]
+    try:
+        plain, cached = (converse(e) for e in engines)
+        assert cached == plain and all(g.completion_tokens > 0 for g in plain)
+        assert cached[-1].extra["cached_tokens"] >= 2 * engines[1].prefill_chunk
+    finally:
+        for e in engines:
+            e.close()
 
 
 # -- priorities inside the engine (a deterministic schedule: the decode loop is held in a

@@ -56,7 +56,7 @@ class LlamaCppEngine:
     def __init__(self, model: str = "smollm2-135m-instruct", *, path: str | None = None,
                  n_threads: int | None = None, n_ctx: int = 2048, n_seq_max: int = 8,
                  n_batch: int = 512, seed: int = 0, prefix_cache: bool = True,
-                 cache_sequences: int = 0, prefill_chunk: int = 16):
+                 cache_sequences: int = 0, prefill_chunk: int = 16, flash_attn: bool = True):
         """Load the model and create its multi-sequence context.
 
         model:     catalog name (see ``registry.MODELS``); with ``path``, just the name.
@@ -75,6 +75,10 @@ class LlamaCppEngine:
                    at most ``n_seq_max`` sequences still decode at once.
         prefill_chunk: prompt tokens a sequence sends per decode step; the prefix cache
                    reuses whole chunks only.
+        flash_attn: llama.cpp's flash attention where it has it (its default). False:
+                   plain attention, whose CPU prefill of pieces under 64 tokens was 2x
+                   faster on the 2-core VM (decode ~10% slower); greedy answers differ in
+                   the last bits from the default's (docs/engines.md).
         """
         lib = llama_lib()
         import numpy as np  # a dependency of llama-cpp-python
@@ -90,6 +94,8 @@ class LlamaCppEngine:
                 or prefill_chunk < 1:
             raise EngineError(f"prefill_chunk must be a positive integer, got "
                               f"{prefill_chunk!r}")
+        if not isinstance(flash_attn, bool):
+            raise EngineError(f"flash_attn must be true or false, got {flash_attn!r}")
         if cache_sequences and not prefix_cache:
             raise EngineError("cache_sequences needs prefix_cache: true")
         self._np = np
@@ -148,6 +154,8 @@ class LlamaCppEngine:
             cparams.n_threads_batch = n_threads
             cparams.kv_unified = False  # one KV stream per sequence: each gets n_ctx cells
             cparams.no_perf = True
+            if not flash_attn:
+                cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
             self._ctx = lib.llama_init_from_model(self._model, cparams)
             if not self._ctx:
                 self._ctx = None
