@@ -115,13 +115,11 @@ def loads_pipeline(text: str, path: str = "<string>") -> Pipeline:
     if not isinstance(stages, list) or not stages:
         raise PlanError("'stages' must be a non-empty list of stages", where=at(doc))
     prev = "source"
-    consumed: set[str] = set()
     for raw in stages:
         spec = _stage(raw, prev, at(raw) if isinstance(raw, dict) else f"{path}")
         p.add_stage(spec)
-        consumed.update(u.split(".")[0] for u in spec.upstream)
         prev = spec.id
-    terminals = _terminals(p.stages, consumed)
+    terminals = _terminals(p.stages)
     if terminals:  # none only when stages form a cycle, which the compiler reports
         p.add_stage(StageSpec("sink", "sink", tuple(terminals), {"target": None}, Contract(),
                               at(doc)))
@@ -141,11 +139,12 @@ def _serve(raw: Any, where: str) -> ServeSpec:
         raise PlanError(str(e), where=line) from None
 
 
-def _terminals(specs: tuple[StageSpec, ...], consumed: set[str]) -> list[str]:
+def _terminals(specs: tuple[StageSpec, ...]) -> list[str]:
     """Stage outputs nobody consumes: they feed the implicit sink (nothing is dropped)."""
     used: set[str] = set()
     for s in specs:
         used.update(s.upstream)
+    consumed = {u.split(".")[0] for u in used}
     out: list[str] = []
     for s in specs:
         if s.op == "branch":

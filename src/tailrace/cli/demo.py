@@ -25,18 +25,17 @@ QUESTIONS = [
 ]
 
 
-def demo(questions: list[str] | None = None, limit: int | None = None) -> int:
+def demo(limit: int | None = None) -> int:
     """Run the demo; ``limit`` indexes only the first N documents (a quick try)."""
     ingest(limit=limit)  # no-op when the cached index is current
     files = resources.files("tailrace.demo")
     with resources.as_file(files / "wiki-qa.yaml") as path:
         pipeline = Pipeline.from_yaml(str(path))
-    qs = questions or QUESTIONS
-    print(f"pipeline '{pipeline.name}' on {len(qs)} questions (models load on first use)\n",
+    print(f"pipeline '{pipeline.name}' on {len(QUESTIONS)} questions (models load on first use)\n",
           file=sys.stderr)
-    result = run(pipeline, input=[{"question": q} for q in qs])
+    result = run(pipeline, input=[{"question": q} for q in QUESTIONS])
     by_q = {r["question"]: r for r in result.outputs or []}
-    for q in qs:
+    for q in QUESTIONS:
         rec = by_q.get(q)
         print(f"Q: {q}")
         if rec is None:

@@ -167,17 +167,16 @@ class ChunkDocs:
         return out
 
 
-def ingest_pipeline(embedder: str, columns: Columns, chunker: Chunker,
-                    batch: int = EMBED_BATCH) -> Pipeline:
+def ingest_pipeline(embedder: str, columns: Columns, chunker: Chunker) -> Pipeline:
     """files -> convert -> chunk -> embed -> index write; the source and the sink are
     bound at run time (``input=`` file records, ``output=`` a chunk collector)."""
     p = Pipeline("ingest", engines={"embedder": {"backend": "onnx", "model": embedder,
-                                                 "batch_size": batch}})
+                                                 "batch_size": EMBED_BATCH}})
     s = p.source(id="files", fields=["path", "key", "mtime"])
     s = s.flat_map(Convert(columns), id="convert")
     s = s.flat_map(ChunkDocs(chunker), id="chunk")
     s = s.apply("embed", id="embed", engine="embedder", input="embed_text", output="vector",
-                max_batch=batch, batch={"max_size": batch, "max_wait_ms": 5})
+                max_batch=EMBED_BATCH, batch={"max_size": EMBED_BATCH, "max_wait_ms": 5})
     s.sink(id="index_write")
     return p
 

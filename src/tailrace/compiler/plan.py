@@ -200,9 +200,8 @@ def call_cap(op: PlanOp) -> int | None:
     return cap if isinstance(cap, int) and not isinstance(cap, bool) and cap > 0 else None
 
 
-def execution(ops: tuple[PlanOp, ...], replicas: int, queue: int, mode: str) -> Execution:
+def execution(first: PlanOp, replicas: int, queue: int, mode: str) -> Execution:
     """Decide how a (non-source) stage is called; see ``Execution``."""
-    first = ops[0]
     c = first.contract
     cap = call_cap(first)
     if first.op.kind == "collect" or c.batch is not None:
@@ -244,8 +243,7 @@ def _fusable(op: PlanOp) -> bool:
             and c.batch is None and _mode(op) == "inline")
 
 
-def compile_pipeline(p: Pipeline, *, fuse: bool = True,
-                     default_queue: int = DEFAULT_QUEUE) -> Plan:
+def compile_pipeline(p: Pipeline, *, fuse: bool = True) -> Plan:
     """Validate ``p`` and compile it into a ``Plan``; raises ``PlanError``."""
     ops: dict[str, PlanOp] = {}
     io: dict[str, tuple] = {}
@@ -289,13 +287,13 @@ def compile_pipeline(p: Pipeline, *, fuse: bool = True,
     for chain in chains:
         first = ops[chain[0]]
         sid = stage_of[chain[0]]
-        queue = first.contract.queue or default_queue
+        queue = first.contract.queue or DEFAULT_QUEUE
         ups = tuple(_remap(ref, stage_of) for ref in first.spec.upstream)
         stage_ops = tuple(ops[c] for c in chain)
         mode, replicas = _mode(first), first.contract.replicas
         most = max(replicas, first.contract.max_replicas or 0)
         # an elastic stage's pushes are sized for its most replicas: each can get work
-        exe = None if first.op.kind == "source" else execution(stage_ops, most, queue, mode)
+        exe = None if first.op.kind == "source" else execution(first, most, queue, mode)
         stages.append(PlanStage(sid, stage_ops, ups, replicas, mode, queue, exe,
                                 most if most > replicas else 0))
         edges += [Edge(u, sid, queue) for u in ups]

@@ -232,10 +232,9 @@ class AdmissionPolicy:
             self._reject(request, decision.reason, decision.retry_after, now)
         return None
 
-    def poll(self, now: float | None = None) -> list[Ticket]:
-        """Admit waiting requests that now fit, in policy order; reject expired ones.
-        ``now``: the current time (None: read the clock)."""
-        now = self.clock() if now is None else now
+    def poll(self) -> list[Ticket]:
+        """Admit waiting requests that now fit, in policy order; reject expired ones."""
+        now = self.clock()
         tickets = []
         while (entry := self._next(now)) is not None:
             tickets.append(self._admit(entry, now, immediate=False))

@@ -156,15 +156,12 @@ OPTIONS = ("max_tokens", "temperature", "top_p", "stop", "seed", "presence_penal
            "frequency_penalty", "response_format")
 
 
-def _check_frozen(v: Any) -> bool:
-    return isinstance(v, list) and all(x in OPTIONS for x in v)
-
-
 #: what generate, route and tool_call share: the conversation field and frozen options
 MESSAGES = Param("messages", (str,), want="a field holding the conversation (a list of "
                  "{role, content}), e.g. _messages")
 FROZEN = Param("frozen", (list,), want=f"a list of request options the request may not set "
-               f"(of {', '.join(OPTIONS)})", check=_check_frozen)
+               f"(of {', '.join(OPTIONS)})",
+               check=lambda v: isinstance(v, list) and all(x in OPTIONS for x in v))
 
 
 #: the ``messages:`` value that names the conversation a served chat request carries

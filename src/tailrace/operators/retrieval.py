@@ -325,10 +325,6 @@ register(OpDef(
 _WORD = re.compile(r"\w+")
 
 
-def _shingles(text: str) -> set[str]:
-    return set(_WORD.findall(text.lower()))
-
-
 @dataclass(frozen=True)
 class Packer:
     """Pack passages into a token budget: drop near-duplicates (word-set Jaccard >=
@@ -345,7 +341,7 @@ class Packer:
         used = 0
         for p in passages:
             text = str(p.get("text", "")).strip()
-            words = _shingles(text)
+            words = set(_WORD.findall(text.lower()))
             if any(len(words & s) / max(1, len(words | s)) >= self.dedup for s in seen):
                 continue
             piece = f"[{len(kept) + 1}] {p.get('title', '')}: {text}".strip()

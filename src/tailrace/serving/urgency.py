@@ -75,8 +75,6 @@ def urgency(serve: ServeSpec | None, name: str, body: Mapping[str, Any] | None,
                     lambda a, b: rank_of(a) == rank_of(b))
     deadline = _one(body, headers, "deadline_ms", DEADLINE_HEADER, _deadline,
                     lambda a, b: a == b)
-    if priority is None and deadline is None:
-        return None
     out: dict[str, Any] = {}
     if priority is not None:
         allowed = serve.priorities if serve is not None else None
@@ -103,7 +101,7 @@ def urgency(serve: ServeSpec | None, name: str, body: Mapping[str, Any] | None,
             raise WireError(f"'deadline_ms' must be {span} for pipeline '{name}', got "
                             f"{deadline:g}", code="deadline_not_allowed")
         out["deadline_ms"] = deadline
-    return out
+    return out or None
 
 
 def bounds(serve: ServeSpec | None) -> dict[str, Any]:

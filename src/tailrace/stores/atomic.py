@@ -208,14 +208,13 @@ def _prune(target: Path, keep: int) -> None:
 
 # -- recovery ---------------------------------------------------------------------------
 def _recover(target: Path, marker: str, *, strict: bool) -> Path | None:
-    parent, name = target.parent, target.name
     for _ in range(3):  # a concurrent recovery may move things under us: look again
         try:
             return _recover_once(target, marker, strict)
         except FileNotFoundError as e:
             last = e
     raise StoreError(f"{target}: the store keeps changing while it is opened ({last}); "
-                     f"is another process writing {parent / name}?")
+                     f"is another process writing {target}?")
 
 
 def _recover_once(target: Path, marker: str, strict: bool) -> Path | None:

@@ -38,8 +38,7 @@ def write_snapshot(directory: Path, data: Any, docs: list[dict], meta: dict) -> 
         if data is not None:
             (tmp / "index.faiss").write_bytes(data.tobytes())
         with open(tmp / "docs.jsonl", "w", encoding="utf-8") as f:
-            for d in docs:
-                f.write(json.dumps(d, ensure_ascii=False) + "\n")
+            f.writelines(json.dumps(d, ensure_ascii=False) + "\n" for d in docs)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
     return target
 

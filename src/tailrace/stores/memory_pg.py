@@ -139,12 +139,10 @@ class PostgresMemory(MemoryStore):
 
         def write(conn: Any) -> None:
             with conn.transaction(), conn.cursor() as cur:
-                if turns_:
-                    cur.executemany(_ADD_TURN, turns_)
-                if fact_rows:
-                    cur.executemany(_ADD_FACT, fact_rows)
-                if release:
-                    cur.executemany(_RELEASE, list(release))
+                for sql, rows in ((_ADD_TURN, turns_), (_ADD_FACT, fact_rows),
+                                  (_RELEASE, list(release))):
+                    if rows:
+                        cur.executemany(sql, rows)
             self._n["turns_written"] += len(turns_)
             self._n["facts_written"] += len(fact_rows)
 

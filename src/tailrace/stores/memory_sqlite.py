@@ -110,12 +110,9 @@ class SqliteMemory(MemoryStore):
                       unit_vector(f.vector).tobytes(), json.dumps(f.metadata), now,
                       expiry(now, f.ttl_s)) for f in facts]
         with self._lock, self._conn:
-            if turns_:
-                self._conn.executemany(_ADD_TURN, turns_)
-            if fact_rows:
-                self._conn.executemany(_ADD_FACT, fact_rows)
-            if release:
-                self._conn.executemany(_RELEASE, release)
+            for sql, rows in ((_ADD_TURN, turns_), (_ADD_FACT, fact_rows), (_RELEASE, release)):
+                if rows:
+                    self._conn.executemany(sql, rows)
             self._n["turns_written"] += len(turns_)
             self._n["facts_written"] += len(fact_rows)
 

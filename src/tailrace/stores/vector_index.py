@@ -309,8 +309,7 @@ class VectorIndex:
         with replace_dir(target) as tmp:
             _faiss().write_index(self._index, str(tmp / "index.faiss"))
             with open(tmp / "docs.jsonl", "w", encoding="utf-8") as f:
-                for doc in self._docs:
-                    f.write(json.dumps(doc, ensure_ascii=False) + "\n")
+                f.writelines(json.dumps(doc, ensure_ascii=False) + "\n" for doc in self._docs)
             with open(tmp / "meta.json", "w", encoding="utf-8") as f:
                 json.dump(meta, f, indent=2)
             self._sparse = SparseIndex.build(self._docs)

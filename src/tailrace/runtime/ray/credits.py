@@ -19,7 +19,6 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 from ...errors import TailraceError
@@ -155,7 +154,7 @@ class Link:
             if self.route.sink:
                 assert self._deliver is not None
                 fut = self._deliver(self.route.target, key, part, ids, born)
-                fut.add_done_callback(partial(_give, window, n))
+                fut.add_done_callback(lambda _done, n=n: window.give(n))
                 acks.append(fut)
                 continue
             r = self._pick()
@@ -266,10 +265,6 @@ class Link:
             self.outstanding[r] -= n
             del self.unacked[r][seq]
             self.window.give(n)
-
-
-def _give(window: CreditWindow, n: int, _done: Any) -> None:
-    window.give(n)
 
 
 def encode(msg: Any) -> bytes:
