@@ -51,11 +51,13 @@ def _traces_url(endpoint: str, where: str) -> str:
     return url if url.endswith("/v1/traces") else url + "/v1/traces"
 
 
-def configure_tracing(endpoint: str | None = None, exporter: Any = None) -> bool:
+def configure_tracing(endpoint: str | None = None, exporter: Any = None, *,
+                      service_name: str = "tailrace") -> bool:
     """Turn tracing on if an exporter or an OTLP endpoint is given; returns whether it is on.
 
     endpoint: OTLP/HTTP collector base URL; None reads ``OTEL_EXPORTER_OTLP_ENDPOINT``.
     exporter: a span exporter to use instead (e.g. the SDK's ``InMemorySpanExporter``).
+    service_name: the ``service.name`` resource attribute of every span.
     """
     where = "--otlp-endpoint"
     if endpoint is None and exporter is None:
@@ -79,7 +81,7 @@ def configure_tracing(endpoint: str | None = None, exporter: Any = None) -> bool
     else:
         processor = SimpleSpanProcessor(exporter)
     shutdown_tracing()
-    provider = TracerProvider(resource=Resource.create({"service.name": "tailrace"}))
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
     provider.add_span_processor(processor)
     STATE.provider = provider
     STATE.tracer = provider.get_tracer("tailrace")
