@@ -24,7 +24,7 @@ from typing import Protocol
 from ..base import GenerationRequest
 from ..tokens import approx_tokens
 
-#: characters per block of a raw prompt's text (about 64 tokens: one llama.cpp prefill chunk)
+#: characters per block of a raw prompt's text (about 64 tokens: four llama.cpp prefill chunks)
 BLOCK_CHARS = 256
 #: a shared prefix shorter than this (predicted tokens) is not worth routing for: the
 #: prompts shorter than this gain too little from a warm replica to wait for one
@@ -44,7 +44,8 @@ class ReplicaLoad:
     max_concurrency: int = 1  # the most engine calls it runs at once
 
     def can_take(self, cost: int) -> bool:
-        """Whether a call of ``cost`` predicted tokens may be sent to it now."""
+        """Whether a call may be sent to it now: it is healthy and below its concurrency
+        (``cost``, the call's predicted tokens, does not limit it)."""
         return self.healthy and self.in_flight < self.max_concurrency
 
 
