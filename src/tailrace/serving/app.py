@@ -77,6 +77,10 @@ def create_app(hub: ServingHub) -> FastAPI:
                           (RequestValidationError, _validation_error),
                           (ClientGone, _client_gone), (StarletteHTTPException, _http_error)):
         app.exception_handler(error)(handle)
+    # first (the router tries routes in order) and a plain Starlette route: no
+    # dependency solving per request (the hot path)
+    app.router.add_route("/v1/pipelines/{name}/runs", _over(state, handlers.runs),
+                         methods=["POST"])
     for path, method, handler in (
             ("/healthz", "GET", handlers.healthz), ("/readyz", "GET", handlers.readyz),
             ("/v1/models", "GET", handlers.models),
@@ -84,9 +88,6 @@ def create_app(hub: ServingHub) -> FastAPI:
             ("/v1/chat/completions", "POST", partial(handlers.completions, chat=True)),
             ("/v1/completions", "POST", partial(handlers.completions, chat=False))):
         app.add_api_route(path, _over(state, handler), methods=[method])
-    # a plain Starlette route: no dependency solving per request (the hot path)
-    app.router.add_route("/v1/pipelines/{name}/runs", _over(state, handlers.runs),
-                         methods=["POST"])
 
     from .observe import install_observability
 

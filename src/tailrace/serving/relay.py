@@ -36,22 +36,35 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
+#: how long an answer may take before a watcher looks for the client leaving: a task
+#: reading the connection costs ~20 us per request, more than the rest of a one-`map`
+#: pipeline's path (bench/serve_load.py --vs-bare); a client that leaves is noticed
+#: at most this much later (its engine work stops then, at the next token)
+WATCH_AFTER_S = 0.02
+
+
 async def unless_gone(request: Request, call: Any, cancel: Cancel) -> Any:
     """Await ``call`` in this task; if the client disconnects first, set ``cancel``, stop
-    the call and raise ``ClientGone``. One watcher task per request, nothing more: the
-    call itself runs inline (no task, no ``asyncio.wait``)."""
+    the call and raise ``ClientGone``. The call runs inline (no task, no
+    ``asyncio.wait``); a watcher task reads the connection only once the call has taken
+    ``WATCH_AFTER_S``."""
     task = asyncio.current_task()
     assert task is not None
     gone: list[bool] = []
+    watcher: list[asyncio.Future] = []
 
-    def left(watcher: asyncio.Future) -> None:
-        if not watcher.cancelled() and watcher.exception() is None:
+    def left(w: asyncio.Future) -> None:
+        if not w.cancelled() and w.exception() is None:
             gone.append(True)
             cancel.set()
             task.cancel()  # the call stops where it waits
 
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
-    watcher.add_done_callback(left)
+    def watch() -> None:
+        w = asyncio.ensure_future(_wait_disconnect(request))
+        w.add_done_callback(left)
+        watcher.append(w)
+
+    timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, watch)
     try:
         return await call
     except asyncio.CancelledError:
@@ -60,8 +73,10 @@ async def unless_gone(request: Request, call: Any, cancel: Cancel) -> Any:
         task.uncancel()
         raise ClientGone from None
     finally:
-        watcher.remove_done_callback(left)
-        watcher.cancel()
+        timer.cancel()
+        for w in watcher:
+            w.remove_done_callback(left)
+            w.cancel()
 
 
 def _quiet(task: asyncio.Future) -> None:
