@@ -50,17 +50,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="records admitted at once by fcfs/slo (default 8)")
     r.add_argument("--no-fuse", action="store_true", help="run every operator as its own stage")
     r.add_argument("--quiet", "-q", action="store_true", help="no stats table on stderr")
-    r.add_argument("--debug", action="store_true", help="show tracebacks")
 
     pl = sub.add_parser("plan", help="print the compiled plan without running it")
     pl.add_argument("pipeline", help="pipeline YAML file")
     pl.add_argument("--format", "-f", default="text", choices=FORMATS)
     pl.add_argument("--no-fuse", action="store_true", help="show the plan without fusion")
-    pl.add_argument("--debug", action="store_true", help="show tracebacks")
 
     d = sub.add_parser("demo", help="RAG over Wikipedia end to end: index, answers, stats")
     d.add_argument("--limit", type=int, help="index only the first N documents (quick try)")
-    d.add_argument("--debug", action="store_true", help="show tracebacks")
 
     g = sub.add_parser("ingest", help="build a vector index over your files (or the bundled "
                                       "corpus)")
@@ -91,7 +88,6 @@ def _parser() -> argparse.ArgumentParser:
                    help="print the ingest pipeline's plan and run nothing")
     g.add_argument("--force", action="store_true", help="rebuild even if the cache is current")
     g.add_argument("--quiet", "-q", action="store_true", help="only the summary line")
-    g.add_argument("--debug", action="store_true", help="show tracebacks")
 
     e = sub.add_parser("eval", help="retrieval recall/MRR and answer accuracy on FanOutQA")
     e.add_argument("pipeline", nargs="?", help="pipeline YAML (default: the bundled wiki-qa)")
@@ -104,11 +100,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="hybrid fusion, e.g. k=60,dense=1,sparse=0.5,candidates=50")
     e.add_argument("--llm", help="override the generation model (e.g. gemma3-270m)")
     e.add_argument("--json", metavar="FILE", help="also write the report as JSON")
-    e.add_argument("--debug", action="store_true", help="show tracebacks")
 
     from .serve import add_parser as add_serve
 
     add_serve(sub)
+    for command in sub.choices.values():
+        command.add_argument("--debug", action="store_true", help="show tracebacks")
     return ap
 
 

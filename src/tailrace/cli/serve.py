@@ -84,7 +84,6 @@ def add_parser(sub: Any) -> None:
                    help="with --runtime ray: the Ray Serve application (and hub actor) name "
                         "(default tailrace; one per cluster and name)")
     s.add_argument("--no-fuse", action="store_true", help="run every operator as its own stage")
-    s.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
 def build_gate(policy: str, plans: list[Any], max_in_flight: int,

@@ -347,9 +347,8 @@ def _prepare_route(params: dict, ctx: LinkContext) -> dict:
                              f" and set only {', '.join(sorted(_OPTION_KEYS))}")
         if "prompt" in opts:
             template_fields(opts["prompt"])
-    params["_engines"] = {}
-    for name in dict.fromkeys(names):
-        params["_engines"][name] = link_engine({"engine": name}, ctx, "generate")["_engine"]
+    params["_engines"] = {name: link_engine({"engine": name}, ctx, "generate")["_engine"]
+                          for name in dict.fromkeys(names)}
     return params
 
 
