@@ -176,10 +176,8 @@ class OpenAIEngine:
                 data = json.loads(resp.read())
         except urllib.error.HTTPError:
             return None
-        except TimeoutError:
-            raise self._timed_out("tokenize request") from None
-        except urllib.error.URLError as e:
-            if isinstance(e.reason, TimeoutError):
+        except (TimeoutError, urllib.error.URLError) as e:
+            if isinstance(e, TimeoutError) or isinstance(e.reason, TimeoutError):
                 raise self._timed_out("tokenize request") from None
             raise EngineError(f"{self._where()}: cannot connect ({_one_line(str(e.reason))})"
                               ) from None
@@ -275,18 +273,12 @@ class OpenAIEngine:
                                   "temperature": req.temperature}
         if stream:
             kwargs.update(stream=True, stream_options={"include_usage": True})
-        if req.stop:
-            kwargs["stop"] = list(req.stop)
-        if req.seed is not None:
-            kwargs["seed"] = req.seed
-        if req.top_p != 1.0:
-            kwargs["top_p"] = req.top_p
-        if req.presence_penalty:
-            kwargs["presence_penalty"] = req.presence_penalty
-        if req.frequency_penalty:
-            kwargs["frequency_penalty"] = req.frequency_penalty
-        if req.response_format is not None:
-            kwargs["response_format"] = req.response_format
+        optional = {"stop": list(req.stop) or None, "seed": req.seed,
+                    "top_p": req.top_p if req.top_p != 1.0 else None,
+                    "presence_penalty": req.presence_penalty or None,
+                    "frequency_penalty": req.frequency_penalty or None,
+                    "response_format": req.response_format}
+        kwargs.update({k: v for k, v in optional.items() if v is not None})
         if req.messages is not None:
             return client.chat.completions.create(
                 messages=[dict(m) for m in req.messages], **kwargs)

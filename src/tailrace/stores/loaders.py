@@ -69,10 +69,7 @@ def _read_text(path: Path) -> str:
 
 
 def _first_heading(text: str) -> str | None:
-    for line in text.splitlines():
-        if line.startswith("# "):
-            return line[2:].strip()
-    return None
+    return next((line[2:].strip() for line in text.splitlines() if line.startswith("# ")), None)
 
 
 def load_markdown(path: Path, doc_id: str) -> list[dict]:

@@ -117,10 +117,7 @@ class PrefixIndex:
     def match(self, keys: Sequence[int]) -> int:
         """How many leading ``keys`` a remembered prompt shares (chained keys: a key
         present means every key before it is)."""
-        for n in range(len(keys), 0, -1):
-            if keys[n - 1] in self._count:
-                return n
-        return 0
+        return next((n for n in range(len(keys), 0, -1) if keys[n - 1] in self._count), 0)
 
     def add(self, keys: tuple[int, ...]) -> None:
         """Remember a prompt sent to the replica (most recent); forget the oldest beyond
