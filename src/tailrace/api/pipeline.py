@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import numbers
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -107,6 +108,16 @@ class ServeSpec:
     deadline_ms: tuple[float | None, float | None] | None = None
 
 
+def is_int(v: Any) -> bool:
+    """True for an int (not a bool)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_real(v: Any) -> bool:
+    """True for a real number: an int, a float, a numpy scalar... (not a bool)."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
 def _is_ms(v: Any) -> bool:
     return (isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
             and v > 0)
@@ -114,8 +125,7 @@ def _is_ms(v: Any) -> bool:
 
 def _serve_priorities(raw: Any) -> tuple[str | int, ...]:
     ok = isinstance(raw, list) and raw and all(
-        (isinstance(c, str) and c in PRIORITY_CLASSES)
-        or (isinstance(c, int) and not isinstance(c, bool)) for c in raw)
+        (isinstance(c, str) and c in PRIORITY_CLASSES) or is_int(c) for c in raw)
     if not ok:
         raise ValueError(f"'serve.priorities' must be a non-empty list of the priority "
                          f"classes a request may choose ({_CLASSES}), got {raw!r}")

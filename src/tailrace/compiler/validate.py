@@ -6,10 +6,9 @@ Every failure is a ``PlanError`` naming the stage, its location and the likely f
 from __future__ import annotations
 
 import inspect
-import numbers
 from typing import Any
 
-from ..api.pipeline import CONTRACT_KEYS, Pipeline, StageSpec, did_you_mean
+from ..api.pipeline import CONTRACT_KEYS, Pipeline, StageSpec, did_you_mean, is_int, is_real
 from ..errors import PlanError, TailraceError
 from ..operators import OpDef, known_ops, lookup, resolve
 from ..operators.registry import LinkContext
@@ -28,14 +27,6 @@ def check_op(spec: StageSpec) -> OpDef:
                    "tailrace.Operator subclass)") from None
     except ValueError as e:
         raise _err(spec, f"operator '{spec.op}': {e}") from None
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: Any) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
 def check_params(spec: StageSpec, op: OpDef) -> dict[str, Any]:
@@ -108,7 +99,7 @@ def placement_problem(opts: Any) -> str | None:
     checks += [("memory", opts.get("memory", 0), True)]
     checks += [(f"resources.{k}", v, False) for k, v in res.items()]
     for key, v, integer in checks:
-        if not (_is_int(v) if integer else _is_num(v)) or v < 0:
+        if not (is_int(v) if integer else is_real(v)) or v < 0:
             want = "a non-negative integer (bytes)" if integer else "a non-negative number"
             return f"placement {key} must be {want}, got {v!r}"
     return None
@@ -116,17 +107,17 @@ def placement_problem(opts: Any) -> str | None:
 
 def check_contract(spec: StageSpec, op: OpDef) -> None:
     c = spec.contract
-    if not _is_int(c.replicas) or c.replicas < 1:
+    if not is_int(c.replicas) or c.replicas < 1:
         raise _err(spec, f"'replicas' must be a positive integer, got {c.replicas!r}")
-    if c.max_replicas is not None and (not _is_int(c.max_replicas)
+    if c.max_replicas is not None and (not is_int(c.max_replicas)
                                        or c.max_replicas < c.replicas):
         raise _err(spec, f"'replicas.max' must be an integer >= 'replicas.min' "
                    f"({c.replicas}), got {c.max_replicas!r}")
-    if not _is_int(c.retries) or c.retries < 0:
+    if not is_int(c.retries) or c.retries < 0:
         raise _err(spec, f"'retries' must be a non-negative integer, got {c.retries!r}")
-    if c.timeout_ms is not None and (not _is_num(c.timeout_ms) or c.timeout_ms <= 0):
+    if c.timeout_ms is not None and (not is_real(c.timeout_ms) or c.timeout_ms <= 0):
         raise _err(spec, f"'timeout_ms' must be a positive number, got {c.timeout_ms!r}")
-    if c.queue is not None and (not _is_int(c.queue) or c.queue < 1):
+    if c.queue is not None and (not is_int(c.queue) or c.queue < 1):
         raise _err(spec, f"'queue' must be a positive integer (records), got {c.queue!r}")
     if not isinstance(c.blocking, bool):
         raise _err(spec, f"'blocking' must be true or false, got {c.blocking!r}")
@@ -134,10 +125,10 @@ def check_contract(spec: StageSpec, op: OpDef) -> None:
         if not op.batchable:
             raise _err(spec, f"operator '{op.name}' does not take a 'batch' contract; "
                        "use a 'batch' stage to group records")
-        if not _is_int(c.batch.max_size) or c.batch.max_size < 1:
+        if not is_int(c.batch.max_size) or c.batch.max_size < 1:
             raise _err(spec, f"'batch.max_size' must be a positive integer, "
                        f"got {c.batch.max_size!r}")
-        if not _is_num(c.batch.max_wait_ms) or c.batch.max_wait_ms < 0:
+        if not is_real(c.batch.max_wait_ms) or c.batch.max_wait_ms < 0:
             raise _err(spec, f"'batch.max_wait_ms' must be a non-negative number, "
                        f"got {c.batch.max_wait_ms!r}")
     if c.placement is not None:

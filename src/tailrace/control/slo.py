@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..api.pipeline import PRIORITY_CLASSES
+from ..api.pipeline import PRIORITY_CLASSES, is_int
 
 if TYPE_CHECKING:
     from .admission import Request
@@ -27,8 +27,7 @@ def is_count(x: object) -> bool:
 
 def is_priority(x: object) -> bool:
     """True for a priority class: a name in ``PRIORITIES`` or an int (not a bool)."""
-    return x in PRIORITIES if isinstance(x, str) else (
-        isinstance(x, int) and not isinstance(x, bool))
+    return x in PRIORITIES if isinstance(x, str) else is_int(x)
 
 
 def rank_of(priority: str | int) -> int:

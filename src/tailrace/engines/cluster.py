@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..api.pipeline import is_int
 from ..errors import EngineError
 
 #: how many replicas: a fixed count, or bounds Serve's autoscaler keeps the count within
@@ -36,10 +37,6 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def check_cluster(name: str, cluster: Any) -> None:
     """Validate engine ``name``'s ``cluster:`` mapping; EngineError names the key."""
     where = f"engine '{name}': cluster"
@@ -52,7 +49,7 @@ def check_cluster(name: str, cluster: Any) -> None:
                           f"{', '.join(CLUSTER_KEYS)}")
     for key in ("replicas", "min_replicas", "max_replicas", "max_ongoing_requests"):
         v = cluster.get(key)
-        if v is not None and (not _is_int(v) or v < 1):
+        if v is not None and (not is_int(v) or v < 1):
             raise EngineError(f"{where}.{key} must be a positive integer, got {v!r}")
     bounds = [k for k in ("min_replicas", "max_replicas") if k in cluster]
     if "replicas" in cluster and bounds:
@@ -78,7 +75,7 @@ def check_cluster(name: str, cluster: Any) -> None:
         if v is not None and (not _is_num(v) or v < 0):
             raise EngineError(f"{where}.{key} must be a non-negative number, got {v!r}")
     memory = cluster.get("memory")
-    if memory is not None and (not _is_int(memory) or memory < 0):
+    if memory is not None and (not is_int(memory) or memory < 0):
         raise EngineError(f"{where}.memory must be a non-negative integer (bytes), got "
                           f"{memory!r}")
     res = cluster.get("resources")

@@ -12,6 +12,7 @@ import base64
 from dataclasses import dataclass
 from typing import Any
 
+from ..api.pipeline import is_int
 from ..compiler import Plan
 from .openai_wire import WireError
 
@@ -33,10 +34,6 @@ class EmbeddingRequest:
     dimensions: int | None
 
 
-def _is_tokens(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def parse_embeddings(body: dict) -> EmbeddingRequest:
     """Parse an embeddings request; raises ``WireError`` (400) naming the bad field."""
     unknown = [k for k in body if k not in FIELDS]
@@ -53,8 +50,8 @@ def parse_embeddings(body: dict) -> EmbeddingRequest:
         texts = [raw]
     elif isinstance(raw, list) and raw and all(isinstance(t, str) for t in raw):
         texts = list(raw)
-    elif isinstance(raw, list) and raw and (all(_is_tokens(t) for t in raw) or all(
-            isinstance(t, list) and all(_is_tokens(x) for x in t) for t in raw)):
+    elif isinstance(raw, list) and raw and (all(is_int(t) for t in raw) or all(
+            isinstance(t, list) and all(is_int(x) for x in t) for t in raw)):
         raise WireError("'input': token-id arrays are not supported; send the text (a "
                         "string or a list of strings)", code="unsupported_input")
     else:
@@ -68,7 +65,7 @@ def parse_embeddings(body: dict) -> EmbeddingRequest:
         raise WireError(f"'encoding_format' must be 'float' or 'base64', got {fmt!r}",
                         code="invalid_encoding_format")
     dims = body.get("dimensions")
-    if dims is not None and (not _is_tokens(dims) or dims < 1):
+    if dims is not None and (not is_int(dims) or dims < 1):
         raise WireError(f"'dimensions' must be a positive integer, got {dims!r}",
                         code="invalid_dimensions")
     user = body.get("user")

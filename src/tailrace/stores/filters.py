@@ -20,21 +20,18 @@ compare as instants: a naive date or datetime is taken as UTC.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
 from typing import Any
+
+from ..api.pipeline import is_real
 
 RANGE_OPS: dict[str, Callable[[Any, Any], bool]] = {
     "gt": lambda a, b: a > b, "gte": lambda a, b: a >= b,
     "lt": lambda a, b: a < b, "lte": lambda a, b: a <= b}
 OPS = ("eq", "in", *RANGE_OPS)
 SCALARS = (str, int, float, bool)
-
-
-def _is_num(v: Any) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
 def _instant(v: Any) -> datetime | None:
@@ -53,7 +50,7 @@ def _instant(v: Any) -> datetime | None:
 
 def _bound(field: str, op: str, v: Any) -> tuple[bool, Any]:
     """(is_date, value) of a range bound; ValueError unless a number or an ISO date."""
-    if _is_num(v):
+    if is_real(v):
         return False, v
     t = _instant(v)
     if t is None:
@@ -64,7 +61,7 @@ def _bound(field: str, op: str, v: Any) -> tuple[bool, Any]:
 
 def _equals(want: Any) -> Callable[[Any], bool]:
     def test(v: Any) -> bool:  # 1 == 1.0, but true is not 1 and "1" is not 1
-        return (type(v) is type(want) and v == want) or (_is_num(v) and _is_num(want)
+        return (type(v) is type(want) and v == want) or (is_real(v) and is_real(want)
                                                          and v == want)
     return test
 
@@ -81,7 +78,7 @@ def _in_range(cmp: Callable[[Any, Any], bool], is_date: bool,
         if is_date:
             t = _instant(v)
             return t is not None and cmp(t, bound)
-        return _is_num(v) and cmp(v, bound)
+        return is_real(v) and cmp(v, bound)
     return test
 
 
