@@ -77,11 +77,9 @@ def discover(paths: list[str], include: list[str] | None = None,
         p = Path(raw)
         if not p.exists():
             raise StoreError(f"{raw}: no such file or folder")
-        if p.is_file():
-            candidates = [p]
-        else:
-            candidates = [f for f in p.rglob("*") if f.is_file()
-                          and not any(part.startswith(".") for part in f.relative_to(p).parts)]
+        candidates = [p] if p.is_file() else [
+            f for f in p.rglob("*")
+            if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)]
         for f in candidates:
             rel = f.as_posix()
             if include and not _matches(rel, include):

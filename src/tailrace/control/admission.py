@@ -207,9 +207,8 @@ class AdmissionPolicy:
 
     def _pending(self, request: Request) -> Pending:
         slo = self.slo_for(request.pipeline)
-        deadline = request.deadline
-        if deadline is None:
-            deadline = request.arrival + slo.p99_ms / 1000.0
+        deadline = (request.deadline if request.deadline is not None
+                    else request.arrival + slo.p99_ms / 1000.0)
         rank = rank_of(request.priority) if request.priority is not None else slo.rank
         return Pending(request, self.cost_model.predict(request), deadline, next(self._seq),
                        rank)

@@ -60,9 +60,7 @@ def read_wiki(path: Path | None = None, limit: int | None = None) -> list[dict[s
     except (OSError, ValueError, AttributeError) as e:
         raise StoreError(f"{path}: cannot read corpus: {e}") from None
     docs = [{"id": t, "title": t, "text": " ".join(str(x).split())}
-            for t, x in items if t and str(x).strip()]
-    if limit is not None:
-        docs = docs[:limit]
+            for t, x in items if t and str(x).strip()][:limit]
     if not docs:
         raise StoreError(f"{path}: the corpus has no documents with text; nothing to index")
     return docs

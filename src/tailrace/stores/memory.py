@@ -231,10 +231,8 @@ _STORES: Registry[MemoryStore] = Registry("memory stores")
 
 def open_store(spec: dict[str, Any]) -> MemoryStore:
     """The process's store for a config from ``check_store_spec`` (opened on first use)."""
-    if spec["backend"] == "sqlite":
-        key = ("sqlite", spec["path"])
-    else:
-        key = ("postgres", spec.get("dsn") or os.environ.get(spec["dsn_env"], ""))
+    key = (("sqlite", spec["path"]) if spec["backend"] == "sqlite"
+           else ("postgres", spec.get("dsn") or os.environ.get(spec["dsn_env"], "")))
 
     def make() -> MemoryStore:
         if key[0] == "sqlite":

@@ -55,10 +55,8 @@ _TICK_S = 0.25  # liveness checks and restarts happen at least this often
 
 def predicted_tokens(req: GenerationRequest) -> int:
     """A request's predicted cost in tokens: its prompt (4 characters a token) + max_tokens."""
-    if req.prompt is not None:
-        text = req.prompt
-    else:
-        text = " ".join(str(m.get("content", "")) for m in (req.messages or ()))
+    text = req.prompt if req.prompt is not None else " ".join(
+        str(m.get("content", "")) for m in (req.messages or ()))
     return approx_tokens(text) + max(req.max_tokens, 0)
 
 
