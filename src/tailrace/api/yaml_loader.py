@@ -141,9 +141,7 @@ def _serve(raw: Any, where: str) -> ServeSpec:
 
 def _terminals(specs: tuple[StageSpec, ...]) -> list[str]:
     """Stage outputs nobody consumes: they feed the implicit sink (nothing is dropped)."""
-    used: set[str] = set()
-    for s in specs:
-        used.update(s.upstream)
+    used = {u for s in specs for u in s.upstream}
     consumed = {u.split(".")[0] for u in used}
     out: list[str] = []
     for s in specs:
@@ -173,12 +171,8 @@ def _stage(raw: Any, prev: str, where: str) -> StageSpec:
         after = [after]
     if not isinstance(after, list) or not after or not all(isinstance(a, str) for a in after):
         raise PlanError("'after' must be a stage id or a list of stage ids", where=where, stage=sid)
-    params: dict[str, Any] = {}
-    contract_kw: dict[str, Any] = {}
-    for k, v in raw.items():
-        if k in STAGE_KEYS:
-            continue
-        (contract_kw if k in CONTRACT_KEYS else params)[k] = v
+    params = {k: v for k, v in raw.items() if k not in STAGE_KEYS and k not in CONTRACT_KEYS}
+    contract_kw = {k: v for k, v in raw.items() if k in CONTRACT_KEYS}
     batch = contract_kw.get("batch")
     if batch is not None and (not isinstance(batch, dict) or "max_size" not in batch
                               or set(batch) - {"max_size", "max_wait_ms"}):

@@ -181,8 +181,7 @@ def _ingest(args: argparse.Namespace) -> int:
                        kind=args.kind, include=args.include, exclude=args.exclude,
                        columns=columns, chunk_tokens=args.chunk_tokens, overlap=args.overlap,
                        runtime=args.runtime, force=args.force, quiet=args.quiet,
-                       plan_only=args.plan,
-                       stream=sys.stderr)
+                       plan_only=args.plan, stream=sys.stderr)
     if isinstance(res, str):
         print(res)
         return 0
