@@ -6,6 +6,9 @@
 - ``InputError``: a run input (file, JSONL line) is unreadable or malformed.
 - ``StageTimeout``: an operator exceeded its stage's ``timeout_ms``.
 - ``RunInterrupted``: the run was stopped by the caller (Ctrl-C / cancellation).
+- ``VerificationFailed``: an answer failed its verifier (``verify``, budgeted ``route``).
+- ``BudgetExhausted``: a budgeted ``route`` could not buy a verified answer within the
+  record's budget (or declined to try); it says what was spent on which providers.
 - ``EngineError``: a model engine is misconfigured, missing its model, or failed a call;
   ``ContextOverflow``, one of them: a prompt does not fit in the model's context.
 - ``StoreError``: an index or memory store is missing, corrupt or incompatible.
@@ -54,6 +57,21 @@ class RunInterrupted(TailraceError):
     def __init__(self, message: str, result: object = None):
         super().__init__(message)
         self.result = result
+
+
+class BudgetExhausted(TailraceError):
+    """A budgeted ``route`` stopped before a verified answer: the next provider would
+    cost more than the budget has left, or no provider was expected to pay (declined).
+    ``spent`` is what the record's calls cost."""
+
+    def __init__(self, message: str, spent: float = 0.0):
+        super().__init__(message)
+        self.spent = spent
+
+
+class VerificationFailed(TailraceError):
+    """An answer failed its verifier (``verify`` with ``on_fail: error``), or no
+    provider's answer of a budgeted ``route`` passed; the message gives the reasons."""
 
 
 class EngineError(TailraceError):

@@ -101,6 +101,8 @@ class Request:
     session:  the session its engine calls stick to (prefix reuse), or None.
     messages: the conversation it carries (OpenAI chat), or None.
     tenant:   the tenant it was sent by, or None.
+    budget:   the most its answer may cost (``X-Tailrace-Budget``), or None: the
+              answering stage's own budget, if any (docs/routing.md).
     trace:    its request span's context (tracing on), or None.
     reply:    what the answering stage reports (``Reply``).
     streamed: pieces handed to ``sink`` so far.
@@ -117,6 +119,7 @@ class Request:
     session: str | None = None
     messages: list | tuple | None = None
     tenant: str | None = None
+    budget: float | None = None
     trace: Any = None
     reply: Reply = field(default_factory=Reply)
     streamed: int = 0
@@ -136,19 +139,22 @@ class Request:
         stage answers it (any stage, for a request that names none), else None."""
         return self.sink if self.answers is None or self.answers == out else None
 
-    def report(self, out: str, finish: str | None, usage: dict[str, int]) -> None:
-        """The stage writing ``out`` reports its answer (kept only from the answering
-        stage of a request that names one)."""
+    def report(self, out: str, finish: str | None, usage: dict[str, int],
+               cost: float | None = None) -> None:
+        """The stage writing ``out`` reports its answer and its cost (kept only from the
+        answering stage of a request that names one)."""
         if self.answers == out:  # ``out`` is a field name, never None
             self.reply.finish = finish  # in place: an attempt's copy shares the reply
             self.reply.usage = usage
+            self.reply.cost = cost
 
     def fork(self) -> Request:
         """A request of its own (new id, empty reply) that shares this one's cancel and
         asks the same: one of several records a client request sends together."""
         return Request(cancel=self.cancel, sink=self.sink, options=self.options,
                        answers=self.answers, asked=self.asked, session=self.session,
-                       messages=self.messages, tenant=self.tenant, trace=self.trace)
+                       messages=self.messages, tenant=self.tenant, budget=self.budget,
+                       trace=self.trace)
 
     def bind(self, cancel: Cancel, sink: Callable[[str], Any] | None) -> None:
         """Give a request that crossed a process its live parts (the receiving side's)."""
@@ -159,12 +165,12 @@ class Request:
         # the live parts stay home: a cancel's state and whether it streams travel
         return (self.rid, self.cancel.is_set(), self.sink is not None, self.options,
                 self.answers, self.asked, self.granted, self.session, self.messages,
-                self.tenant, self.trace, self.reply, self.streamed)
+                self.tenant, self.budget, self.trace, self.reply, self.streamed)
 
     def __setstate__(self, state: tuple) -> None:
         (self.rid, cancelled, streams, self.options, self.answers, self.asked,
-         self.granted, self.session, self.messages, self.tenant, self.trace, self.reply,
-         self.streamed) = state
+         self.granted, self.session, self.messages, self.tenant, self.budget, self.trace,
+         self.reply, self.streamed) = state
         self.cancel = _cancel_of(cancelled)
         self.sink = _remote_sink if streams else None
         self.ticket = None

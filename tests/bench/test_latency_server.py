@@ -156,19 +156,20 @@ def run_concurrently(srv, n: int, max_tokens: int) -> list[float]:
 
 
 def test_max_seqs_queues_fifo_and_healthz_answers_while_saturated():
-    # 10 tokens at 50 tok/s = 0.2 s a request; 4 requests on 2 slots = 2 waves, ~0.4 s
-    cfg = ls.LatencyConfig(decode_tps=50, batch_slowdown=0.0, max_seqs=2)
+    # 10 tokens at 25 tok/s = 0.4 s a request; 4 requests on 2 slots = 2 waves, ~0.8 s.
+    # The checks are behavioural (peaks, counts, what /stats showed around /healthz); the
+    # only time bound is the physical lower one, which load cannot break.
+    cfg = ls.LatencyConfig(decode_tps=25, batch_slowdown=0.0, max_seqs=2)
     with ls.start_server(cfg) as srv:
         seen: dict = {}
 
         def watch() -> None:
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
                 s = get_json(srv.root + "/stats")
                 if s["active"] == 2 and s["queued"] == 2:
-                    t0 = time.perf_counter()
                     seen["health"] = get_json(srv.root + "/healthz")
-                    seen["health_s"] = time.perf_counter() - t0
+                    seen["after"] = get_json(srv.root + "/stats")
                     return
                 time.sleep(0.01)
 
@@ -177,13 +178,14 @@ def test_max_seqs_queues_fifo_and_healthz_answers_while_saturated():
         t0 = time.perf_counter()
         took = run_concurrently(srv, 4, max_tokens=10)
         wall = time.perf_counter() - t0
-        watcher.join(10)
+        watcher.join(15)
         stats = srv.stats()
-    assert 0.35 <= wall <= 1.2, wall
-    assert sorted(took)[-1] >= 0.35 and sorted(took)[0] <= 0.35, took  # 2 waited a wave
+    assert len(took) == 4 and wall >= 0.7, (wall, took)  # two waves cannot overlap
     assert stats["peak_active"] == 2 and stats["peak_queued"] == 2
     assert (stats["served"], stats["active"], stats["queued"]) == (4, 0, 0)
-    assert seen.get("health") == {"status": "ok"} and seen["health_s"] < 0.15, seen
+    # /healthz answered while both slots were held, not after the queue drained
+    assert seen.get("health") == {"status": "ok"}, seen
+    assert seen["after"]["served"] < 4, seen
 
 
 def test_batch_slowdown_stretches_concurrent_sequences():

@@ -155,7 +155,7 @@ def test_an_overlong_prompt_is_an_error_record_and_the_rest_go_on(run):
     ("{id: r, op: route, prompt: '{q}', cascade: [a]}",
      "'cascade' must list at least two engine names"),
     ("{id: r, op: route, prompt: '{q}', cascade: [a, b], rules: []}",
-     "route needs exactly one of 'rules' \\(with 'default'\\) or 'cascade'"),
+     "route needs exactly one of 'rules' \\(with 'default'\\), 'cascade'"),
     ("{id: r, op: route, prompt: '{q}', rules: []}", "'rules' needs 'default'"),
     ("{id: r, op: route, prompt: '{q}', rules: [{when: {equals: 1}, engine: a}], default: a}",
      r"rules\[0\]\.when: use field \+ equals/in/exists, or prompt_tokens_over"),

@@ -39,7 +39,8 @@ def create_engine(spec: dict[str, Any], base_url: str | None = None) -> Any:
     """A new engine for ``spec`` (keys starting with ``_`` ignored), not the process's
     shared one (see ``open_engine``); ``base_url``: a remote pool replica's endpoint."""
     module, cls, _ = backend(spec.get("backend", ""))
-    options = {k: v for k, v in spec.items() if k != "backend" and not k.startswith("_")}
+    options = {k: v for k, v in spec.items()
+               if k not in ("backend", "price", "latency") and not k.startswith("_")}
     if base_url is not None:
         options["base_url"] = base_url
     return getattr(importlib.import_module(module), cls)(**options)

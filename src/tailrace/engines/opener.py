@@ -17,6 +17,7 @@ from typing import Any
 from ..errors import EngineError
 from ..registry import Registry
 from .cluster import check_cluster
+from . import price as provider
 from .models import backend, create_engine, model_info, model_path
 from .pool import check_options, close_pools, get_pool, pool_statistics
 
@@ -33,7 +34,8 @@ def is_pool(spec: Any) -> bool:
 
 def split_pool(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the engine spec each replica opens, the pool's options) of a pool spec."""
-    base = {k: v for k, v in spec.items() if k not in POOL_KEYS and not k.startswith("_")}
+    base = {k: v for k, v in spec.items() if k not in POOL_KEYS and k not in provider.KEYS
+            and not k.startswith("_")}
     options = {k: spec[k] for k in POOL_KEYS if k in spec}
     if "endpoints" in options:
         options["endpoints"] = list(options["endpoints"])
@@ -64,6 +66,8 @@ def check_spec(name: str, spec: Any, kind: str) -> None:
     if not isinstance(spec, dict):
         raise EngineError(f"engine '{name}' must be a mapping like "
                           "{backend: llama_cpp, model: smollm2-135m-instruct}")
+    provider.check(name, spec, kind)
+    spec = provider.strip(spec)
     if "cluster" in spec:
         check_cluster(name, spec["cluster"])
         stray = [k for k in POOL_KEYS if k in spec]
@@ -111,7 +115,7 @@ def open_engine(spec: dict[str, Any], name: str | None = None) -> Any:
     if is_pool(spec):
         base, options = split_pool(spec)
         return get_pool(name or spec.get("_name") or "engine", base, **options)
-    spec = {k: v for k, v in spec.items() if not k.startswith("_")}
+    spec = {k: v for k, v in spec.items() if not k.startswith("_") and k not in provider.KEYS}
     return _ENGINES.get(json.dumps(spec, sort_keys=True, default=str), lambda: create_engine(spec))
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from ..engines import GenerationRequest
 from ..engines.models import batches_continuously
+from ..engines.price import price_of
 from ..engines.structured import check_answer, check_enforceable, check_schema, enforced_by
 from ..errors import ContextOverflow, EngineError, StructuredOutputError
 from ..request import request_of
@@ -217,12 +218,13 @@ def with_urgency(kw: dict[str, Any], record: Any) -> dict[str, Any]:
     return kw
 
 
-def report(record: Any, out: str, finish: str | None, usage: dict[str, int]) -> None:
-    """The stage writing ``out`` reports its answer to the record's request (kept when
-    it is the answering stage)."""
+def report(record: Any, out: str, finish: str | None, usage: dict[str, int],
+           cost: float | None = None) -> None:
+    """The stage writing ``out`` reports its answer (and what it cost, None: unpriced) to
+    the record's request (kept when it is the answering stage)."""
     req = request_of(record)
     if req is not None:
-        req.report(out, finish, usage)
+        req.report(out, finish, usage, cost)
 
 
 def request_options(base: dict[str, Any], opts: dict | None,
@@ -286,6 +288,8 @@ def _build_generate(params: dict, ctx: BuildContext) -> OpRuntime:
         base["response_format"] = {"type": "json_schema", "json_schema": {
             "name": out, "schema": params["json_schema"]}}
     enforced = enforced_by(params["_engine"])
+    price = price_of(params["_engine"])
+    spent = [0.0]  # this replica's spend in this run (the stage's ``cost`` counter)
 
     def request(record: Any) -> GenerationRequest:
         text = prompt_text(template, inp, record)
@@ -333,14 +337,18 @@ def _build_generate(params: dict, ctx: BuildContext) -> OpRuntime:
                 errors.append((rec, StructuredOutputError(why)))
                 continue
             r = {**rec, out: g.text}
-            counts = {"prompt_tokens": g.prompt_tokens, "completion_tokens": g.completion_tokens}
+            counts: dict[str, Any] = {"prompt_tokens": g.prompt_tokens,
+                                      "completion_tokens": g.completion_tokens}
+            cost = None if price is None else price.cost(g.prompt_tokens, g.completion_tokens)
+            if cost is not None:
+                spent[0] += cost
             if usage is not None:
-                r[usage] = dict(counts)
+                r[usage] = dict(counts) if cost is None else {**counts, "cost": cost}
             if answering(r, out) is not None:  # it answers a served request
                 cached = g.extra.get("cached_tokens")
                 if cached:  # prompt tokens whose KV the engine reused (prefix cache)
                     counts["cached_tokens"] = cached
-                report(r, out, g.finish_reason, counts)
+                report(r, out, g.finish_reason, counts, cost)
             result.append(r)
         return result
 
@@ -362,7 +370,8 @@ def _build_generate(params: dict, ctx: BuildContext) -> OpRuntime:
             return result
 
     # no record_fn: the runtime calls batch_fn([x]) per record and raises its error
-    return OpRuntime("map", batch_fn=batch_fn)
+    return OpRuntime("map", batch_fn=batch_fn,
+                     counters=None if price is None else lambda: {"cost": spent[0]})
 
 
 register(OpDef(
@@ -379,7 +388,8 @@ register(OpDef(
      Param("json_schema", (dict,), want="a JSON Schema the answer must match (JSON "
            "output, enforced by the engine: llama_cpp or openai)"),
      count_param("max_batch", 8),
-     Param("usage", (str,), want="a field for {prompt_tokens, completion_tokens}")),
+     Param("usage", (str,), want="a field for {prompt_tokens, completion_tokens} (and "
+           "cost, when the engine has a price)")),
     batchable=True, blocking=True,
     engine_batches=lambda p: batches_continuously(p["_engine"], "generate"),
     fields=lambda p: (prompt_reads(p), (p["output"],) + ((p["usage"],) if p.get("usage") else ())),

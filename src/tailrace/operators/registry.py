@@ -80,6 +80,8 @@ class Answers:
     enforces:      the ``response_format`` types its engine enforces.
     pieces:        most text pieces one attempt streams (None: ``max_tokens``, a piece
                    per token).
+    budgets:       whether it spends a request's budget: ``"required"`` (a request must
+                   bring one), ``"optional"``, or None (a budget is refused: a 400).
     """
 
     output_tokens: Callable[[dict[str, Any]], int]
@@ -89,6 +91,7 @@ class Answers:
     enforces: Callable[[dict[str, Any]], frozenset[str]] = field(
         default=lambda p: frozenset())
     pieces: Callable[[dict[str, Any]], int] | None = None
+    budgets: Callable[[dict[str, Any]], str | None] = field(default=lambda p: None)
 
     def stream_pieces(self, params: dict[str, Any]) -> int:
         """Most text pieces one attempt of the stage streams."""

@@ -1,6 +1,8 @@
-"""Model routing: ``route`` picks the engine of each request by rule or by a cascade.
+"""Model routing: ``route`` picks the engine of each request by rule, by a cascade, or
+by budgeted, verified escalation (``escalate:``, in ``allocate.py``).
 
-Rules, cascade, outputs and costs are in docs/stateful.md (``route``). A cascade's
+Rules, cascade, outputs and costs are in docs/stateful.md (``route``); escalation,
+budgets, prices and policies in docs/routing.md. A cascade's
 confidence is the mean token log-probability an engine reports in
 ``Generation.extra["mean_logprob"]`` (or a ``logprobs`` list); an engine that reports
 none can only be the last level. Requests routed to the same engine within a
@@ -17,6 +19,7 @@ from typing import Any
 
 from ..engines import GenerationRequest
 from ..engines.models import batches_continuously
+from ..engines.price import price_of
 from ..errors import ContextOverflow, EngineError
 from ..registry import Registry
 from .common import count_param, link_engine
@@ -39,6 +42,9 @@ from .llm import (
     template_fields,
     with_urgency,
 )
+from .allocate import LEDGERS as ALLOCATIONS
+from .allocate import Allocator, Ledger
+from .policy import Policy
 from .registry import Answers, BuildContext, LinkContext, OpDef, OpRuntime, Param, register
 
 _LOGPROBS = "logprobs" in {f.name for f in fields(GenerationRequest)}
@@ -209,8 +215,10 @@ def _ceiling(params: dict) -> int:
 
 
 def _counting_engine(params: dict) -> Any:
-    """The engine whose tokenizer counts an answer: the default, or the cascade's last."""
-    name = params.get("default") or (params.get("cascade") or [""])[-1]
+    """The engine whose tokenizer counts an answer: the default, or the cascade's (or
+    escalation's) last."""
+    name = params.get("default") or (params.get("cascade") or params.get("escalate")
+                                     or [""])[-1]
     return (params.get("_engines") or {}).get(name)
 
 
@@ -281,12 +289,16 @@ def _build_route(params: dict, ctx: BuildContext) -> OpRuntime:
         return done
 
     decide = by_cascade if cascade else by_rules
+    if params.get("escalate"):
+        decide = _allocator(params, targets, label).run
 
     def result(row: list, g: Any) -> dict:
         r = {**row[0], out: g.text, route_f: row[1], cost_f: row[2]}
         if answering(r, out) is not None:  # it answers a served request
+            spent = [c["cost"] for c in row[2].values() if "cost" in c]
             report(r, out, g.finish_reason, {k: sum(c[k] for c in row[2].values())
-                                             for k in ("prompt_tokens", "completion_tokens")})
+                                             for k in ("prompt_tokens", "completion_tokens")},
+                   sum(spent) if spent else None)
         return r
 
     def batch_fn(batch: list, errors: list) -> list:
@@ -303,18 +315,46 @@ def _build_route(params: dict, ctx: BuildContext) -> OpRuntime:
         for name, e in st.engines.items():
             out[f"{name}.requests"] = e["requests"]
             out[f"{name}.tokens"] = e["prompt_tokens"] + e["completion_tokens"]
+        if decide is not by_rules and decide is not by_cascade:  # escalate: the ledger
+            acc = allocated.statistics()
+            out.update({k: acc[k] for k in ("solved", "exhausted", "unsolved", "revenue",
+                                            "spend", "margin")})
+            for name, e in acc["engines"].items():
+                out[f"{name}.spend"] = e["spend"]
         return out
 
+    allocated = getattr(decide, "__self__", None)
+    allocated = allocated.ledgers[1] if isinstance(allocated, Allocator) else None
     return OpRuntime("map", batch_fn=batch_fn, counters=counters)
+
+
+def _allocator(params: dict, targets: dict[str, _Target], label: str) -> Allocator:
+    """The ``escalate:`` strategy of one replica (``allocate.Allocator``)."""
+    from ..verify import make_verifier
+
+    budget = params.get("budget")
+    policy = Policy.load(params["policy"]) if params.get("policy") else None
+    names = list(params["escalate"])
+    return Allocator(
+        targets, names, {n: price_of(params["_engines"][n]) for n in names},
+        make_verifier(params["verify"], "route: verify"), order=params["order"],
+        budget=None if budget in (None, "required") else float(budget),
+        required=budget == "required", budget_field=params.get("budget_field"),
+        revenue=params.get("revenue"), policy=policy, learn=bool(params["learn"]),
+        on_fail=params["on_fail"], out=params["output"],
+        ledger=ALLOCATIONS.get(label, lambda: Ledger(label)), run_ledger=Ledger(label))
 
 
 def _prepare_route(params: dict, ctx: LinkContext) -> dict:
     check_prompt_source(params, "route")
-    rules, cascade = params.get("rules"), params.get("cascade")
-    if (rules is None) == (cascade is None):
-        raise ValueError("route needs exactly one of 'rules' (with 'default') or 'cascade' "
-                         "(engines from small to large)")
-    if rules is not None:
+    rules, cascade, escalate = params.get("rules"), params.get("cascade"), params.get("escalate")
+    if sum(x is not None for x in (rules, cascade, escalate)) != 1:
+        raise ValueError("route needs exactly one of 'rules' (with 'default'), 'cascade' "
+                         "(engines from small to large) or 'escalate' (with 'verify')")
+    _check_escalation(params)
+    if escalate is not None:
+        names = list(escalate)
+    elif rules is not None:
         if not params.get("default"):
             raise ValueError("'rules' needs 'default': the engine when no rule matches")
         names = [params["default"]]
@@ -349,7 +389,60 @@ def _prepare_route(params: dict, ctx: LinkContext) -> dict:
             template_fields(opts["prompt"])
     params["_engines"] = {name: link_engine({"engine": name}, ctx, "generate")["_engine"]
                           for name in dict.fromkeys(names)}
+    if escalate is not None:
+        unpriced = [n for n in names if price_of(params["_engines"][n]) is None]
+        if unpriced and (params.get("budget") is not None or params["order"] != "listed"):
+            raise ValueError(f"engine '{unpriced[0]}' has no price, so a budget or order: "
+                             f"{params['order']} cannot count its calls; give it price: "
+                             "{prompt_per_1k: N, completion_per_1k: N}")
+        if params.get("policy"):
+            pol = Policy.load(params["policy"])
+            missing = [n for n in names if n not in pol.engines]
+            if missing:
+                raise ValueError(f"policy {params['policy']} knows {', '.join(pol.engines)}; "
+                                 f"it has no model of {', '.join(missing)} (fit it on a trace "
+                                 "that tried them)")
     return params
+
+
+_ESCALATE_ONLY = ("verify", "budget", "budget_field", "revenue", "policy")
+
+
+def _check_escalation(params: dict) -> None:
+    """ValueError for an ``escalate:`` setting that is wrong, or set without it."""
+    escalate = params.get("escalate")
+    if escalate is None:
+        stray = [k for k in _ESCALATE_ONLY if params.get(k) is not None]
+        if stray or params["order"] != "listed" or params["learn"]:
+            raise ValueError(f"{', '.join(stray) or 'order/learn'} only apply to 'escalate' "
+                             "(budgeted, verified allocation)")
+        return
+    if not isinstance(escalate, list) or not escalate or \
+            not all(isinstance(n, str) for n in escalate) or len(set(escalate)) < len(escalate):
+        raise ValueError("'escalate' must list engine names (each once), e.g. [small, large]")
+    if params.get("verify") is None:
+        raise ValueError("'escalate' needs 'verify': the check an answer must pass, e.g. "
+                         "verify: {unit_tests: {}} (docs/pipeline-yaml.md, verify)")
+    from ..verify import make_verifier
+
+    try:
+        make_verifier(params["verify"], "route: verify")
+    except Exception as e:  # noqa: BLE001 - reported as this stage's error
+        raise ValueError(str(e)) from None
+    b = params.get("budget")
+    if b is not None and b != "required" and (type(b) not in (int, float) or not b > 0):
+        raise ValueError(f"'budget' must be a positive number or 'required' (each request "
+                         f"brings one), got {b!r}")
+    r = params.get("revenue")
+    if r is not None and (type(r) not in (int, float) or r < 0):
+        raise ValueError(f"'revenue' must be a number >= 0 (what a solved request pays), "
+                         f"got {r!r}")
+    if params["order"] == "policy" and not params.get("policy"):
+        raise ValueError("order: policy needs 'policy': a file from tailrace route fit")
+    if params.get("policy") and params["order"] != "policy":
+        raise ValueError("'policy' is used with order: policy")
+    if params["learn"] and params["order"] != "policy":
+        raise ValueError("learn: true updates a policy: set order: policy")
 
 
 register(OpDef(
@@ -360,6 +453,17 @@ register(OpDef(
      Param("threshold", (int, float, list), default=-1.0,
            want="a mean token log-probability (or one per escalation)"),
      Param("per_engine", (dict,), want="engine -> {prompt, system, stop, max_tokens}"),
+     Param("escalate", (list,), want="engine names to try, each answer verified"),
+     Param("verify", (dict,), want="a verifier, e.g. {unit_tests: {}} (see verify)"),
+     Param("order", (str,), default="listed", want="listed, price or policy",
+           check=lambda v: v in ("listed", "price", "policy")),
+     Param("budget", (int, float, str), want="a positive number, or 'required'"),
+     Param("budget_field", (str,), want="a field holding a record's budget"),
+     Param("revenue", (int, float), want="what a solved request pays (default: its budget)"),
+     Param("policy", (str,), want="a policy file (tailrace route fit)"),
+     Param("learn", (bool,), default=False, want="true or false"),
+     Param("on_fail", (str,), default="error", want="error or keep",
+           check=lambda v: v in ("error", "keep")),
      *PROMPT_PARAMS,
      Param("system", (str,), want="a system message (chat models)"),
      MESSAGES,
@@ -376,8 +480,12 @@ register(OpDef(
     engine_batches=lambda p: all(batches_continuously(e, "generate")
                                  for e in p["_engines"].values()),
     fields=lambda p: (prompt_reads(p), (p["output"], p["route"], p["cost"])),
-    prepare=_prepare_route, doc="choose an engine per request by rule or cascade",
-    answers=Answers(output_tokens=lambda p: _ceiling(p) * max(1, len(p.get("cascade") or ())),
+    prepare=_prepare_route,
+    doc="choose an engine per request by rule, cascade or budgeted verified escalation",
+    answers=Answers(output_tokens=lambda p: _ceiling(p) * max(
+                        1, len(p.get("cascade") or p.get("escalate") or ())),
                     max_tokens=_ceiling, engine=_counting_engine,
                     # a cascade level's kept answer goes whole: one piece more
-                    pieces=lambda p: 1 + _ceiling(p))))
+                    pieces=lambda p: 1 + _ceiling(p),
+                    budgets=lambda p: None if not p.get("escalate") else
+                    "required" if p.get("budget") == "required" else "optional")))

@@ -40,8 +40,9 @@ class Binding:
     receives its text (``input_field``) and, of the answering stage (``stage``, whose
     operator is ``kind``; None: none), its output, ``usage``, ``max_tokens`` (route: the
     largest), engine spec (for counting tokens), the options its ``frozen:`` keeps from
-    requests and the ``response_format`` types it enforces. ``problem``: why the
-    pipeline cannot answer chat/completion requests, or None."""
+    requests, the ``response_format`` types it enforces and whether it spends a request's
+    budget (``Answers.budgets``). ``problem``: why the pipeline cannot answer
+    chat/completion requests, or None."""
 
     input_field: str | None
     answer_field: str | None
@@ -53,6 +54,7 @@ class Binding:
     stage: str | None = None
     kind: str | None = None
     response_formats: frozenset[str] = frozenset()
+    budget: str | None = None
 
 
 def _downstream(ops: list) -> dict[str, set[str]]:
@@ -123,7 +125,7 @@ def bind(plan: Plan) -> Binding:
     p, ans = gen.params, gen.op.answers
     return Binding(field, p["output"], ans.usage_field(p), ans.max_tokens(p), ans.engine(p),
                    problem, frozenset(p.get("frozen") or ()), gen.id, gen.op.name,
-                   ans.enforces(p))
+                   ans.enforces(p), ans.budgets(p))
 
 
 def request_options(b: Binding, req: WireRequest, name: str) -> dict[str, Any]:
@@ -165,7 +167,7 @@ def usage_of(b: Binding, record: dict, reply: Reply, text: str,
              answer: str) -> dict[str, Any]:
     """Prompt/completion/total tokens of one answer: what the answering stage reported
     (``reply``), else its ``usage:`` field in ``record``, else the engine's tokenizer
-    counts of ``text`` (the input) and ``answer``."""
+    counts of ``text`` (the input) and ``answer``; with ``cost`` when it was priced."""
     u = reply.usage
     if not isinstance(u, dict):
         u = record.get(b.usage_field) if b.usage_field else None
@@ -178,6 +180,8 @@ def usage_of(b: Binding, record: dict, reply: Reply, text: str,
     cached = u.get("cached_tokens") if isinstance(u, dict) else None
     if isinstance(cached, int) and cached > 0:  # OpenAI's field for prompt-cache hits
         usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    if reply.cost is not None:  # priced engines: what the answer cost (docs/routing.md)
+        usage["cost"] = reply.cost
     return usage
 
 

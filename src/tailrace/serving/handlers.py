@@ -41,7 +41,7 @@ from .relay import Relay, sse_response, unless_gone
 from .service import Cancel, PipelineService
 from .sessions import session_of
 from .tenants import Tenant, request_fields
-from .urgency import urgency
+from .urgency import budget, urgency
 
 
 def json_response(obj: Any, status: int = 200) -> Response:
@@ -112,6 +112,7 @@ def request_record(state: AppState, name: str, fields: dict[Any, Any], request: 
     serve = state.serves[name]
     headers = request.headers
     urgent = urgency(serve, name, body, headers)
+    spend = budget(state.bindings[name].budget, name, body, headers)
     session = session_of(body, headers)
     if serve is not None:
         fields.update(request_fields(serve, fields if body is None else body, headers))
@@ -122,7 +123,8 @@ def request_record(state: AppState, name: str, fields: dict[Any, Any], request: 
     # engine pools route a session's requests together (``session``)
     return fields, Envelope(options=options, answers=answers, asked=urgent, session=session,
                             messages=list(messages) if messages is not None else None,
-                            tenant=tenant.name if tenant is not None else None)
+                            tenant=tenant.name if tenant is not None else None,
+                            budget=spend)
 
 
 async def _submit(request: Request, service: PipelineService, record: dict,

@@ -101,7 +101,8 @@ IGNORED = frozenset({"user", "metadata", "service_tier", "store", "parallel_tool
 _HANDLED = frozenset({"model", "stream", "stream_options", "n", "max_tokens", "temperature",
                       "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
                       "logprobs", "logit_bias",
-                      "priority", "deadline_ms"})  # admission: urgency.py
+                      "priority", "deadline_ms",  # admission: urgency.py
+                      "budget"})  # what the answer may cost: urgency.budget
 #: fields only one endpoint has
 CHAT_ONLY = frozenset({"messages", "max_completion_tokens", "top_logprobs", "tools",
                        "tool_choice", "functions", "function_call", "response_format"})
@@ -334,6 +335,8 @@ def completion_body(req: WireRequest, rid: str, created: int,
                  for _, _, u in answers)
     if cached:
         usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    if any("cost" in u for _, _, u in answers):
+        usage["cost"] = sum(u.get("cost", 0.0) for _, _, u in answers)
     return {"id": rid, "object": "chat.completion" if req.chat else "text_completion",
             "created": created, "model": req.model, "choices": choices, "usage": usage}
 

@@ -19,6 +19,7 @@ from .openai_wire import WireError
 
 PRIORITY_HEADER = "X-Tailrace-Priority"
 DEADLINE_HEADER = "X-Tailrace-Deadline-Ms"
+BUDGET_HEADER = "X-Tailrace-Budget"
 _CLASSES = "'interactive', 'standard', 'batch' or an integer class (higher is more urgent)"
 
 
@@ -63,6 +64,35 @@ def _one(body: Mapping[str, Any] | None, headers: Mapping[str, str], field: str,
             raise WireError(f"'{field}' ({raw!r}) and header {header} ({hraw!r}) disagree; "
                             "send one of them", code="conflicting_parameter")
         got = hv if got is None else got
+    return got
+
+
+def _amount(value: Any, where: str, header: bool) -> float:
+    v = value
+    if header:
+        try:
+            v = float(value.strip())
+        except ValueError:
+            v = None
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) \
+            or v <= 0:
+        raise WireError(f"{where} must be a positive number (what the answer may cost, in "
+                        f"the engines' price unit), got {value!r}", code="invalid_budget")
+    return float(v)
+
+
+def budget(spends: str | None, name: str, body: Mapping[str, Any] | None,
+           headers: Mapping[str, str]) -> float | None:
+    """The request's budget (body ``budget`` or header ``X-Tailrace-Budget``), or None;
+    400 for a bad or conflicting one, one the pipeline cannot spend (``spends``: its
+    answering stage's ``Answers.budgets``) or none where the pipeline requires one."""
+    got = _one(body, headers, "budget", BUDGET_HEADER, _amount, lambda a, b: a == b)
+    if got is not None and spends is None:
+        raise WireError(f"pipeline '{name}' does not spend budgets (no route with escalate: "
+                        "answers it); drop 'budget' / X-Tailrace-Budget", code="budget_unused")
+    if got is None and spends == "required":
+        raise WireError(f"pipeline '{name}' needs a budget per request: send 'budget' or "
+                        f"header {BUDGET_HEADER}, a positive number", code="budget_required")
     return got
 
 
