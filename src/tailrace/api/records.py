@@ -15,6 +15,8 @@ class ErrorRecord:
     error:    the exception's type name (``ValueError``, ``StageTimeout``, ...).
     message:  the exception's message.
     attempts: how many times the operator was tried (1 + retries used).
+    detail:   what the failing operator adds (the exception's ``detail`` dict, e.g. a
+              budgeted route's calls and spend), or None.
     """
 
     stage: str
@@ -22,16 +24,22 @@ class ErrorRecord:
     error: str
     message: str
     attempts: int = 1
+    detail: dict[str, Any] | None = None
 
     @classmethod
     def from_exception(cls, stage: str, record: Any, exc: BaseException,
                        attempts: int = 1) -> ErrorRecord:
-        return cls(stage, record, type(exc).__name__, str(exc), attempts)
+        detail = getattr(exc, "detail", None)
+        return cls(stage, record, type(exc).__name__, str(exc), attempts,
+                   detail if isinstance(detail, dict) else None)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSONL form: ``{"error": {...}, "input": record}``."""
         record = self.input
         if isinstance(record, dict) and any(k.startswith("_") for k in record):
             record = {k: v for k, v in record.items() if not k.startswith("_")}  # transient
-        return {"error": {"stage": self.stage, "type": self.error, "message": self.message,
-                          "attempts": self.attempts}, "input": record}
+        error = {"stage": self.stage, "type": self.error, "message": self.message,
+                 "attempts": self.attempts}
+        if self.detail is not None:
+            error["detail"] = self.detail
+        return {"error": error, "input": record}

@@ -130,20 +130,23 @@ class Allocator:
     targets: engine name -> ``route._Target``; prices: engine name -> Price (None: free).
     order: ``listed`` | ``price`` | ``policy``; budget: the stage's (None: unbounded, or
     per request); budget_field: a record field holding a record's budget; revenue: a
-    fixed price per solved record, or None (a solved record pays its budget).
+    fixed price per solved record, or None (a solved record pays its budget); learn:
+    update ``policy`` from each verdict, and save it to ``policy_file`` after each batch.
     """
 
     def __init__(self, targets: dict[str, Any], escalate: list[str],
                  prices: dict[str, Price | None], verifier: Any, *, order: str,
                  budget: float | None, required: bool, budget_field: str | None,
                  revenue: float | None, policy: Policy | None, learn: bool,
-                 on_fail: str, out: str, ledger: Ledger, run_ledger: Ledger) -> None:
+                 on_fail: str, out: str, ledger: Ledger, run_ledger: Ledger,
+                 policy_file: str | None = None) -> None:
         self.targets, self.escalate = targets, escalate
         self.prices = {n: prices.get(n) or _ZERO for n in escalate}
         self.verifier, self.order, self.policy, self.learn = verifier, order, policy, learn
         self.budget, self.required, self.budget_field = budget, required, budget_field
         self.revenue, self.on_fail, self.out = revenue, on_fail, out
         self.ledgers = (ledger, run_ledger)
+        self.policy_file = policy_file
 
     # -- planning ------------------------------------------------------------------------
     def prompt_tokens(self, name: str, record: Any) -> int:
@@ -209,6 +212,7 @@ class Allocator:
                 continue
             jobs.append(_Job(r, plan, budget, x))
         active, done = jobs, []
+        learnt = self.seen()
         while active:
             groups: dict[str, list[_Job]] = {}
             for j in active:
@@ -220,7 +224,13 @@ class Allocator:
             active = []
             for name, group in groups.items():
                 active += self._step(name, group, errors, done)
+        if self.learn and self.policy is not None and self.policy_file and \
+                self.seen() != learnt:
+            self.policy.save(self.policy_file)  # what it learnt survives the run
         return done
+
+    def seen(self) -> int:
+        return sum(self.policy.seen.values()) if self.policy is not None else 0
 
     def _next(self, j: _Job) -> str | None:
         """The next provider of ``j``'s plan whose worst case fits its budget left."""
@@ -286,26 +296,30 @@ class Allocator:
             s(g.text)
         done.append(([j.record, decision, costs], g))
 
+    def _fail(self, j: _Job, errors: list, exc: Exception) -> None:
+        exc.detail = {"route": self._decision(j, None)}  # type: ignore[attr-defined]
+        errors.append((j.record, exc))
+
     def _end(self, j: _Job, errors: list, done: list) -> None:
         """``j`` has no provider left: it ends by its budget, or unsolved."""
         tried = ", ".join(f"{c['engine']} ({c['reason']})" for c in j.calls) or "nothing"
         if j.skipped and j.budget is not None:
             self._settle(j.record, "exhausted", 0.0, j.spent, j.calls)
-            errors.append((j.record, BudgetExhausted(
+            self._fail(j, errors, BudgetExhausted(
                 f"budget exhausted: spent {j.spent:.6g} of {j.budget:.6g} on {tried}; the "
                 f"next provider ({', '.join(j.skipped)}) could cost more than the "
-                f"{j.budget - j.spent:.6g} left", j.spent)))
+                f"{j.budget - j.spent:.6g} left", j.spent))
         elif not j.calls:
             self._settle(j.record, "exhausted", 0.0, 0.0, [])
             within = f" within the budget of {j.budget:.6g}" if j.budget is not None else ""
-            errors.append((j.record, BudgetExhausted(
-                f"declined: the policy expects no provider to pay{within} (nothing spent)")))
+            self._fail(j, errors, BudgetExhausted(
+                f"declined: the policy expects no provider to pay{within} (nothing spent)"))
         elif self.on_fail == "keep":
             self._finish(j, "unsolved", done)
         else:
             self._settle(j.record, "unsolved", 0.0, j.spent, j.calls)
-            errors.append((j.record, VerificationFailed(
-                f"no provider's answer passed: {tried}; spent {j.spent:.6g}")))
+            self._fail(j, errors, VerificationFailed(
+                f"no provider's answer passed: {tried}; spent {j.spent:.6g}"))
 
     def _settle(self, record: Any, outcome: str, revenue: float, spent: float,
                 calls: list) -> None:

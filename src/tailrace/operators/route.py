@@ -342,7 +342,8 @@ def _allocator(params: dict, targets: dict[str, _Target], label: str) -> Allocat
         required=budget == "required", budget_field=params.get("budget_field"),
         revenue=params.get("revenue"), policy=policy, learn=bool(params["learn"]),
         on_fail=params["on_fail"], out=params["output"],
-        ledger=ALLOCATIONS.get(label, lambda: Ledger(label)), run_ledger=Ledger(label))
+        ledger=ALLOCATIONS.get(label, lambda: Ledger(label)), run_ledger=Ledger(label),
+        policy_file=params.get("policy"))
 
 
 def _prepare_route(params: dict, ctx: LinkContext) -> dict:
