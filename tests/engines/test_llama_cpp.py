@@ -226,6 +226,8 @@ def test_gemma_base_model_completion_with_default_stops():
 
 def test_unknown_model_names_the_known_ones():
     with pytest.raises(EngineError, match=r"unknown model 'nope'.*gemma3-270m, "
+                                          r"qwen2\.5-coder-0\.5b-instruct, "
+                                          r"qwen2\.5-coder-1\.5b-instruct, "
                                           r"smollm2-135m-instruct"):
         LlamaCppEngine("nope")
     with pytest.raises(EngineError, match="model file not found"):

@@ -120,7 +120,8 @@ ENGINE_ERRORS = {
                         "onnx, openai"),
     "unknown model": ({"backend": "llama_cpp", "model": "gpt-5"},
                       "stage 'a': unknown model 'gpt-5' for backend 'llama_cpp'; known: "
-                      "gemma3-270m, smollm2-135m-instruct (or give 'path:' to a model file)"),
+                      "gemma3-270m, qwen2.5-coder-0.5b-instruct, qwen2.5-coder-1.5b-instruct, "
+                      "smollm2-135m-instruct (or give 'path:' to a model file)"),
     "wrong kind": ({"backend": "onnx", "model": "minilm-l3"},
                    "stage 'a': engine 'llm' (backend 'onnx') cannot generate; it serves: embed"),
 }

