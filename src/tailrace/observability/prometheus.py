@@ -52,6 +52,7 @@ class Scrape:
     admission: Any = None  # the admission gate's ``AdmissionStatistics``, or None
     pools: tuple[Any, ...] = ()  # engine pools' ``PoolStatistics``
     http: Any = None  # an ``HttpMeter``
+    ledgers: Mapping[str, Any] = field(default_factory=dict)  # budgeted routes' ledgers
 
 
 class HttpMeter:
@@ -123,6 +124,32 @@ class TailraceCollector:
         yield from pool_families(scrape.pools)
         if scrape.http is not None:
             yield from http_families(scrape.http)
+        yield from ledger_families(scrape.ledgers)
+
+
+_LEDGER = (("requests", "Requests a budgeted route stage took"),
+           ("solved", "Requests it answered with a verified answer"),
+           ("exhausted", "Requests its budget stopped (or its policy declined)"),
+           ("unsolved", "Requests no provider's answer passed"),
+           ("revenue", "What solved requests paid (their budget, or the stage's revenue)"),
+           ("spend", "What its provider calls cost"))
+
+
+def ledger_families(ledgers: Mapping[str, Any]) -> list[Any]:
+    """Budgeted route ledgers (``operators.allocate``) by stage label and tenant
+    (``tenant=""``: every request), and the margin (revenue - spend)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    fams = {k: CounterMetricFamily(f"tailrace_allocation_{k}", doc, labels=["label", "tenant"])
+            for k, doc in _LEDGER}
+    margin = GaugeMetricFamily("tailrace_allocation_margin", "Revenue minus spend",
+                               labels=["label", "tenant"])
+    for label, led in sorted(ledgers.items()):
+        for tenant, acc in [("", led), *sorted(led["tenants"].items())]:
+            for k, fam in fams.items():
+                fam.add_metric([label, tenant], acc[k])
+            margin.add_metric([label, tenant], acc["margin"])
+    return [*fams.values(), margin] if ledgers else []
 
 
 def http_families(meter: HttpMeter) -> list[Any]:
@@ -167,6 +194,9 @@ def pipeline_families(pipelines: Iterable[PipelineScrape]) -> list[Any]:
     depth_max = stage(GaugeMetricFamily, "queue_depth_max",
                       "Most records the stage's input queue held")
     bound = stage(GaugeMetricFamily, "queue_bound", "Bound of the stage's input queue (records)")
+    own = CounterMetricFamily("tailrace_stage_counter", "What the stage's operator counts "
+                              "(tokens, cost, solved, ...)", labels=["pipeline", "stage", "op",
+                                                                     "counter"])
     req = pipeline(CounterMetricFamily, "requests", "Records that entered the pipeline")
     resp = pipeline(CounterMetricFamily, "responses", "Records that left the pipeline at a sink")
     errs = pipeline(CounterMetricFamily, "errors", "Error records of the pipeline")
@@ -186,6 +216,8 @@ def pipeline_families(pipelines: Iterable[PipelineScrape]) -> list[Any]:
             labels = [p.name, s.stage, s.op]
             for name in c:
                 c[name].add_metric(labels, getattr(s, name))
+            for name, v in sorted(s.counters.items()):
+                own.add_metric([*labels, name], v)
             h = p.histograms.get(s.stage)
             if h is not None:
                 if s.queue_bound:
@@ -196,7 +228,8 @@ def pipeline_families(pipelines: Iterable[PipelineScrape]) -> list[Any]:
                 depth.add_metric(labels, p.queue_depth.get(s.stage, 0))
                 depth_max.add_metric(labels, s.max_queue_depth)
                 bound.add_metric(labels, s.queue_bound)
-    return [req, resp, errs, ready, lat, *c.values(), wait, svc, batch, depth, depth_max, bound]
+    return [req, resp, errs, ready, lat, *c.values(), wait, svc, batch, depth, depth_max, bound,
+            own]
 
 
 def admission_families(a: Any) -> list[Any]:

@@ -38,7 +38,7 @@ def format_stats(stats: RunStats) -> str:
     for s in stats.stages:
         if s.counters:
             lines.append(f"{s.stage}: " + ", ".join(
-                f"{k} {v:,.0f}" if float(v).is_integer() else f"{k} {v:,.3f}"
+                f"{k} {v:,.0f}" if float(v).is_integer() else f"{k} {v:.4g}"
                 for k, v in s.counters.items()))
     lat = stats.latency_us
     rate = stats.records_in / stats.wall_s if stats.wall_s > 0 else 0.0

@@ -80,7 +80,9 @@ def scrape(hub: Any, http: HttpMeter | None = None) -> Scrape:
         pipelines.append(PipelineScrape(
             svc.name, bool(svc.ready), svc.stats(), stage_histograms(run), _depths(svc),
             latency if isinstance(latency, Histogram) else None))
-    return Scrape(tuple(pipelines), _admission(hub), tuple(_pools(hub)), http)
+    from ..operators.allocate import ledgers
+
+    return Scrape(tuple(pipelines), _admission(hub), tuple(_pools(hub)), http, ledgers())
 
 
 # -- dashboard data ----------------------------------------------------------------------
@@ -125,7 +127,8 @@ def _pipeline_data(svc: Any) -> dict[str, Any]:
             "wait_p50_us": q.p50 if q else 0.0, "wait_p99_us": q.p99 if q else 0.0,
             "svc_p50_us": v.p50 if v else 0.0, "svc_p99_us": v.p99 if v else 0.0,
             "batch_mean": s.batch_size.mean if s else 0.0,
-            "depth": depths.get(n["id"], 0), "max_depth": s.max_queue_depth if s else 0})
+            "depth": depths.get(n["id"], 0), "max_depth": s.max_queue_depth if s else 0,
+            "counters": dict(s.counters) if s else {}})
         if n["op"] != "source":
             parts.append({"id": n["id"],
                           "wait_us": n["wait_p99_us"] if n["bound"] else 0.0,

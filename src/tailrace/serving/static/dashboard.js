@@ -170,6 +170,8 @@ function drawP99(p) {
   legend.appendChild(note);
 }
 
+function fmtMoney(v) { return String(Number(Number(v).toPrecision(4))); }
+
 function drawTable(p) {
   const body = document.querySelector("#stages tbody");
   const rows = p.nodes.map(n => {
@@ -191,6 +193,12 @@ function drawTable(p) {
       q.appendChild(wrap);
     } else { q.textContent = n.fused ? "fused" : "-"; q.className = "fused"; }
     tr.appendChild(q);
+    // priced engines: what the stage spent; budgeted routes: their margin and solved too
+    const c = n.counters || {}, money = [];
+    if (c.spend !== undefined || c.cost !== undefined) money.push(fmtMoney(c.spend ?? c.cost));
+    if (c.margin !== undefined) money.push(`margin ${fmtMoney(c.margin)}`);
+    if (c.solved !== undefined) money.push(`solved ${fmtN(c.solved)}/${fmtN(c.requests || 0)}`);
+    tr.appendChild(el("td", {"data-field": "spend"}, money.length ? money.join(" · ") : "-"));
     return tr;
   });
   body.replaceChildren(...rows);
