@@ -75,6 +75,10 @@ def test_a_request_budget_from_the_body_or_header_is_spent_and_the_answer_report
     assert 'tailrace_allocation_exhausted_total{label="open-ledger",tenant="acme"} 1.0' in metrics
     assert 'tailrace_allocation_revenue_total{label="open-ledger",tenant="acme"} 1.0' in metrics
     assert 'counter="spend"' in metrics
+    # what the tenant's requests cost, the exhausted one's small call included
+    line = next(x for x in metrics.splitlines()
+                if x.startswith('tailrace_pipeline_spend_total{pipeline="open",tenant="acme"}'))
+    assert float(line.split()[-1]) == pytest.approx(0.013 + 0.13 + 0.013)
 
 
 @pytest.mark.parametrize("model,kw,code,msg", [

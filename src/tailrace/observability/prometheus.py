@@ -42,6 +42,7 @@ class PipelineScrape:
     histograms: Mapping[str, StageHistograms] = field(default_factory=dict)
     queue_depth: Mapping[str, int] = field(default_factory=dict)  # records in its queue now
     latency: Histogram | None = None  # end to end (arrival to sink)
+    spend: Mapping[str, float] = field(default_factory=dict)  # tenant -> priced calls' cost
 
 
 @dataclass(frozen=True)
@@ -202,6 +203,8 @@ def pipeline_families(pipelines: Iterable[PipelineScrape]) -> list[Any]:
     errs = pipeline(CounterMetricFamily, "errors", "Error records of the pipeline")
     ready = pipeline(GaugeMetricFamily, "ready", "1 when the pipeline serves requests")
     lat = pipeline(HistogramMetricFamily, "latency_seconds", "End-to-end latency, arrival to sink")
+    spend = CounterMetricFamily("tailrace_pipeline_spend", "What the answers' priced engine "
+                                "calls cost, by tenant ('': none)", labels=["pipeline", "tenant"])
     for p in pipelines:
         st = p.stats
         # a live run adds its sources' counts to records_in only when they end
@@ -212,6 +215,8 @@ def pipeline_families(pipelines: Iterable[PipelineScrape]) -> list[Any]:
         ready.add_metric([p.name], 1.0 if p.ready else 0.0)
         if p.latency is not None:
             _observe(lat, [p.name], p.latency)
+        for tenant, v in sorted(p.spend.items()):
+            spend.add_metric([p.name, tenant], v)
         for s in st.stages:
             labels = [p.name, s.stage, s.op]
             for name in c:
@@ -228,8 +233,8 @@ def pipeline_families(pipelines: Iterable[PipelineScrape]) -> list[Any]:
                 depth.add_metric(labels, p.queue_depth.get(s.stage, 0))
                 depth_max.add_metric(labels, s.max_queue_depth)
                 bound.add_metric(labels, s.queue_bound)
-    return [req, resp, errs, ready, lat, *c.values(), wait, svc, batch, depth, depth_max, bound,
-            own]
+    return [req, resp, errs, ready, lat, spend, *c.values(), wait, svc, batch, depth,
+            depth_max, bound, own]
 
 
 def admission_families(a: Any) -> list[Any]:

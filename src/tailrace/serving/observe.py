@@ -79,7 +79,8 @@ def scrape(hub: Any, http: HttpMeter | None = None) -> Scrape:
         latency = getattr(run, "latency", None)
         pipelines.append(PipelineScrape(
             svc.name, bool(svc.ready), svc.stats(), stage_histograms(run), _depths(svc),
-            latency if isinstance(latency, Histogram) else None))
+            latency if isinstance(latency, Histogram) else None,
+            dict(getattr(svc, "spend", None) or {})))
     from ..operators.allocate import ledgers
 
     return Scrape(tuple(pipelines), _admission(hub), tuple(_pools(hub)), http, ledgers())

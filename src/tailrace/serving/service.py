@@ -171,6 +171,7 @@ class PipelineService:
         self.placement = placement
         self.runs = runs
         self.unrouted = 0  # outputs/error records with no waiting caller (late, extra)
+        self.spend: dict[str, float] = {}  # tenant ("" none) -> what its answers cost
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._waiting: dict[int, _Waiter] = {}
@@ -493,12 +494,23 @@ class PipelineService:
         else:
             _answer(waiter, value, exc)
 
+    def _spent(self, req: Any, cost: Any) -> None:
+        if isinstance(cost, (int, float)) and cost:
+            key = (req.tenant or "") if req is not None else ""
+            with self._lock:
+                self.spend[key] = self.spend.get(key, 0.0) + cost
+
     def _on_output(self, record: Any) -> None:
+        req = request_of(record)
+        if req is not None and req.reply.cost is not None:
+            self._spent(req, req.reply.cost)
         waiter = self._waiter_of(record)
         if waiter is not None:
             self._reply(waiter, strip(record), None)
 
     def _on_error(self, err: ErrorRecord) -> None:
+        if err.detail is not None:  # a budgeted route spent this much before it failed
+            self._spent(request_of(err.input), (err.detail.get("route") or {}).get("spent"))
         waiter = self._waiter_of(err.input)
         if waiter is not None:
             self._reply(waiter, None, RequestFailed(err, waiter.retry_after))
