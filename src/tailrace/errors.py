@@ -9,6 +9,7 @@
 - ``EngineError``: a model engine is misconfigured, missing its model, or failed a call;
   ``ContextOverflow``, one of them: a prompt does not fit in the model's context.
 - ``StoreError``: an index or memory store is missing, corrupt or incompatible.
+- ``VerificationFailed``: a ``verify`` stage with ``on_fail: error`` judged an answer wrong.
 
 Errors that belong to one layer live beside it: ``operators.common.FieldError`` (a
 record lacks a field), ``control.admission.AdmissionRejected`` (over budget),
@@ -73,3 +74,15 @@ class StructuredOutputError(EngineError):
 class StoreError(TailraceError):
     """A store (vector or live index, memory store, corpus) is missing, corrupt, or
     incompatible with what uses it (e.g. the query embedder)."""
+
+
+class VerificationFailed(TailraceError):
+    """A ``verify`` stage with ``on_fail: error`` judged a record's answer wrong.
+
+    ``reason`` is the verdict's reason ("AssertionError at line 12", "timeout after 10 s"),
+    ``verifier`` the verifier's name; the message is ``"<verifier>: <reason>"``.
+    """
+
+    def __init__(self, reason: str, verifier: str = "verifier"):
+        self.reason, self.verifier = reason, verifier
+        super().__init__(f"{verifier}: {reason}")
