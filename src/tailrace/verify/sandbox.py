@@ -2,7 +2,8 @@
 
 ``await run_program(source, limits)`` starts ``python -I -B -c BOOTSTRAP`` with
 ``asyncio.create_subprocess_exec`` (no thread of ours; the event loop keeps serving other
-records while the program runs) and returns a ``SandboxResult`` whose ``status`` says how
+records while the program runs; Python 3.11's asyncio waits for the exit in a helper
+thread of its own) and returns a ``SandboxResult`` whose ``status`` says how
 the program ended. The program is never trusted to report on itself: a ``passed`` needs
 the bootstrap's end-of-program note, written only after the whole program ran.
 
