@@ -26,19 +26,17 @@ ALLOWED: dict[str, set[str]] = {
     "api": {"errors"},
     "observability": {"errors", "api", "request"},
     "engines": BASE,
-    "verify": BASE,  # verifiers and their sandbox: operators and routing use them
     "stores": BASE | {"engines"},
     "control": BASE | {"engines"},  # admission only; tokens, never the pool's insides
-    "operators": BASE | {"engines", "stores", "control", "observability", "verify"},
-    "compiler": BASE | {"operators", "observability", "verify"},
+    "operators": BASE | {"engines", "stores", "control", "observability"},
+    "compiler": BASE | {"operators", "observability"},
     # control: the Ray gate actor (runtime/ray/gate.py) hosts an admission policy; see
     # test_control_sits_below_runtime
-    "runtime": BASE | {"compiler", "operators", "control", "engines", "observability",
-                       "verify"},
+    "runtime": BASE | {"compiler", "operators", "control", "engines", "observability"},
     "serving": BASE | {"runtime", "compiler", "operators", "control", "engines", "stores",
-                       "observability", "verify"},
+                       "observability"},
     "cli": BASE | {"serving", "runtime", "compiler", "operators", "control", "engines",
-                   "stores", "observability", "verify"},
+                   "stores", "observability"},
     "demo": BASE,
 }
 

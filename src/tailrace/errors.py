@@ -6,10 +6,12 @@
 - ``InputError``: a run input (file, JSONL line) is unreadable or malformed.
 - ``StageTimeout``: an operator exceeded its stage's ``timeout_ms``.
 - ``RunInterrupted``: the run was stopped by the caller (Ctrl-C / cancellation).
+- ``VerificationFailed``: an answer failed its verifier (``verify``, budgeted ``route``).
+- ``BudgetExhausted``: a budgeted ``route`` could not buy a verified answer within the
+  record's budget (or declined to try); it says what was spent on which providers.
 - ``EngineError``: a model engine is misconfigured, missing its model, or failed a call;
   ``ContextOverflow``, one of them: a prompt does not fit in the model's context.
 - ``StoreError``: an index or memory store is missing, corrupt or incompatible.
-- ``VerificationFailed``: a ``verify`` stage with ``on_fail: error`` judged an answer wrong.
 
 Errors that belong to one layer live beside it: ``operators.common.FieldError`` (a
 record lacks a field), ``control.admission.AdmissionRejected`` (over budget),
@@ -57,6 +59,21 @@ class RunInterrupted(TailraceError):
         self.result = result
 
 
+class BudgetExhausted(TailraceError):
+    """A budgeted ``route`` stopped before a verified answer: the next provider would
+    cost more than the budget has left, or no provider was expected to pay (declined).
+    ``spent`` is what the record's calls cost."""
+
+    def __init__(self, message: str, spent: float = 0.0):
+        super().__init__(message)
+        self.spent = spent
+
+
+class VerificationFailed(TailraceError):
+    """An answer failed its verifier (``verify`` with ``on_fail: error``), or no
+    provider's answer of a budgeted ``route`` passed; the message gives the reasons."""
+
+
 class EngineError(TailraceError):
     """A model engine is misconfigured, missing its model package, or failed a call."""
 
@@ -74,15 +91,3 @@ class StructuredOutputError(EngineError):
 class StoreError(TailraceError):
     """A store (vector or live index, memory store, corpus) is missing, corrupt, or
     incompatible with what uses it (e.g. the query embedder)."""
-
-
-class VerificationFailed(TailraceError):
-    """A ``verify`` stage with ``on_fail: error`` judged a record's answer wrong.
-
-    ``reason`` is the verdict's reason ("AssertionError at line 12", "timeout after 10 s"),
-    ``verifier`` the verifier's name; the message is ``"<verifier>: <reason>"``.
-    """
-
-    def __init__(self, reason: str, verifier: str = "verifier"):
-        self.reason, self.verifier = reason, verifier
-        super().__init__(f"{verifier}: {reason}")

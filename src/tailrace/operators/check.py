@@ -16,7 +16,8 @@ verifier: ``{kind: options}`` (docs/pipeline-yaml.md, ``verify``).
 field:    the text to check (default ``answer``, what ``generate`` writes).
 out:      the field for the verdict ``{ok, reason, verifier}`` (default ``verdict``).
 on_fail:  ``keep`` (the record goes on with its verdict) or ``error`` (it ends as an
-          error record, ``VerificationFailed`` with the reason).
+          error record: ``VerificationFailed`` with the message ``"<verifier>: <reason>"``
+          and the verdict as its ``detail``, ``{out: verdict}``).
 """
 
 from __future__ import annotations
@@ -76,7 +77,9 @@ def _build(params: dict, ctx: BuildContext) -> OpRuntime:
         counts["verified"] += 1
         counts["passed" if v.ok else "failed"] += 1
         if not v.ok and error:
-            raise VerificationFailed(v.reason, v.verifier)
+            exc = VerificationFailed(f"{v.verifier}: {v.reason}")
+            exc.detail = {out: v.to_dict()}  # type: ignore[attr-defined]  # the error record's
+            raise exc
         return [{**r, out: v.to_dict()}]
 
     return OpRuntime("map", record_fn=check, is_async=True, counters=lambda: dict(counts))
