@@ -28,7 +28,8 @@ ALLOWED: dict[str, set[str]] = {
     "engines": BASE,
     "stores": BASE | {"engines"},
     "control": BASE | {"engines"},  # admission only; tokens, never the pool's insides
-    "operators": BASE | {"engines", "stores", "control", "observability"},
+    "verify": BASE,  # verifiers and their sandbox: used by operators (verify, route)
+    "operators": BASE | {"engines", "stores", "control", "observability", "verify"},
     "compiler": BASE | {"operators", "observability"},
     # control: the Ray gate actor (runtime/ray/gate.py) hosts an admission policy; see
     # test_control_sits_below_runtime
