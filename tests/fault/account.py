@@ -10,7 +10,7 @@ from typing import Any
 import tailrace.errors as tr_errors
 from tailrace.request import REQUEST, Cancel, Request
 
-from .harness import Scenario, fanout, lineages, stage_id
+from .harness import Scenario, fanout, key_of, lineages, on_fail, stage_id, verified
 
 #: error types a stage with ``timeout_ms`` may end a record with (tailrace's own errors:
 #: StageTimeout, or whatever the runtime says when too many calls are abandoned)
@@ -31,7 +31,7 @@ class Observed:
     transient: frozenset = frozenset()  # non-user fields the caller's records may hold
 
 
-FIELDS = frozenset({"lid", "path", "grp", "hops", "count", "items"})
+FIELDS = frozenset({"lid", "path", "grp", "hops", "count", "items", "verdict"})
 
 
 def _foreign(x: Any, transient: frozenset) -> list[str]:
@@ -132,6 +132,13 @@ def explain_errors(sc: Scenario, obs: Observed) -> list[str]:
             elif e.message.startswith("always") and e.attempts != 1 + retries:
                 problems.append(f"{e.stage} has retries={retries} but the record was tried "
                                 f"{e.attempts} time(s)")
+        elif e.error == "VerificationFailed" and step.op == "verify":
+            if on_fail(sc.seed, e.stage) != "error":
+                problems.append(f"unexplained error at {e.stage}: on_fail keep, yet a failed "
+                                f"verdict ended the record: {e.message}")
+            elif verified(sc.seed, e.stage, key_of(e.input)):
+                problems.append(f"unexplained error at {e.stage}: its verifier passed the "
+                                f"record: {e.message}")
         elif timeout is not None and e.error in TAILRACE_ERRORS:
             pass  # StageTimeout (or a runtime's clear error about abandoned calls)
         else:

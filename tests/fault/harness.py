@@ -78,6 +78,17 @@ def keeps(seed: int, stage: str, path: tuple) -> bool:
     return h(seed, "keep", stage, path) % 4 != 0
 
 
+def verified(seed: int, stage: str, key: tuple) -> bool:
+    """A ``verify`` stage's verdict on a record: about one in four fails."""
+    return h(seed, "verified", stage, key) % 4 != 0
+
+
+def on_fail(seed: int, stage: str) -> str:
+    """What a ``verify`` stage does with a failing record: ``keep`` it (with its verdict)
+    or end it as an error record (``error``), half the stages each."""
+    return ("keep", "error")[h(seed, "on_fail", stage) % 2]
+
+
 # -- scenarios ------------------------------------------------------------------------------
 FAULT_KINDS = ("always", "first", "slow", "slow_first", "hang")
 
@@ -115,7 +126,10 @@ class Step:
         stage of ``size`` records, ``wait_ms``) | bmap (a map with a batch contract of
         ``size``, ``wait_ms``) | cmap (a custom operator with ``concurrent_calls``:
         several blocking calls in flight per replica, ``Execution.in_flight``)
-        | stateful | select (a batch-only built-in operator).
+        | stateful | select (a batch-only built-in operator) | verify (the ``verify``
+        operator with a ``python`` verifier failing about one record in four, ``verified``;
+        ``on_fail`` keep or error by stage, ``on_fail()``; async when the stage has a
+        timeout, else a plain function; never on a stream of batches).
     contract: the contract keywords, as sorted (key, value) pairs.
     """
 
@@ -194,7 +208,7 @@ class Scenario:
 
 
 PIPELINE = "fault"
-FN_OPS = ("map", "amap", "filter", "flat_map", "branch", "bmap", "cmap", "stateful")
+FN_OPS = ("map", "amap", "filter", "flat_map", "branch", "bmap", "cmap", "stateful", "verify")
 
 
 class ConcurrentMap(tr.Operator):
@@ -384,6 +398,34 @@ class AsyncFn(Fn):
         return self.apply(x)
 
 
+class VerifyFn(Fn):
+    """A ``python`` verifier ``(answer, record) -> (ok, reason)`` with the stage's faults."""
+
+    def __call__(self, answer: str, record: Any) -> Any:  # type: ignore[override]
+        fate, n = self._fate(record)
+        if fate == "slow" or (fate == "slow_first" and n == 1):
+            _block(record, PROBES.get(self.run), self.slow_s)
+        elif fate == "hang":
+            _block(record, PROBES.get(self.run), HANG_MAX_S)
+        return self.verdict(record)
+
+    def verdict(self, record: Any) -> tuple[bool, str]:
+        ok = verified(self.seed, self.stage, key_of(record))
+        return ok, "verified" if ok else f"rejected {key_of(record)}"
+
+
+class AsyncVerifyFn(VerifyFn):
+    """The async twin: slow and hung checks are sleeps the stage's timeout cancels."""
+
+    async def __call__(self, answer: str, record: Any) -> Any:  # type: ignore[override]
+        fate, n = self._fate(record)
+        if fate == "slow" or (fate == "slow_first" and n == 1):
+            await asyncio.sleep(self.slow_s)
+        elif fate == "hang":
+            await asyncio.sleep(HANG_MAX_S)
+        return self.verdict(record)
+
+
 class StatefulFn(Fn):
     """``fn(state, record) -> (state, emit)``: counts the records of each ``grp``."""
 
@@ -425,6 +467,11 @@ def build(sc: Scenario, ledger: Ledger, run: int, *, data: list | None,
         elif step.op == "stateful":
             out = s.stateful(StatefulFn("stateful", sid, sc, step.faults, ledger, run, t),
                              id=sid, key="grp", output="count", **c)
+        elif step.op == "verify":
+            check = (AsyncVerifyFn if t is not None else VerifyFn)(
+                "verify", sid, sc, step.faults, ledger, run, t)
+            out = s.apply("verify", id=sid, verifier={"python": check}, field="lid",
+                          on_fail=on_fail(sc.seed, sid), **c)
         elif step.op == "select":
             out = s.apply("select", id=sid, drop=["scratch"], **c)
         elif step.op == "batch":

@@ -1,6 +1,6 @@
 """Built-in operators and the registry that maps YAML ``op:`` names to them."""
 
-from . import core, llm, memory, retrieval, route, semantic, tools  # noqa: F401  (built-ins)
+from . import check, core, llm, memory, retrieval, route, semantic, tools  # noqa: F401  (built-ins)
 from .custom import Operator
 from .registry import (
     BuildContext,
