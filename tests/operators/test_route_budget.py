@@ -9,6 +9,7 @@ import json
 import pytest
 
 import tailrace as tr
+from tailrace.compiler import compile_pipeline
 from tailrace.engines import BACKENDS, Generation
 from tailrace.errors import PlanError
 from tailrace.operators.allocate import ledgers
@@ -165,7 +166,10 @@ def test_a_policy_fit_on_a_trace_skips_the_provider_that_fails_such_prompts(tmp_
     assert pol.success("small", features("level 1 z task")) > 0.7
     assert pol.success("small", features("level 3 z task")) < 0.3
     SkillEngine.calls = {}
-    res = run(pipeline(escalate=["small", "big"], order="policy",
+    # small at half big's price: worth trying first only where it likely passes
+    # (chance > 0.34 here); a cheaper small is worth a try even at a low chance
+    engines = {"big": spec("big", 3, 10.0), "small": spec("small", 1, 5.0)}
+    res = run(pipeline(engines, escalate=["small", "big"], order="policy",
                        policy=str(tmp_path / "p.json"), revenue=1.0),
               [{"q": "level 3 z task"}, {"q": "level 1 z task"}])
     assert not res.errors, res.errors
@@ -187,12 +191,16 @@ def test_a_policy_declines_when_no_provider_is_expected_to_pay(tmp_path):
 
 def test_learn_updates_the_policy_online_from_verified_outcomes(tmp_path):
     Policy(["small", "big"]).save(tmp_path / "p.json")
-    p = pipeline(escalate=["small", "big"], order="policy", policy=str(tmp_path / "p.json"),
+    engines = {"big": spec("big", 3, 10.0), "small": spec("small", 1, 5.0)}
+    p = pipeline(engines, escalate=["small", "big"], order="policy",
+                 policy=str(tmp_path / "p.json"),
                  revenue=1.0, learn=True, on_fail="keep")
     res = run(p, [{"q": f"level 3 {w} job"} for w in "abcdefghijklmnop"] * 3)
     tried = [[c["engine"] for c in r["route"]["tried"]] for r in res.outputs]
     assert tried[0][0] == "small"  # an untrained policy: cheap first
     assert tried[-1] == ["big"]  # it learnt that small fails these
+    learnt = Policy.load(tmp_path / "p.json")  # and saved what it learnt
+    assert learnt.seen["small"] > 0 and learnt.success("small", features("level 3 q job")) < 0.34
 
 
 @pytest.mark.parametrize("kw,msg", [
@@ -211,17 +219,17 @@ def test_learn_updates_the_policy_online_from_verified_outcomes(tmp_path):
 ])
 def test_compile_time_refusals(kw, msg):
     with pytest.raises(PlanError, match=msg):
-        tr.compile(pipeline(**kw))
+        compile_pipeline(pipeline(**kw))
 
 
 def test_an_unpriced_engine_cannot_be_budgeted_and_a_price_must_be_well_formed():
     engines = {"small": spec("small", 1, None), "big": spec("big", 3, 10.0)}
     with pytest.raises(PlanError, match="engine 'small' has no price"):
-        tr.compile(pipeline(engines, escalate=["small", "big"], budget=1.0))
-    tr.compile(pipeline(engines, escalate=["small", "big"]))  # listed, unbudgeted: fine
+        compile_pipeline(pipeline(engines, escalate=["small", "big"], budget=1.0))
+    compile_pipeline(pipeline(engines, escalate=["small", "big"]))  # listed, unbudgeted: fine
     bad = {"small": {**spec("small", 1, None), "price": {"prompt_per_1k": -1}}}
     with pytest.raises(PlanError, match="price must be"):
-        tr.compile(pipeline(bad, escalate=["small"]))
+        compile_pipeline(pipeline(bad, escalate=["small"]))
 
 
 def test_a_price_on_an_embedding_engine_is_refused_it_reports_no_token_counts():

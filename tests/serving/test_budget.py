@@ -16,7 +16,7 @@ from tailrace.serving.tenants import Tenant, TenantKeys
 from tests.operators.test_route_budget import VERIFY, spec
 from tests.serving.server import running
 
-KEY = "sk-budget-0000001"
+KEY, ADMIN = "sk-budget-0000001", "sk-budget-admin-1"
 
 
 @pytest.fixture(autouse=True)
@@ -49,7 +49,7 @@ def url():
                    ("tests.operators.test_route_budget", "SkillEngine", ("generate",)))
         hub = ServingHub([PipelineService(budgeted("open")),
                           PipelineService(budgeted("strict", "required")),
-                          PipelineService(plain())], tenants=keys)
+                          PipelineService(plain())], tenants=keys, api_key=ADMIN)
         with running(hub) as u:
             yield u
 
@@ -65,12 +65,12 @@ def test_a_request_budget_from_the_body_or_header_is_spent_and_the_answer_report
     assert r.choices[0].message.content == "ok"
     # small (3 + 10 tokens at 1/1k) failed, big (3 + 10 at 10/1k) passed
     assert r.usage.model_extra["cost"] == pytest.approx(0.013 + 0.13)
-    # the header on /runs; a budget too small for big ends the record: a 500-class error
+    # the header on /runs; a budget too small for big ends the record: 402
     res = httpx.post(url + "/v1/pipelines/open/runs", json={"q": "level 3 job"},
                      headers={"X-Tailrace-Budget": "0.05", "Authorization": f"Bearer {KEY}"})
-    assert res.status_code >= 400
+    assert res.status_code == 402 and res.json()["error"]["code"] == "budget_exhausted"
     assert "budget exhausted: spent 0.013 of 0.05" in res.text
-    metrics = httpx.get(url + "/metrics").text
+    metrics = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}).text
     assert 'tailrace_allocation_solved_total{label="open-ledger",tenant="acme"} 1.0' in metrics
     assert 'tailrace_allocation_exhausted_total{label="open-ledger",tenant="acme"} 1.0' in metrics
     assert 'tailrace_allocation_revenue_total{label="open-ledger",tenant="acme"} 1.0' in metrics

@@ -47,7 +47,8 @@ def check_params(spec: StageSpec, op: OpDef) -> dict[str, Any]:
             out[p.name] = p.default
             continue
         if not (p.callable and callable(v)) and (
-                not isinstance(v, p.types) or (isinstance(v, bool) and object not in p.types)):
+                not isinstance(v, p.types)
+                or (isinstance(v, bool) and object not in p.types and bool not in p.types)):
             raise _err(spec, f"'{p.name}' must be {p.want or p.types[0].__name__}, got {v!r}")
         out[p.name] = v
         if p.check is not None and not p.check(v):

@@ -15,6 +15,9 @@ BAD_INPUT_ERRORS = frozenset({"FieldError", "ContextOverflow", "InputError"})
 _STATUS = {"AdmissionRejected": (429, "admission_rejected"),
            "StageTimeout": (504, "stage_timeout"),
            "GateUnavailable": (503, "gate_unavailable"),  # the cluster's gate actor is gone
+           # a budgeted route (docs/routing.md): the budget stopped it, or nothing passed
+           "BudgetExhausted": (402, "budget_exhausted"),
+           "VerificationFailed": (422, "verification_failed"),
            **{e: (400, e) for e in BAD_INPUT_ERRORS}}
 
 
@@ -22,7 +25,7 @@ class ServiceError(TailraceError):
     """A request the service could not answer; ``status`` is the matching HTTP status.
 
     message:     what went wrong, in one line.
-    status:      HTTP status (400, 429, 500, 503, 504).
+    status:      HTTP status (400, 402, 422, 429, 500, 503, 504).
     code:        a short machine-readable reason (OpenAI's ``error.code``).
     retry_after: seconds after which a retry may succeed (429/503), else None.
     """
