@@ -275,6 +275,7 @@ class Allocator:
 
     def _decision(self, j: _Job, engine: str | None) -> dict[str, Any]:
         return {"engine": engine, "tried": j.calls, "spent": j.spent, "budget": j.budget,
+                "escalated": len(j.calls) > 1,
                 **({"skipped": j.skipped} if j.skipped else {})}
 
     def _finish(self, j: _Job, outcome: str, done: list) -> None:
