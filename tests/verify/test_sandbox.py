@@ -155,7 +155,8 @@ def _children() -> set[int]:
     out = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
             cwd = os.readlink(f"/proc/{pid}/cwd")
         except (OSError, ValueError, IndexError):
             continue

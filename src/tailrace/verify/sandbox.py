@@ -66,6 +66,7 @@ verifier. docs/design.md, "The verify sandbox", says the same.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -254,10 +255,8 @@ def _head(path: str, n: int) -> str:
 
 
 def _kill_group(pid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _source_line(source: str, line: int | None) -> str:
