@@ -117,10 +117,18 @@ def test_sockets_are_refused(how, what):
     ("import subprocess\nsubprocess.run(['true'])", "subprocess"),
     ("import os\nos.kill(os.getppid(), 9)", "os.kill"),
     ("import resource\nresource.setrlimit(resource.RLIMIT_AS, (-1, -1))", "setrlimit"),
+    ("import ctypes\nctypes.CDLL(None).system(b'true')", "ctypes"),
+    ("import ctypes\nctypes.string_at(id(1), 8)", "ctypes"),
 ])
 def test_processes_signals_and_limits_are_refused(how, what):
     r = run(how + "\n")
     assert (r.status, r.reason) == ("refused", f"refused: {what}"), r
+
+
+def test_numpy_works_inside():
+    pytest.importorskip("numpy")
+    r = run("import numpy as np\nassert np.arange(4).sum() == 6\n")
+    assert r.status == "passed", r
 
 
 def test_a_refusal_caught_by_the_program_still_explains_its_failure():
@@ -155,7 +163,8 @@ def _children() -> set[int]:
     out = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
             cwd = os.readlink(f"/proc/{pid}/cwd")
         except (OSError, ValueError, IndexError):
             continue

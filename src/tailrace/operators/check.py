@@ -22,6 +22,7 @@ on_fail:  ``keep`` (the record goes on with its verdict) or ``error`` (it ends a
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any
 
@@ -51,10 +52,8 @@ def as_text(value: Any) -> str:
 
 def _fields(params: dict) -> tuple[tuple[str, ...], tuple[str, ...]]:
     reads: tuple[str, ...] = (params["field"],)
-    try:
+    with contextlib.suppress(PlanError):  # ``prepare`` reports it, naming the stage
         reads += make_verifier(params["verifier"]).fields
-    except PlanError:
-        pass  # ``prepare`` reports it, naming the stage
     return tuple(dict.fromkeys(reads)), (params["out"],)
 
 

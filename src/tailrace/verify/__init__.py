@@ -11,10 +11,10 @@ and what it does not protect against in docs/design.md ("The verify sandbox").
 >>> v = make_verifier({"regex": {"pattern": "^yes", "flags": "i"}}, "verifier")
 >>> asyncio.run(v("Yes, it is.", {}))
 Verdict(ok=True, reason="matched 'Yes'", verifier='regex')
->>> make_verifier({"regexp": "x"}, "stage 'check': verifier")
+>>> make_verifier({"regexp": "x"}, "stage 'check': verifier")  # doctest: +ELLIPSIS
 Traceback (most recent call last):
 ...
-tailrace.errors.PlanError: stage 'check': verifier: unknown verifier 'regexp'; did you mean 'regex'? (accepted: unit_tests, json_schema, regex, grounded, python)
+tailrace.errors.PlanError: stage 'check': verifier: unknown verifier 'regexp'; did you ...
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ What the sandbox does:
   program's cwd, ``HOME`` and ``TMPDIR``), removed afterwards, whatever happened.
 - **Interpreter.** ``python -I -B``: no ``PYTHON*`` variables, no user site-packages, no
   script directory on ``sys.path``, no ``.pyc`` written; a minimal environment
-  (``PATH``, ``HOME``, ``TMPDIR``, ``LC_ALL``); stdin is ``/dev/null``.
+  (``PATH``, ``HOME``, ``TMPDIR``, ``LC_ALL``, and one thread for OpenMP/OpenBLAS/MKL
+  pools); stdin is ``/dev/null``.
 - **Limits, set in the child** by the bootstrap before the program runs: ``RLIMIT_AS``
   (address space: ``memory_mb``), ``RLIMIT_CPU`` (CPU seconds: the timeout plus one),
   ``RLIMIT_FSIZE`` (largest file it may write), ``RLIMIT_NOFILE`` (open files),
@@ -30,7 +31,8 @@ What the sandbox does:
   deleting a tree there); starting processes (``subprocess``, ``os.system``, ``os.exec*``,
   ``os.spawn*``, ``os.posix_spawn``, ``os.fork``, ``pty``); sending signals
   (``os.kill``, ``os.killpg``); sockets and the network clients (``socket``, ``http``,
-  ``urllib``, ``ftplib``, ``smtplib``...); ``ctypes`` loading a library; and changing
+  ``urllib``, ``ftplib``, ``smtplib``...); ``ctypes`` looking up or calling a C function
+  or reading raw memory (importing ``ctypes``, as numpy does, is allowed); and changing
   resource limits. ``socket.socket`` and its factory functions are also replaced by ones
   that raise, so a refusal reads "refused: socket" even before the audit hook sees it.
 - **Verdicts.** ``passed`` (the program ran to its end), ``error`` (an exception: its
@@ -66,6 +68,7 @@ verifier. docs/design.md, "The verify sandbox", says the same.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -76,6 +79,8 @@ from dataclasses import dataclass
 
 #: the program's file name in tracebacks (line numbers refer to it)
 PROGRAM = "program.py"
+#: native thread pools held to one thread (there may be no new threads: ``RLIMIT_NPROC``)
+ONE_THREAD = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 @dataclass(frozen=True)
@@ -171,7 +176,10 @@ NEVER = {"subprocess.Popen": "subprocess", "os.system": "os.system", "os.exec": 
          "os.spawn": "os.spawn", "os.posix_spawn": "os.posix_spawn", "os.fork": "os.fork",
          "os.forkpty": "os.fork", "pty.spawn": "subprocess", "os.kill": "os.kill",
          "os.killpg": "os.kill", "signal.pthread_kill": "os.kill",
-         "ctypes.dlopen": "ctypes", "resource.setrlimit": "setrlimit",
+         "ctypes.dlsym": "ctypes", "ctypes.dlsym/handle": "ctypes",
+         "ctypes.call_function": "ctypes", "ctypes.cdata": "ctypes",
+         "ctypes.string_at": "ctypes", "ctypes.wstring_at": "ctypes",
+         "resource.setrlimit": "setrlimit",
          "resource.prlimit": "setrlimit", "webbrowser.open": "webbrowser"}
 NET = ("socket.", "http.", "urllib.", "ftplib.", "smtplib.", "poplib.", "imaplib.",
        "nntplib.", "telnetlib.")
@@ -254,10 +262,8 @@ def _head(path: str, n: int) -> str:
 
 
 def _kill_group(pid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _source_line(source: str, line: int | None) -> str:
@@ -315,7 +321,8 @@ async def run_program(source: str, limits: Limits = Limits()) -> SandboxResult:
         cfg = {"work": work, "note": note_path, "program": program, "program_name": PROGRAM,
                "cpu_s": int(limits.timeout_s) + 1, "memory_bytes": limits.memory_mb << 20,
                "file_bytes": limits.file_mb << 20, "open_files": limits.open_files}
-        env = {"PATH": os.defpath, "HOME": work, "TMPDIR": work, "LC_ALL": "C.UTF-8"}
+        env = {"PATH": os.defpath, "HOME": work, "TMPDIR": work, "LC_ALL": "C.UTF-8",
+               **dict.fromkeys(ONE_THREAD, "1")}
         out_path, err_path = os.path.join(root, "stdout"), os.path.join(root, "stderr")
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
             proc = await asyncio.create_subprocess_exec(

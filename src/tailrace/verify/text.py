@@ -110,7 +110,7 @@ def regex_from_spec(spec: Any) -> Regex:
 
 
 # -- grounded -----------------------------------------------------------------------------
-STOPWORDS = frozenset("""
+_STOPWORDS = """
 a about above after again against all also am an and any are as at be because been before
 being below between both but by can could did do does doing down during each few for from
 further had has have having he her here hers herself him himself his how i if in into is it
@@ -119,7 +119,8 @@ only or other our ours ourselves out over own same she should so some such than 
 their theirs them themselves then there these they this those through to too under until up
 upon very was we were what when where which while who whom why will with would yes you your
 yours yourself yourselves answer according based passage passages context
-""".split())
+"""
+STOPWORDS = frozenset(_STOPWORDS.split())
 
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
 _WORD = re.compile(r"[^\W\d_][\w'-]*")
