@@ -180,31 +180,71 @@ def replay(plan: list[str], m: dict[str, list[dict]], i: int) -> tuple[bool, flo
     return False, spent
 
 
-def fit_policy(tasks: list[dict], m: dict[str, list[dict]], train: list[int], names: list[str]):
-    from tailrace.operators.policy import fit
-
-    return fit([(tasks[i]["prompt"], [{"engine": n, "passed": m[n][i]["passed"],
-                                       "completion_tokens": m[n][i]["completion_tokens"]}
-                                      for n in names]) for i in train], names)
+EMBEDDER = "minilm-l6-int8"
 
 
-def policy_plan(pol: Any, task: dict, names: list[str], m: dict, i: int,
-                revenue: float) -> list[str]:
-    """The learned plan: what the route stage's ``Allocator.plan`` computes."""
-    from tailrace.operators.policy import best_plan, features
+def fit_policy(tasks: list[dict], m: dict[str, list[dict]], train: list[int], names: list[str],
+               vecs: Any = None):
+    """A policy fit on the training tasks' full outcome matrix: for each provider, an
+    example with no history and one for each set of other providers that failed the task
+    before it (every context a plan can reach: ``policy.with_history``). ``vecs``: the
+    prompts' embeddings as the features (else the prompts' words)."""
+    from itertools import combinations
 
-    x = features(task["prompt"])
-    p = {n: pol.success(n, x) for n in names}
-    c = {n: (m[n][i]["prompt_tokens"] + pol.completion_tokens[n]) * PROVIDERS[n][1] / 1000
-         for n in names}
-    return best_plan(p, c, revenue)
+    from tailrace.operators.policy import Policy, fit_rows, with_history
+
+    like = Policy(names, words=vecs is None, embedder=None if vecs is None else EMBEDDER,
+                  embed_dim=0 if vecs is None else len(vecs[0]))
+    rows = []
+    for i in train:
+        x = like.features(text_of(tasks[i]), None if vecs is None else vecs[i])
+        for e in names:
+            failed = [n for n in names if n != e and not m[n][i]["passed"]]
+            for k in range(len(failed) + 1):
+                for hist in combinations(failed, k):
+                    calls = [{"engine": n, "reason": m[n][i]["reason"]} for n in hist]
+                    rows.append((with_history(x, calls),
+                                 {"engine": e, "passed": m[e][i]["passed"],
+                                  "completion_tokens": m[e][i]["completion_tokens"]}))
+    pol = fit_rows(rows, names, like=like)
+    for e in names:  # each provider's calls counted once (fit_rows saw every context)
+        pol.seen[e] = len(train)
+        pol.completion_tokens[e] = statistics.mean(m[e][i]["completion_tokens"] for i in train)
+    return pol
+
+
+def replay_policy(pol: Any, task: dict, names: list[str], m: dict, i: int,
+                  revenue: float, vec: Any = None) -> tuple[bool, float]:
+    """What the route stage's allocator does with ``order: policy``: plan, try the first
+    provider, and on a failed verdict plan again knowing how it failed."""
+    from tailrace.operators.policy import next_plan
+
+    x = pol.features(text_of(task), vec)
+    costs = {n: (m[n][i]["prompt_tokens"] + pol.completion_tokens[n]) * PROVIDERS[n][1] / 1000
+             for n in names}
+    calls: list[dict] = []
+    spent = 0.0
+    while True:
+        plan = next_plan(pol, x, costs, calls, revenue, None)
+        if not plan:
+            return False, spent
+        e = plan[0]
+        spent += m[e][i]["cost"]
+        if m[e][i]["passed"]:
+            return True, spent
+        calls.append({"engine": e, "reason": m[e][i]["reason"]})
 
 
 def embeddings(tasks: list[dict]) -> Any:
     from tailrace.engines import open_engine
 
-    emb = open_engine({"backend": "onnx", "model": "minilm-l6-int8"})
-    return emb.embed([t["prompt"] for t in tasks])
+    emb = open_engine({"backend": "onnx", "model": EMBEDDER})
+    return emb.embed([text_of(t) for t in tasks])
+
+
+def text_of(task: dict) -> str:
+    """The prompt text a route stage sees (its features and embedding are of this)."""
+    return PROMPT.format(prompt=task["prompt"])
 
 
 def evaluate(tasks: list[dict], m: dict[str, list[dict]], names: list[str], splits: int,
@@ -243,10 +283,18 @@ def evaluate(tasks: list[dict], m: dict[str, list[dict]], names: list[str], spli
                          if np.mean([m[k][j]["passed"] for j in near]) >= 0.5), by_price[-1])
             knn.append(replay([pick], m, i))
         add("RouteLLM-style kNN", knn)
-        pol = fixed or fit_policy(tasks, m, train, names)
-        learned = [replay(policy_plan(pol, tasks[i], names, m, i, revenue), m, i)
-                   for i in test]
-        add("learned policy", learned)
+        if fixed is not None:
+            learned = [replay_policy(fixed, tasks[i], names, m, i, revenue,
+                                     vecs[i] if fixed.embedder else None) for i in test]
+            add("learned policy", learned)
+        else:
+            words = fit_policy(tasks, m, train, names)
+            add("learned policy (words)", [replay_policy(words, tasks[i], names, m, i, revenue)
+                                           for i in test])
+            pol = fit_policy(tasks, m, train, names, vecs)
+            learned = [replay_policy(pol, tasks[i], names, m, i, revenue, vecs[i])
+                       for i in test]
+            add("learned policy", learned)
         # random at equal spend: each task goes to one random provider, with the mix of
         # cheapest and largest whose expected spend equals the learned policy's
         target = sum(c for _, c in learned) / len(test)
@@ -319,19 +367,22 @@ def real_run(tasks: list[dict], m: dict, names: list[str], count: int, revenue: 
     idx = list(range(n))
     random.Random(0).shuffle(idx)
     train, test = idx[: n // 2], idx[n // 2:][:count]
-    pol = fit_policy(tasks, m, train, names)
+    vecs = embeddings(tasks)
+    pol = fit_policy(tasks, m, train, names, vecs)
     with tempfile.TemporaryDirectory() as d:
         pol.save(f"{d}/policy.json")
         engines = {k: {**PROVIDERS[k][0], "n_threads": threads, "n_ctx": 1536, "n_seq_max": 4,
                        "price": {"prompt_per_1k": PROVIDERS[k][1],
                                  "completion_per_1k": PROVIDERS[k][1]}} for k in names}
+        engines["embedder"] = {"backend": "onnx", "model": EMBEDDER}
         p = tr.Pipeline("arbitrage-real", engines=engines)
         p.source(fields=["prompt"]).apply(
             "route", id="route", prompt=PROMPT, system=SYSTEM, max_tokens=MAX_TOKENS,
             escalate=names, order="policy", policy=f"{d}/policy.json", revenue=revenue,
+            embedder="embedder",
             verify={"unit_tests": {"timeout_s": 10}}, max_batch=4).sink()
         res = tr.run(p, input=[dict(tasks[i]) for i in test], runtime="local")
-    replayed = [replay(policy_plan(pol, tasks[i], names, m, i, revenue), m, i) for i in test]
+    replayed = [replay_policy(pol, tasks[i], names, m, i, revenue, vecs[i]) for i in test]
     c = res.stats["route"].counters
     return {"tasks": len(test), "real_solved": c.get("solved", 0),
             "real_spend": c.get("spend", 0.0), "replay_solved": sum(s for s, _ in replayed),

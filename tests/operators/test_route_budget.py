@@ -249,3 +249,28 @@ def test_a_priced_generate_reports_cost_in_its_usage_field_and_counter():
     costs = sorted(r["usage"]["cost"] for r in res.outputs)
     assert costs == pytest.approx([(3 + 10) * 2 / 1000, (4 + 10) * 2 / 1000])
     assert res.stats["gen"].counters["cost"] == pytest.approx(sum(costs))
+
+
+def test_a_policy_fit_on_embeddings_reads_them_through_the_stages_embedder(tmp_path):
+    tasks = [{"q": f"level {lvl} {w} task"} for lvl in (1, 3) for w in "abcdefgh"]
+    res = run(pipeline(escalate=["small", "big"], on_fail="keep"), tasks)
+    (tmp_path / "trace.jsonl").write_text("\n".join(trace_of(res)))
+    from tailrace.cli.main import main
+
+    assert main(["route", "fit", str(tmp_path / "trace.jsonl"), "--out", str(tmp_path / "p.json"),
+                 "--prompt-field", "q", "--embedder", "minilm-l6-int8", "--no-words"]) == 0
+    pol = Policy.load(tmp_path / "p.json")
+    assert (pol.embedder, pol.embed_dim, pol.words) == ("minilm-l6-int8", 384, False)
+    engines = {**ENGINES, "emb": {"backend": "onnx", "model": "minilm-l6-int8"}}
+    res = run(pipeline(engines, escalate=["small", "big"], order="policy",
+                       policy=str(tmp_path / "p.json"), embedder="emb", revenue=1.0),
+              [{"q": "level 1 z task"}])
+    assert [r["answer"] for r in res.outputs] == ["ok"], res.errors
+    # the embedder must be the model the policy was fit on, and only with a policy
+    with pytest.raises(PlanError, match="was fit with embedder 'minilm-l6-int8'"):
+        compile_pipeline(pipeline(engines, escalate=["small", "big"], order="policy",
+                                  policy=str(tmp_path / "p.json")))
+    with pytest.raises(PlanError, match="use it with order: policy"):
+        compile_pipeline(pipeline(engines, escalate=["small", "big"], embedder="emb"))
+    assert main(["route", "fit", str(tmp_path / "trace.jsonl"), "--out", str(tmp_path / "q.json"),
+                 "--embedder", "no-such-model"]) == 2

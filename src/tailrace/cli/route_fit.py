@@ -29,6 +29,11 @@ def add_parser(sub: Any) -> None:
                    help="the field the route stage wrote its decision to (default: route)")
     f.add_argument("--engines", help="comma-separated engines to model (default: all seen)")
     f.add_argument("--epochs", type=int, default=30, help="passes over the trace (default 30)")
+    f.add_argument("--embedder", metavar="MODEL",
+                   help="also learn from the prompts' embeddings by this ONNX model (e.g. "
+                        "minilm-l6-int8); the route stage then needs embedder: an engine of it")
+    f.add_argument("--no-words", action="store_true",
+                   help="do not use the prompts' words as features")
     f.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
@@ -67,7 +72,14 @@ def route(args: argparse.Namespace) -> int:
                             f"tried calls and a '{args.prompt_field}' text ({skipped} lines "
                             "skipped); is it the output of a route stage with escalate:?")
     engines = [e.strip() for e in args.engines.split(",")] if args.engines else None
-    pol = fit(pairs, engines, epochs=args.epochs)
+    embed = None
+    if args.embedder:
+        from ..engines import open_engine
+
+        emb = open_engine({"backend": "onnx", "model": args.embedder})
+        embed = emb.embed
+    pol = fit(pairs, engines, epochs=args.epochs, words=not args.no_words, embed=embed,
+              embedder=args.embedder)
     pol.save(args.out)
     calls = sum(len(t) for _, t in pairs)
     rates = ", ".join(f"{e} {sum(c['passed'] for _, t in pairs for c in t if c['engine'] == e)}"

@@ -28,7 +28,7 @@ from ..errors import BudgetExhausted, VerificationFailed
 from ..registry import Registry
 from ..request import request_of
 from .llm import MESSAGE_OVERHEAD, stream_of
-from .policy import Policy, best_plan, features
+from .policy import Policy, next_plan, with_history
 
 _ZERO = Price(0.0, 0.0)
 
@@ -139,14 +139,14 @@ class Allocator:
                  budget: float | None, required: bool, budget_field: str | None,
                  revenue: float | None, policy: Policy | None, learn: bool,
                  on_fail: str, out: str, ledger: Ledger, run_ledger: Ledger,
-                 policy_file: str | None = None) -> None:
+                 policy_file: str | None = None, embedder: Any = None) -> None:
         self.targets, self.escalate = targets, escalate
         self.prices = {n: prices.get(n) or _ZERO for n in escalate}
         self.verifier, self.order, self.policy, self.learn = verifier, order, policy, learn
         self.budget, self.required, self.budget_field = budget, required, budget_field
         self.revenue, self.on_fail, self.out = revenue, on_fail, out
         self.ledgers = (ledger, run_ledger)
-        self.policy_file = policy_file
+        self.policy_file, self.embedder = policy_file, embedder
 
     # -- planning ------------------------------------------------------------------------
     def prompt_tokens(self, name: str, record: Any) -> int:
@@ -180,21 +180,30 @@ class Allocator:
                                      else "") + ") and this record has none")
         return self.budget
 
-    def plan(self, record: Any, budget: float | None) -> tuple[list[str], Any]:
+    def plan(self, record: Any, budget: float | None, vec: Any = None
+             ) -> tuple[list[str], Any]:
+        """``record``'s first plan, and (order: policy) its features (``vec``: its prompt's
+        embedding, for a policy with an embedder) and the providers' expected costs,
+        which ``replan`` uses again after each failure."""
         if self.order == "listed":
             return list(self.escalate), None
         if self.order == "price":
             return sorted(self.escalate, key=lambda n: self.bound(n, record)), None
         assert self.policy is not None
-        x = features(self.targets[self.escalate[0]].text(record))
-        p = {n: self.policy.success(n, x) for n in self.escalate}
+        x = self.policy.features(self.targets[self.escalate[0]].text(record), vec)
         c = {n: self.prices[n].cost(self.prompt_tokens(n, record),
                                     int(self.policy.completion_tokens.get(n) or 0)
                                     or self.targets[n].max_tokens) for n in self.escalate}
-        revenue = self.revenue if self.revenue is not None else budget
-        if revenue is None:  # nothing is paid for a solution: try the best chance first
-            return sorted(self.escalate, key=lambda n: -p[n]), x
-        return best_plan(p, c, revenue, budget), x
+        return self.replan((x, c), [], [], budget), (x, c)
+
+    def replan(self, xc: tuple, calls: list, skipped: list, left: float | None) -> list[str]:
+        """The policy's best order of the providers not yet tried (nor skipped), given
+        the failed ``calls`` so far (``policy.next_plan``)."""
+        assert self.policy is not None
+        x, c = xc
+        revenue = self.revenue if self.revenue is not None else left
+        return next_plan(self.policy, x, {n: v for n, v in c.items() if n not in skipped},
+                         calls, revenue, left)
 
     # -- running -------------------------------------------------------------------------
     def run(self, batch: list, errors: list) -> list:
@@ -202,10 +211,13 @@ class Allocator:
         ``[record, decision, cost]`` like the other route strategies; the rest go to
         ``errors``."""
         jobs = []
-        for r in batch:
+        vecs = self._embeddings(batch, errors)
+        for r, vec in zip(batch, vecs, strict=True):
+            if vec is False:
+                continue
             try:
                 budget = self.budget_of(r)
-                plan, x = self.plan(r, budget)
+                plan, x = self.plan(r, budget, vec)
             except Exception as e:  # noqa: BLE001 - this record only
                 self._settle(r, "exhausted", 0.0, 0.0, [])
                 errors.append((r, e))
@@ -231,6 +243,22 @@ class Allocator:
 
     def seen(self) -> int:
         return sum(self.policy.seen.values()) if self.policy is not None else 0
+
+    def _embeddings(self, batch: list, errors: list) -> list:
+        """Each record's prompt embedding (None: the policy reads none; False: the record
+        failed, its error appended), in one embedder call for the batch."""
+        if self.embedder is None:
+            return [None] * len(batch)
+        texts, out = [], []
+        for r in batch:
+            try:
+                texts.append(self.targets[self.escalate[0]].text(r))
+                out.append(None)
+            except Exception as e:  # noqa: BLE001 - this record only
+                errors.append((r, e))
+                out.append(False)
+        vecs = iter(self.embedder.embed(texts)) if texts else iter(())
+        return [v if v is False else next(vecs) for v in out]
 
     def _next(self, j: _Job) -> str | None:
         """The next provider of ``j``'s plan whose worst case fits its budget left."""
@@ -258,16 +286,24 @@ class Allocator:
             j = by_row[id(row)]
             cost = price.cost(g.prompt_tokens, g.completion_tokens)
             j.spent += cost
-            j.calls.append({"engine": name, "passed": v.ok, "reason": v.reason,
-                            "prompt_tokens": g.prompt_tokens,
-                            "completion_tokens": g.completion_tokens, "cost": cost})
+            call = {"engine": name, "passed": v.ok, "reason": v.reason,
+                    "prompt_tokens": g.prompt_tokens, "completion_tokens": g.completion_tokens,
+                    "cost": cost}
+            conf = g.extra.get("mean_logprob")
+            if conf is not None:
+                call["confidence"] = round(float(conf), 4)
+            j.calls.append(call)
             j.last = (g, v)
             if self.learn and self.policy is not None and j.x is not None:
-                self.policy.update(name, j.x, v.ok, g.completion_tokens)
+                self.policy.update(name, with_history(j.x[0], j.calls[:-1]), v.ok,
+                                   g.completion_tokens)
             if v.ok:
                 self._finish(j, "solved", done)
-            else:
-                again.append(j)
+                continue
+            if self.order == "policy":  # plan again, knowing how this one failed
+                left = None if j.budget is None else j.budget - j.spent
+                j.plan = self.replan(j.x, j.calls, j.skipped, left)
+            again.append(j)
         return again
 
     async def _verify(self, pairs: list) -> list:
@@ -319,8 +355,11 @@ class Allocator:
             self._finish(j, "unsolved", done)
         else:
             self._settle(j.record, "unsolved", 0.0, j.spent, j.calls)
+            rest = [n for n in self.escalate if n not in {c["engine"] for c in j.calls}]
+            why = (f"; the policy expects no other provider ({', '.join(rest)}) to pay"
+                   if rest and self.order == "policy" else "")
             self._fail(j, errors, VerificationFailed(
-                f"no provider's answer passed: {tried}; spent {j.spent:.6g}"))
+                f"no provider's answer passed: {tried}; spent {j.spent:.6g}{why}"))
 
     def _settle(self, record: Any, outcome: str, revenue: float, spent: float,
                 calls: list) -> None:

@@ -290,7 +290,7 @@ def _build_route(params: dict, ctx: BuildContext) -> OpRuntime:
 
     decide = by_cascade if cascade else by_rules
     if params.get("escalate"):
-        decide = _allocator(params, targets, label).run
+        decide = _allocator(params, targets, label, ctx).run
 
     def result(row: list, g: Any) -> dict:
         r = {**row[0], out: g.text, route_f: row[1], cost_f: row[2]}
@@ -328,13 +328,15 @@ def _build_route(params: dict, ctx: BuildContext) -> OpRuntime:
     return OpRuntime("map", batch_fn=batch_fn, counters=counters)
 
 
-def _allocator(params: dict, targets: dict[str, _Target], label: str) -> Allocator:
+def _allocator(params: dict, targets: dict[str, _Target], label: str,
+               ctx: BuildContext) -> Allocator:
     """The ``escalate:`` strategy of one replica (``allocate.Allocator``)."""
     from ..verify import make_verifier
 
     budget = params.get("budget")
     policy = Policy.load(params["policy"]) if params.get("policy") else None
     names = list(params["escalate"])
+    embedder = ctx.open_engine(params["_embedder"]) if params.get("_embedder") else None
     return Allocator(
         targets, names, {n: price_of(params["_engines"][n]) for n in names},
         make_verifier(params["verify"], "route: verify"), order=params["order"],
@@ -343,7 +345,7 @@ def _allocator(params: dict, targets: dict[str, _Target], label: str) -> Allocat
         revenue=params.get("revenue"), policy=policy, learn=bool(params["learn"]),
         on_fail=params["on_fail"], out=params["output"],
         ledger=ALLOCATIONS.get(label, lambda: Ledger(label)), run_ledger=Ledger(label),
-        policy_file=params.get("policy"))
+        policy_file=params.get("policy"), embedder=embedder)
 
 
 def _prepare_route(params: dict, ctx: LinkContext) -> dict:
@@ -403,6 +405,22 @@ def _prepare_route(params: dict, ctx: LinkContext) -> dict:
                 raise ValueError(f"policy {params['policy']} knows {', '.join(pol.engines)}; "
                                  f"it has no model of {', '.join(missing)} (fit it on a trace "
                                  "that tried them)")
+            emb = params.get("embedder")
+            if (emb is None) != (pol.embedder is None):
+                raise ValueError(f"policy {params['policy']} was fit with embedder "
+                                 f"'{pol.embedder}': name an engine of that model in "
+                                 "'embedder'" if pol.embedder else
+                                 f"policy {params['policy']} was fit without embeddings; "
+                                 "drop 'embedder'")
+            if emb is not None:
+                params["_embedder"] = link_engine({"engine": emb}, ctx, "embed")["_engine"]
+                if params["_embedder"].get("model") != pol.embedder:
+                    raise ValueError(f"embedder '{emb}' is model "
+                                     f"'{params['_embedder'].get('model')}', but policy "
+                                     f"{params['policy']} was fit on '{pol.embedder}'")
+        elif params.get("embedder") is not None:
+            raise ValueError("'embedder' feeds a policy's features: use it with order: "
+                             "policy")
     return params
 
 
@@ -462,6 +480,7 @@ register(OpDef(
      Param("budget_field", (str,), want="a field holding a record's budget"),
      Param("revenue", (int, float), want="what a solved request pays (default: its budget)"),
      Param("policy", (str,), want="a policy file (tailrace route fit)"),
+     Param("embedder", (str,), want="an embedding engine whose vectors the policy reads"),
      Param("learn", (bool,), default=False, want="true or false"),
      Param("on_fail", (str,), default="error", want="error or keep",
            check=lambda v: v in ("error", "keep")),
