@@ -62,7 +62,9 @@ class RunInterrupted(TailraceError):
 class BudgetExhausted(TailraceError):
     """A budgeted ``route`` stopped before a verified answer: the next provider would
     cost more than the budget has left, or no provider was expected to pay (declined).
-    ``spent`` is what the record's calls cost."""
+    ``spent`` is what the record's calls cost. Not retried (the budget is spent)."""
+
+    retryable = False
 
     def __init__(self, message: str, spent: float = 0.0):
         super().__init__(message)
@@ -71,7 +73,10 @@ class BudgetExhausted(TailraceError):
 
 class VerificationFailed(TailraceError):
     """An answer failed its verifier (``verify`` with ``on_fail: error``), or no
-    provider's answer of a budgeted ``route`` passed; the message gives the reasons."""
+    provider's answer of a budgeted ``route`` passed; the message gives the reasons.
+    A verdict is an outcome, not a fault: a stage's ``retries`` do not repeat it."""
+
+    retryable = False
 
 
 class EngineError(TailraceError):

@@ -274,3 +274,15 @@ def test_a_policy_fit_on_embeddings_reads_them_through_the_stages_embedder(tmp_p
         compile_pipeline(pipeline(engines, escalate=["small", "big"], embedder="emb"))
     assert main(["route", "fit", str(tmp_path / "trace.jsonl"), "--out", str(tmp_path / "q.json"),
                  "--embedder", "no-such-model"]) == 2
+
+
+def test_retries_do_not_repeat_an_outcome_a_spent_budget_or_a_failed_verdict():
+    p = tr.Pipeline("retried", engines=ENGINES)
+    p.source(fields=["q"]).apply("route", id="route", prompt="{q}", max_tokens=10,
+                                 escalate=["small", "big"], verify=VERIFY, budget=0.05,
+                                 retries=2, label="retried").sink()
+    res = run(p, [{"q": "level 3 hard"}, {"q": "level 9 never"}])
+    assert sorted(e.error for e in res.errors) == ["BudgetExhausted", "BudgetExhausted"]
+    assert all(e.attempts == 1 for e in res.errors)
+    assert SkillEngine.calls == {"small": 2}  # once each, not three times
+    assert res.stats["route"].counters["requests"] == 2

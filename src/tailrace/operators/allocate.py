@@ -27,7 +27,7 @@ from ..engines.price import Price
 from ..errors import BudgetExhausted, VerificationFailed
 from ..registry import Registry
 from ..request import request_of
-from .llm import MESSAGE_OVERHEAD, stream_of
+from .llm import MESSAGE_OVERHEAD, cancelled, stream_of
 from .policy import Policy, next_plan, with_history
 
 _ZERO = Price(0.0, 0.0)
@@ -300,7 +300,9 @@ class Allocator:
             if v.ok:
                 self._finish(j, "solved", done)
                 continue
-            if self.order == "policy":  # plan again, knowing how this one failed
+            if cancelled(j.record):  # the caller left: nothing more is bought for it
+                j.plan = []
+            elif self.order == "policy":  # plan again, knowing how this one failed
                 left = None if j.budget is None else j.budget - j.spent
                 j.plan = self.replan(j.x, j.calls, j.skipped, left)
             again.append(j)

@@ -317,8 +317,8 @@ def _build_route(params: dict, ctx: BuildContext) -> OpRuntime:
             out[f"{name}.tokens"] = e["prompt_tokens"] + e["completion_tokens"]
         if decide is not by_rules and decide is not by_cascade:  # escalate: the ledger
             acc = allocated.statistics()
-            out.update({k: acc[k] for k in ("solved", "exhausted", "unsolved", "revenue",
-                                            "spend", "margin")})
+            out.update({k: acc[k] for k in ("requests", "solved", "exhausted", "unsolved",
+                                            "revenue", "spend", "margin")})
             for name, e in acc["engines"].items():
                 out[f"{name}.spend"] = e["spend"]
         return out

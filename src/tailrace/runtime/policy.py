@@ -140,6 +140,9 @@ async def call_with_policy(x: Execution, rt: OpRuntime, meter: StageMeter, arg: 
             raise
         except Exception as e:  # noqa: BLE001 - operator code may raise anything
             last = e
+            if getattr(e, "retryable", True) is False:  # an outcome, not a fault: a budget
+                e.attempts = attempts  # type: ignore[attr-defined]  # spent, a verdict given
+                raise
         if attempts > x.retries:
             last.attempts = attempts  # type: ignore[attr-defined]
             raise last
