@@ -138,3 +138,16 @@ def test_the_readme_example_runs_over_humaneval_tasks(tmp_path):
     assert "solved" in out.stderr and "margin" in out.stderr
     for r in solved:
         assert r["route"]["verdict"]["ok"] and r["route"]["spent"] <= 0.2
+
+
+def test_on_ray_the_records_end_once_and_the_ledger_reaches_the_run_summary():
+    res = tr.run(pipeline(on_fail="keep", label="ray-real"), input=[dict(t) for t in TASKS[:2]],
+                 runtime="ray")
+    assert len(res.outputs) == 2 and not res.errors, [e.message for e in res.errors]
+    c = res.stats["route"].counters  # the stage hosts report operator counters too
+    assert c["requests"] == 2 and c["solved"] + c["unsolved"] == 2
+    assert c["spend"] == pytest.approx(sum(r["route"]["spent"] for r in res.outputs))
+    res = tr.run(pipeline(budget=0.004), input=[dict(TASKS[2])], runtime="ray")
+    assert len(res.outputs) + len(res.errors) == 1
+    for e in res.errors:  # the decision crossed the actor boundary with the error
+        assert e.error == "BudgetExhausted" and e.detail["route"]["tried"]

@@ -128,6 +128,9 @@ def build_stats(plan: Plan, reports: dict[tuple, Any], *,
         for j in range(n_host):
             st = StageMeter.combined([r.meters[j] for r in reps],
                                      stage_meter(s, j)).statistics()
+            counted = [r.counters[j] for r in reps if len(r.counters) > j and r.counters[j]]
+            if counted:  # every incarnation's own counts, added up
+                st = replace(st, counters=sum_counters(counted))
             if s.elastic:  # the replicas it had: it may have scaled out during the run
                 st = replace(st, replicas=max(st.replicas, len(nodes)))
             stages.append(_extend(st, restarts=restarts, nodes=nodes))

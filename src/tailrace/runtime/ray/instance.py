@@ -24,6 +24,7 @@ from ...observability import Histogram, StageMeter
 from ...operators import BuildContext, OpRuntime
 from ..lineage import Trace, ids
 from ..stage import StageWorker
+from ..stats import sum_counters
 from .credits import Link, gather_acks, send_all
 from .messages import BatchKey, InstallSpec, Lineage, MeterReport
 
@@ -326,11 +327,14 @@ class HostedWorker:
                       for links in self.links.values() for link in links if link.route.sink}
         sched = Histogram()
         sched.merge(self.scheduling)
+        counters = tuple(sum_counters([w.rts[j].counters() for w in self.workers
+                                       if w.rts[j].counters is not None])
+                         for j in range(self.n_meters))
         return MeterReport(self.index, self.replica, self.incarnation, self.node, meters,
                            self.max_depth, sched, sink_depth,
                            self.depth + sum(item[0] for item in self._room), self.busy > 0,
                            any(link.window.waiting for links in self.links.values()
-                               for link in links))
+                               for link in links), counters)
 
     def close(self) -> None:
         """Stop the loop, fail waiting pushes, release the replica's thread."""

@@ -118,6 +118,7 @@ class MeterReport(NamedTuple):
     depth: int = 0  # pushes' records waiting in its queue now (autoscaling reads it)
     running: bool = False  # a micro-batch is in its operators now
     blocked: bool = False  # its output waits for a consumer's credits (not its own work)
+    counters: tuple = ()  # per operator: what it counted (``OpRuntime.counters``), or {}
 
 
 class Pieces(NamedTuple):
