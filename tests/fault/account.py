@@ -3,6 +3,7 @@ queue bounds and drop counts, from what a run produced (``Observed``)."""
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,7 +11,19 @@ from typing import Any
 import tailrace.errors as tr_errors
 from tailrace.request import REQUEST, Cancel, Request
 
-from .harness import Scenario, fanout, key_of, lineages, on_fail, stage_id, verified
+from .harness import (
+    Scenario,
+    call_cost,
+    escalated,
+    escalation,
+    fanout,
+    key_of,
+    lineages,
+    on_fail,
+    scripted_answer,
+    stage_id,
+    verified,
+)
 
 #: error types a stage with ``timeout_ms`` may end a record with (tailrace's own errors:
 #: StageTimeout, or whatever the runtime says when too many calls are abandoned)
@@ -32,6 +45,9 @@ class Observed:
 
 
 FIELDS = frozenset({"lid", "path", "grp", "hops", "count", "items", "verdict"})
+#: what the ``escalate`` stage of step index N writes: answerN (the scripted answer),
+#: routeN (the decision: engine, tried, spent, budget, verdict, ...) and costN (per engine)
+ESCALATE_FIELD = re.compile(r"(answer|route|cost)(\d+)")
 
 
 def _foreign(x: Any, transient: frozenset) -> list[str]:
@@ -39,7 +55,8 @@ def _foreign(x: Any, transient: frozenset) -> list[str]:
     operator put there (e.g. a runtime's bookkeeping leaking out)."""
     if not isinstance(x, dict):
         return []
-    out = sorted(k for k in x if k not in FIELDS and k not in transient)
+    out = sorted(k for k in x if k not in FIELDS and k not in transient
+                 and not ESCALATE_FIELD.fullmatch(k))
     req = x.get(REQUEST)
     if REQUEST in x and (REQUEST not in transient or not isinstance(req, Request)
                          or type(req.cancel.parent) is Cancel):  # e.g. a timed attempt's
@@ -63,6 +80,7 @@ def account(sc: Scenario, obs: Observed) -> list[str]:
         foreign = _foreign(r, obs.transient)
         if foreign:
             problems.append(f"an output carries fields nobody wrote: {foreign} in {r!r:.300}")
+        problems += answer_problems(sc, r)
     for e in obs.errors:
         try:
             paths = lineages(e.input)
@@ -126,7 +144,13 @@ def explain_errors(sc: Scenario, obs: Observed) -> list[str]:
         c = dict(step.contract)
         retries, timeout = c.get("retries", 0), c.get("timeout_ms")
         if e.error == "InjectedFault":
-            if e.message.startswith("first ") and retries and timeout is None:
+            if step.op == "escalate" and step.faults.fate(sc.seed, e.stage, key_of(e.input)) \
+                    not in ("always", "first"):
+                # its verifier raises for the record it checks only: a batch-mate's fault
+                # must not end this one (nor undo an answer already given)
+                problems.append(f"unexplained error at {e.stage}: {key_of(e.input)} meets no "
+                                f"raising fault there, yet ended with {e.message}")
+            elif e.message.startswith("first ") and retries and timeout is None:
                 problems.append(f"{e.stage} has retries={retries} but a first-attempt-only "
                                 f"fault ended the record: {e.message}")
             elif e.message.startswith("always") and e.attempts != 1 + retries:
@@ -139,11 +163,77 @@ def explain_errors(sc: Scenario, obs: Observed) -> list[str]:
             elif verified(sc.seed, e.stage, key_of(e.input)):
                 problems.append(f"unexplained error at {e.stage}: its verifier passed the "
                                 f"record: {e.message}")
+        elif step.op == "escalate" and e.error in ("BudgetExhausted", "VerificationFailed"):
+            problems += _escalate_error(sc, e)
         elif timeout is not None and e.error in TAILRACE_ERRORS:
             pass  # StageTimeout (or a runtime's clear error about abandoned calls)
         else:
             problems.append(f"unexplained error at {e.stage} "
                             f"({step.op}, {dict(step.contract)}): {e.error}: {e.message}")
+    return problems
+
+
+def _tried(route: Any) -> list:
+    return [(c.get("engine"), c.get("passed")) for c in (route or {}).get("tried", ())]
+
+
+def _escalate_error(sc: Scenario, e: Any) -> list[str]:
+    """A ``BudgetExhausted`` or ``VerificationFailed`` error record of an ``escalate``
+    stage: only when ``escalated()`` says the record ends so (a budget that stops the next
+    provider after the ones that failed; ``on_fail: error`` and every provider failed),
+    with the calls it says in its detail."""
+    key = key_of(e.input)
+    outcome, _, tried = escalated(sc.seed, e.stage, key)
+    setup = escalation(sc.seed, e.stage)
+    if outcome != e.error:
+        return [f"unexplained error at {e.stage} ({setup}): {key} should have ended "
+                f"{outcome} after {tried}, got {e.error}: {e.message}"]
+    route = (e.detail or {}).get("route")
+    if route is None or _tried(route) != tried:
+        return [f"unexplained error at {e.stage} ({setup}): {e.error} for {key} should "
+                f"show the calls {tried}, its detail says {e.detail}"]
+    return []
+
+
+def answer_problems(sc: Scenario, r: Any) -> list[str]:
+    """The answer of every ``escalate`` stage an output (or a batch's member) passed:
+    the provider, the calls and the verdict ``escalated()`` says, for the record the
+    answer names; an output of a record that should have ended there is a wrong answer."""
+    if not isinstance(r, dict):
+        return []
+    problems: list[str] = []
+    for m in r.get("items", ()):
+        problems += answer_problems(sc, m)
+    for k in sorted(r):
+        m = ESCALATE_FIELD.fullmatch(k)
+        if m is None or m.group(1) != "route":
+            continue
+        i = int(m.group(2))
+        sid = stage_id(i, sc.steps[i]) if i < len(sc.steps) else f"escalate{i}"
+        route, answer, cost = r[k], r.get(f"answer{i}"), r.get(f"cost{i}")
+        try:
+            word, engine, stage, key = scripted_answer(answer)
+        except (AttributeError, ValueError) as e:
+            problems.append(f"request {r.get('lid')}: {sid} wrote an answer that no scripted "
+                            f"provider gives: {answer!r:.100} ({e})")
+            continue
+        outcome, want, tried = escalated(sc.seed, sid, key)
+        where = f"{sid} ({escalation(sc.seed, sid)}) on {key}"
+        if stage != sid or tuple(r["path"][:len(key)]) != key:
+            problems.append(f"request {r.get('lid')}: {sid} answered with the answer of "
+                            f"{stage} {key}: {answer!r}")
+        elif outcome not in ("solved", "kept"):
+            problems.append(f"request {r.get('lid')}: {where} should have ended {outcome} "
+                            f"after {tried}; it went on with {engine}'s answer {answer!r}")
+        elif (engine, route.get("engine"), _tried(route)) != (want, want, tried) or \
+                route.get("verdict", {}).get("ok") is not (outcome == "solved") or \
+                word != ("pass" if outcome == "solved" else "fail"):
+            problems.append(f"request {r.get('lid')}: {where} should be {outcome} by {want} "
+                            f"after {tried}; got {answer!r}, decision {route}")
+        elif abs(route.get("spent", -1) - sum(call_cost(n) for n, _ in tried)) > 1e-9 or \
+                not isinstance(cost, dict) or set(cost) != {n for n, _ in tried}:
+            problems.append(f"request {r.get('lid')}: {where}: spent {route.get('spent')} "
+                            f"and costs {cost} for the calls {tried}")
     return problems
 
 

@@ -17,6 +17,7 @@ and friends ride along.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import hashlib
 import json
@@ -89,6 +90,140 @@ def on_fail(seed: int, stage: str) -> str:
     return ("keep", "error")[h(seed, "on_fail", stage) % 2]
 
 
+# -- budgeted routes (``escalate``) -----------------------------------------------------------
+#: the scripted providers: price per 1,000 tokens (prompt and completion alike). Each call
+#: is bounded by 1 prompt token + ``ESCALATE_MAX_TOKENS`` (price / 100) and really costs
+#: 1 + 4 tokens (price / 200): cheap 0.01 / 0.005, mid 0.04 / 0.02, dear 0.10 / 0.05.
+PROVIDERS = {"cheap": 1.0, "mid": 4.0, "dear": 10.0}
+ESCALATE_MAX_TOKENS = 9
+ESCALATE_USED = (1, 4)  # (prompt, completion) tokens each scripted call reports
+#: stage budgets: none; 0.03 (the cheap provider alone: nothing fits after it, mid and
+#: dear never); 0.06 (cheap and mid, in either order; dear never); 0.11 (anything, except
+#: dear after mid). No sum of costs and a bound lies within 0.005 of one of them, so
+#: float noise cannot tip a decision.
+BUDGETS = (None, None, 0.03, 0.06, 0.11)
+
+
+@dataclass(frozen=True)
+class Escalation:
+    """How an ``escalate`` stage is set up, chosen by a hash of (seed, stage)."""
+
+    engines: tuple[str, ...]  # as listed in ``escalate:``
+    order: str  # listed | price
+    budget: float | None
+    on_fail: str  # keep | error
+
+
+def escalation(seed: int, stage: str) -> Escalation:
+    names = list(PROVIDERS)
+    k = 2 + h(seed, "esc-n", stage) % 2
+    picked: list[str] = []
+    for i in range(k):  # k distinct providers in a hashed order
+        rest = [n for n in names if n not in picked]
+        picked.append(rest[h(seed, "esc-pick", stage, i) % len(rest)])
+    return Escalation(tuple(picked), ("listed", "price")[h(seed, "esc-order", stage) % 2],
+                      BUDGETS[h(seed, "esc-budget", stage) % len(BUDGETS)],
+                      ("keep", "error")[h(seed, "esc-on_fail", stage) % 2])
+
+
+def solves(seed: int, stage: str, key: tuple, engine: str) -> bool:
+    """Whether ``engine``'s scripted answer to a record passes ``stage``'s verifier."""
+    return h(seed, "solves", stage, key, engine) % 2 == 0
+
+
+def call_bound(engine: str) -> float:
+    return PROVIDERS[engine] * (1 + ESCALATE_MAX_TOKENS) / 1000.0
+
+
+def call_cost(engine: str) -> float:
+    return PROVIDERS[engine] * sum(ESCALATE_USED) / 1000.0
+
+
+def escalated(seed: int, stage: str, key: tuple) -> tuple[str, str | None, list]:
+    """What an ``escalate`` stage makes of a record, from the hashes alone:
+    ``(outcome, engine, tried)`` with outcome ``solved`` / ``kept`` (an output; ``engine``
+    answered it) or ``BudgetExhausted`` / ``VerificationFailed`` (an error record), and
+    ``tried`` the ``(engine, passed)`` calls in order. Providers are tried in the plan's
+    order (listed, or by worst-case cost), each only if its worst case fits in what is
+    left of the budget; the first that passes ends the record."""
+    e = escalation(seed, stage)
+    plan = list(e.engines) if e.order == "listed" else sorted(e.engines, key=call_bound)
+    spent, tried, skipped = 0.0, [], False
+    for name in plan:
+        if e.budget is not None and spent + call_bound(name) > e.budget:
+            skipped = True
+            continue
+        spent += call_cost(name)
+        ok = solves(seed, stage, key, name)
+        tried.append((name, ok))
+        if ok:
+            return "solved", name, tried
+    if skipped:
+        return "BudgetExhausted", None, tried
+    if e.on_fail == "keep":
+        return "kept", tried[-1][0], tried
+    return "VerificationFailed", None, tried
+
+
+def escalate_fields(stage_index: int) -> tuple[str, str, str]:
+    """The (answer, route, cost) fields the ``escalate`` stage of that index writes."""
+    return f"answer{stage_index}", f"route{stage_index}", f"cost{stage_index}"
+
+
+def scripted_answer(text: str) -> tuple[str, str, str, tuple]:
+    """(verdict word, engine, stage, key) of a scripted provider's answer."""
+    word, engine, stage, key = text.split(" ", 3)
+    return word, engine, stage, tuple(json.loads(key))
+
+
+class ScriptedEngine:
+    """A priced generate backend (``fault-scripted``): the prompt is ``"<seed> <stage>
+    <path>"``; it answers ``"<pass|fail> <engine> <stage> <key as JSON>"``, ``pass`` when
+    ``solves()``. Every text counts as one token; each call reports ``ESCALATE_USED``."""
+
+    context_length = 512
+    chat = False
+
+    def __init__(self, path: str, model: str) -> None:
+        self.model = model
+
+    def count_tokens(self, text: str) -> int:
+        return 1
+
+    def generate(self, requests: list, on_token: Any = None) -> list:
+        from tailrace.engines import Generation
+
+        out = []
+        for q in requests:
+            seed, stage, path = q.prompt.split(" ", 2)
+            key = tuple(ast.literal_eval(path))
+            word = "pass" if solves(int(seed), stage, key, self.model) else "fail"
+            out.append(Generation(f"{word} {self.model} {stage} {json.dumps(list(key))}",
+                                  *ESCALATE_USED, "stop"))
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+SCRIPTED = "fault-scripted"
+
+
+def _register_scripted() -> None:
+    """Registers the ``fault-scripted`` backend in this process (a name of its own that
+    nothing else uses; Ray's processes never see it, so Ray targets draw no escalate)."""
+    from tailrace.engines import BACKENDS
+
+    BACKENDS.setdefault(SCRIPTED, (__name__, "ScriptedEngine", ("generate",)))
+
+
+def provider_specs() -> dict[str, dict]:
+    _register_scripted()
+    return {n: {"backend": SCRIPTED, "path": __file__, "model": n,
+                "price": {"prompt_per_1k": p, "completion_per_1k": p}}
+            for n, p in PROVIDERS.items()}
+
+
 # -- scenarios ------------------------------------------------------------------------------
 FAULT_KINDS = ("always", "first", "slow", "slow_first", "hang")
 
@@ -129,7 +264,14 @@ class Step:
         | stateful | select (a batch-only built-in operator) | verify (the ``verify``
         operator with a ``python`` verifier failing about one record in four, ``verified``;
         ``on_fail`` keep or error by stage, ``on_fail()``; async when the stage has a
-        timeout, else a plain function; never on a stream of batches).
+        timeout, else a plain function; never on a stream of batches) | escalate (a
+        budgeted ``route``: ``escalate:`` over two or three priced scripted providers,
+        ``ScriptedEngine``, whose answers pass by a hash, ``solves()``; order, budget and
+        on_fail by stage, ``escalation()``; the stage's faults hit its ``python``
+        verifier, a blocking check inside the blocking batch operator, ``EscalateCheck``;
+        what each record must come to: ``escalated()``. Never on a stream of batches,
+        and local and service targets only: the scripted backend is registered in this
+        process alone, so a Ray actor could not open it).
     contract: the contract keywords, as sorted (key, value) pairs.
     """
 
@@ -208,7 +350,8 @@ class Scenario:
 
 
 PIPELINE = "fault"
-FN_OPS = ("map", "amap", "filter", "flat_map", "branch", "bmap", "cmap", "stateful", "verify")
+FN_OPS = ("map", "amap", "filter", "flat_map", "branch", "bmap", "cmap", "stateful", "verify",
+          "escalate")
 
 
 class ConcurrentMap(tr.Operator):
@@ -426,6 +569,24 @@ class AsyncVerifyFn(VerifyFn):
         return self.verdict(record)
 
 
+class EscalateCheck(Fn):
+    """An ``escalate`` stage's ``python`` verifier with the stage's faults (raising, slow,
+    hung: a blocking wait inside the route operator's call, which a timeout abandons by
+    setting the attempt's cancel). It passes a scripted ``pass`` answer that names this
+    stage and the record it checks."""
+
+    def __call__(self, answer: str, record: Any) -> Any:  # type: ignore[override]
+        fate, n = self._fate(record)
+        if fate == "slow" or (fate == "slow_first" and n == 1):
+            _block(record, PROBES.get(self.run), self.slow_s)
+        elif fate == "hang":
+            _block(record, PROBES.get(self.run), HANG_MAX_S)
+        word, engine, stage, key = scripted_answer(answer)
+        if stage != self.stage or key != key_of(record):
+            return False, f"{engine} answered {stage} {key}, not {self.stage} {key_of(record)}"
+        return word == "pass", f"{engine}: {word}"
+
+
 class StatefulFn(Fn):
     """``fn(state, record) -> (state, emit)``: counts the records of each ``grp``."""
 
@@ -442,7 +603,8 @@ class StatefulFn(Fn):
 def build(sc: Scenario, ledger: Ledger, run: int, *, data: list | None,
           sink: Any) -> tr.Pipeline:
     """The scenario's pipeline; ``data``/``sink`` None leave them to be bound (serving)."""
-    p = tr.Pipeline(PIPELINE)
+    escalates = any(step.op == "escalate" for step in sc.steps)
+    p = tr.Pipeline(PIPELINE, **({"engines": provider_specs()} if escalates else {}))
     streams = [p.source(data, id="src")]
     for i, step in enumerate(sc.steps):
         sid = stage_id(i, step)
@@ -472,6 +634,16 @@ def build(sc: Scenario, ledger: Ledger, run: int, *, data: list | None,
                 "verify", sid, sc, step.faults, ledger, run, t)
             out = s.apply("verify", id=sid, verifier={"python": check}, field="lid",
                           on_fail=on_fail(sc.seed, sid), **c)
+        elif step.op == "escalate":
+            e = escalation(sc.seed, sid)
+            answer, route, cost = escalate_fields(i)
+            check = EscalateCheck("escalate", sid, sc, step.faults, ledger, run, t)
+            out = s.apply("route", id=sid, escalate=list(e.engines), order=e.order,
+                          verify={"python": check}, on_fail=e.on_fail,
+                          prompt=f"{sc.seed} {sid} " + "{path}",
+                          max_tokens=ESCALATE_MAX_TOKENS, output=answer, route=route,
+                          cost=cost, **({"budget": e.budget} if e.budget is not None else {}),
+                          **c)
         elif step.op == "select":
             out = s.apply("select", id=sid, drop=["scratch"], **c)
         elif step.op == "batch":

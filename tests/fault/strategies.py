@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from .harness import FN_OPS, Admission, Faults, Scenario, Step
 
 OPS = ("map", "amap", "filter", "flat_map", "branch", "merge", "batch", "bmap", "cmap",
-       "stateful", "select", "verify")
+       "stateful", "select", "verify", "escalate")
 SYNC_FN_OPS = ("map", "filter", "flat_map", "branch", "bmap", "cmap", "stateful")
 
 
@@ -19,7 +19,7 @@ def _contract(draw, op: str, target: str) -> tuple:
         c["replicas"] = draw(st.integers(2, 3))
     elif op != "stateful" and target.startswith("ray") and draw(st.integers(0, 3)) == 0:
         c["replicas"] = {"min": 1, "max": draw(st.integers(2, 3))}  # autoscaled
-    if op in SYNC_FN_OPS + ("select", "verify") and draw(st.integers(0, 3)) == 0:
+    if op in SYNC_FN_OPS + ("select", "verify", "escalate") and draw(st.integers(0, 3)) == 0:
         c["blocking"] = True
     if draw(st.integers(0, 3)) == 0:
         c["retries"] = draw(st.integers(1, 2))
@@ -59,13 +59,15 @@ def scenarios(draw, target: str = "local", policy: str | None = None, interrupt:
     steps: list[Step] = []
     fans = 0
     served = target in ("service", "ray-service")
-    ops = [o for o in OPS if not (served and o == "batch")]
+    # no escalate on Ray: its scripted providers are registered in this process only
+    ops = [o for o in OPS if not (served and o == "batch")
+           and not (target.startswith("ray") and o == "escalate")]
     for _ in range(draw(st.integers(0, max_steps))):
         at = draw(st.integers(0, len(batched) - 1))
         op = draw(st.sampled_from(ops))
         if op == "merge" and len(batched) < 2:
             op = "map"
-        if op in ("stateful", "verify") and batched[at]:
+        if op in ("stateful", "verify", "escalate") and batched[at]:
             op = "select"
         if op == "flat_map":
             fans += 1
