@@ -232,13 +232,26 @@ def test_an_unpriced_engine_cannot_be_budgeted_and_a_price_must_be_well_formed()
         compile_pipeline(pipeline(bad, escalate=["small"]))
 
 
-def test_a_price_on_an_embedding_engine_is_refused_it_reports_no_token_counts():
-    from tailrace.engines import check_spec
+def test_an_onnx_embedder_is_priced_by_its_own_token_counts_other_embedders_are_refused():
+    from tailrace.engines import check_spec, open_engine
     from tailrace.errors import EngineError
 
-    with pytest.raises(EngineError, match="embed calls report none"):
+    with pytest.raises(EngineError, match="reports none for embeddings"):
+        check_spec("emb", {"backend": "openai", "base_url": "http://127.0.0.1:9/v1",
+                           "model": "e", "kind": "embed", "price": {"prompt_per_1k": 1}},
+                   "embed")
+    with pytest.raises(EngineError, match="no completion tokens"):
         check_spec("emb", {"backend": "onnx", "model": "minilm-l6-int8",
-                           "price": {"prompt_per_1k": 0.01}}, "embed")
+                           "price": {"prompt_per_1k": 1, "completion_per_1k": 1}}, "embed")
+    spec = {"backend": "onnx", "model": "minilm-l6-int8", "price": {"prompt_per_1k": 2.0}}
+    p = tr.Pipeline("priced-embed", engines={"emb": spec})
+    p.source(fields=["q"]).apply("embed", id="embed", engine="emb", input="q",
+                                 output="v").sink()
+    texts = ["a short text", "another, somewhat longer text to embed"]
+    res = run(p, [{"q": t} for t in texts])
+    eng = open_engine({k: v for k, v in spec.items() if k != "price"})
+    tokens = sum(eng.count_tokens(t) for t in texts)
+    assert res.stats["embed"].counters == {"cost": pytest.approx(tokens * 2.0 / 1000)}
 
 
 def test_a_priced_generate_reports_cost_in_its_usage_field_and_counter():

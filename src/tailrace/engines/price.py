@@ -4,8 +4,10 @@ An ``engines:`` spec may declare ``price: {prompt_per_1k, completion_per_1k}`` (
 currency unit, per 1,000 tokens) and ``latency: {first_token_ms, per_token_ms}`` hints.
 Neither reaches the engine: ``strip`` takes them off before an engine is created, and
 the operators that call the engine (``generate``, ``route``) price each call with
-``Price.cost``. An embedding engine reports no token counts, so it cannot be priced:
-``check`` refuses a price there at compile time (docs/routing.md, "Prices").
+``Price.cost``; ``embed`` prices an ONNX embedder's calls by the tokens its own
+tokenizer counts (prompt tokens only). The ``openai`` backend's embedding calls report
+no token counts here, so ``check`` refuses a price there at compile time
+(docs/routing.md, "Prices").
 
 >>> p = Price(0.5, 1.5)
 >>> p.cost(1000, 2000), p.bound(200, 64)
@@ -52,13 +54,17 @@ def check(name: str, spec: dict[str, Any], kind: str) -> None:
     where = f"engine '{name}'"
     price = spec.get("price")
     if price is not None:
-        if kind != "generate":
-            raise EngineError(f"{where}: price needs the token counts of each call, and "
-                              f"{kind} calls report none; remove price from this engine")
         if not isinstance(price, dict) or not price or set(price) - set(_PRICE) or \
                 not all(_number(price[k]) for k in price):
             raise EngineError(f"{where}: price must be {{prompt_per_1k: N, completion_per_1k: "
                               f"N}} with numbers >= 0 (any currency unit), got {price!r}")
+        if kind == "embed" and spec.get("backend") != "onnx":
+            raise EngineError(f"{where}: price needs the token counts of each call, and "
+                              f"backend '{spec.get('backend')}' reports none for embeddings; "
+                              "remove price from this engine")
+        if kind == "embed" and price.get("completion_per_1k"):
+            raise EngineError(f"{where}: an embedding has no completion tokens; give only "
+                              "price: {prompt_per_1k: N}")
     latency = spec.get("latency")
     if latency is not None and (not isinstance(latency, dict) or set(latency) - set(_LATENCY)
                                 or not all(_number(latency[k]) for k in latency)):

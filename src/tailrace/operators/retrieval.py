@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engines import home
+from ..engines.price import price_of
 from ..errors import TailraceError
 from .common import (
     ENGINE_HINT,
@@ -47,15 +48,20 @@ def _batch_rows(batch: list, errors: list, field: str, want: type) -> tuple[list
 def _build_embed(params: dict, ctx: BuildContext) -> OpRuntime:
     engine = ctx.open_engine(params["_engine"])
     inp, out = params["input"], params["output"]
+    price = price_of(params["_engine"])
+    spent = [0.0]  # priced embedders: this replica's spend (the ``cost`` counter)
 
     def batch_fn(batch: list, errors: list) -> list:
         keep, texts = _batch_rows(batch, errors, inp, str)
         if not keep:
             return []
         vecs = engine.embed(texts)
+        if price is not None:  # one tokenizer pass per text, only when priced
+            spent[0] += price.cost(sum(engine.count_tokens(t) for t in texts), 0)
         return [{**r, out: v} for r, v in zip(keep, vecs, strict=True)]
 
-    return OpRuntime("map", batch_fn=batch_fn)
+    return OpRuntime("map", batch_fn=batch_fn,
+                     counters=None if price is None else lambda: {"cost": spent[0]})
 
 
 register(OpDef(
