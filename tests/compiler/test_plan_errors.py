@@ -16,7 +16,7 @@ CASES = {
         "p.yaml:5: stage 'a': unknown operator 'mapp'; did you mean 'map'? (known: batch, "
         "branch, embed, filter, flat_map, generate, key_by, map, memory_read, memory_write, "
         "merge, prompt, refine, rerank, retrieve, route, select, semantic_state, sink, "
-        "source, stateful, tool_call; or a dotted path to a tailrace.Operator subclass)"),
+        "source, stateful, tool_call, verify; or a dotted path to a tailrace.Operator subclass)"),
     "duplicate id": (
         f"  - {{id: a, op: map, fn: {F}.upper, input: text}}\n"
         f"  - {{id: a, op: map, fn: {F}.upper, input: text}}\n",

@@ -53,7 +53,7 @@ def read_trace(path: str, prompt_field: str, route_field: str) -> tuple[list, in
                 continue
             try:
                 rec = json.loads(line)
-            except ValueError as e:
+            except json.JSONDecodeError as e:
                 raise InputError(f"{path}:{n}: not a JSON record ({e.msg})") from None
             if isinstance(rec, dict) and isinstance(rec.get("error"), dict):  # error record
                 rec = {**(rec.get("input") or {}), **(rec["error"].get("detail") or {})}

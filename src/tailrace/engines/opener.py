@@ -16,8 +16,8 @@ from typing import Any
 
 from ..errors import EngineError
 from ..registry import Registry
-from .cluster import check_cluster
 from . import price as provider
+from .cluster import check_cluster
 from .models import backend, create_engine, model_info, model_path
 from .pool import check_options, close_pools, get_pool, pool_statistics
 

@@ -223,7 +223,8 @@ class Allocator:
                 errors.append((r, e))
                 continue
             jobs.append(_Job(r, plan, budget, x))
-        active, done = jobs, []
+        active: list[_Job] = jobs
+        done: list = []
         learnt = self.seen()
         while active:
             groups: dict[str, list[_Job]] = {}
@@ -249,7 +250,8 @@ class Allocator:
         failed, its error appended), in one embedder call for the batch."""
         if self.embedder is None:
             return [None] * len(batch)
-        texts, out = [], []
+        texts: list[str] = []
+        out: list[Any] = []
         for r in batch:
             try:
                 texts.append(self.targets[self.escalate[0]].text(r))

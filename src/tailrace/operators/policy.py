@@ -239,7 +239,8 @@ def fit(trace: Iterable[tuple[str, list[dict[str, Any]]]], engines: Sequence[str
     rows = [(with_history(features(text, vec, words), tried[:k]), t)
             for (text, tried), vec in zip(trace, vecs, strict=True)
             for k, t in enumerate(tried)]
-    dim = len(vecs[0]) if embed is not None and vecs else 0
+    first = vecs[0] if vecs else None
+    dim = len(first) if first is not None else 0
     return fit_rows(rows, engines, epochs, seed, Policy(engines or [], words=words,
                                                        embedder=embedder, embed_dim=dim))
 

@@ -22,6 +22,8 @@ from ..engines.models import batches_continuously
 from ..engines.price import price_of
 from ..errors import ContextOverflow, EngineError
 from ..registry import Registry
+from .allocate import LEDGERS as ALLOCATIONS
+from .allocate import Allocator, Ledger
 from .common import count_param, link_engine
 from .llm import (
     FROZEN,
@@ -42,8 +44,6 @@ from .llm import (
     template_fields,
     with_urgency,
 )
-from .allocate import LEDGERS as ALLOCATIONS
-from .allocate import Allocator, Ledger
 from .policy import Policy
 from .registry import Answers, BuildContext, LinkContext, OpDef, OpRuntime, Param, register
 
@@ -315,7 +315,7 @@ def _build_route(params: dict, ctx: BuildContext) -> OpRuntime:
         for name, e in st.engines.items():
             out[f"{name}.requests"] = e["requests"]
             out[f"{name}.tokens"] = e["prompt_tokens"] + e["completion_tokens"]
-        if decide is not by_rules and decide is not by_cascade:  # escalate: the ledger
+        if allocated is not None:  # escalate: the ledger
             acc = allocated.statistics()
             out.update({k: acc[k] for k in ("requests", "solved", "exhausted", "unsolved",
                                             "revenue", "spend", "margin")})

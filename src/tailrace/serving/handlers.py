@@ -50,9 +50,9 @@ def json_response(obj: Any, status: int = 200) -> Response:
 
 async def read_json(request: Request, limit: int) -> dict:
     """The request body as a JSON object; 413 over ``limit`` bytes, 400 if malformed."""
-    size = request.headers.get("content-length")
-    if size is not None and size.isdigit() and int(size) > limit:
-        raise WireError(f"request body is {int(size)} bytes; the limit is {limit} bytes",
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise WireError(f"request body is {int(declared)} bytes; the limit is {limit} bytes",
                         status=413, code="request_too_large")
     # the ASGI messages read directly (Starlette's ``stream()`` is an async generator:
     # a few microseconds per request on the hot path); a body mostly comes in one

@@ -327,8 +327,8 @@ class HostedWorker:
                       for links in self.links.values() for link in links if link.route.sink}
         sched = Histogram()
         sched.merge(self.scheduling)
-        counters = tuple(sum_counters([w.rts[j].counters() for w in self.workers
-                                       if w.rts[j].counters is not None])
+        counters = tuple(sum_counters([c() for w in self.workers
+                                       if (c := w.rts[j].counters) is not None])
                          for j in range(self.n_meters))
         return MeterReport(self.index, self.replica, self.incarnation, self.node, meters,
                            self.max_depth, sched, sink_depth,
