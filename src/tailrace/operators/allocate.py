@@ -43,10 +43,20 @@ def _run(coro: Any) -> Any:
     except RuntimeError:
         return asyncio.run(coro)
     out: list = []
-    t = threading.Thread(target=lambda: out.append(asyncio.run(coro)))
+
+    def main() -> None:
+        try:
+            out.append((True, asyncio.run(coro)))
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+            out.append((False, e))
+
+    t = threading.Thread(target=main)
     t.start()
     t.join()
-    return out[0]
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
 
 
 @dataclass
@@ -258,6 +268,14 @@ class Allocator:
             j = by_row[id(row)]
             cost = price.cost(g.prompt_tokens, g.completion_tokens)
             j.spent += cost
+            if isinstance(v, Exception):  # its check crashed: this record only, like an
+                j.calls.append({"engine": name, "passed": False,  # engine error
+                                "reason": f"verifier raised {type(v).__name__}",
+                                "prompt_tokens": g.prompt_tokens,
+                                "completion_tokens": g.completion_tokens, "cost": cost})
+                self._settle(j.record, "unsolved", 0.0, j.spent, j.calls)
+                errors.append((j.record, v))
+                continue
             j.calls.append({"engine": name, "passed": v.ok, "reason": v.reason,
                             "prompt_tokens": g.prompt_tokens,
                             "completion_tokens": g.completion_tokens, "cost": cost})
@@ -271,7 +289,14 @@ class Allocator:
         return again
 
     async def _verify(self, pairs: list) -> list:
-        return list(await asyncio.gather(*(self.verifier(g.text, r) for r, g in pairs)))
+        """A verdict per pair, or the exception its check raised (a crash ends that
+        record only; the others' verdicts stand)."""
+        got = await asyncio.gather(*(self.verifier(g.text, r) for r, g in pairs),
+                                   return_exceptions=True)
+        for v in got:
+            if isinstance(v, BaseException) and not isinstance(v, Exception):
+                raise v  # a cancellation or an interrupt is the run's, not a record's
+        return list(got)
 
     def _decision(self, j: _Job, engine: str | None) -> dict[str, Any]:
         return {"engine": engine, "tried": j.calls, "spent": j.spent, "budget": j.budget,
