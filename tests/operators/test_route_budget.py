@@ -168,6 +168,22 @@ def test_a_verifier_that_crashes_on_one_record_ends_that_record_only():
     assert (c["solved"], c["unsolved"]) == (2, 1)
 
 
+def test_a_cancelled_request_is_not_escalated():
+    # its caller gave up (or its attempt was abandoned by a timeout): no dearer call
+    from tailrace.request import REQUEST, Request
+
+    gone = Request()
+    gone.cancel.set()
+    res = run(pipeline(escalate=["small", "big"]), [{"q": "level 3 x", REQUEST: gone}])
+    (e,) = res.errors
+    assert e.error == "VerificationFailed"
+    assert [c["engine"] for c in e.detail["route"]["tried"]] == ["small"]
+    assert SkillEngine.calls == {"small": 1}
+    kept = run(pipeline(escalate=["small", "big"], on_fail="keep"),
+               [{"q": "level 3 x", REQUEST: gone}])
+    assert [r["route"]["engine"] for r in kept.outputs] == ["small"]
+
+
 def trace_of(res) -> list[str]:
     lines = [json.dumps(tr.api.records.ErrorRecord.to_dict(e)) for e in res.errors]
     return lines + [json.dumps(r) for r in res.outputs]

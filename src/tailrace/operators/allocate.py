@@ -5,7 +5,9 @@ policy's), and a budget (its request's, a field's or the stage's). Before each c
 allocator bounds what the call can cost (the prompt's tokens plus ``max_tokens``, at
 the provider's price); a provider that does not fit in what is left is skipped. Each
 answer is verified; the first that passes ends the record, a failure escalates to the
-next provider. A record that runs out of providers ends as an error record:
+next provider (unless its request was cancelled: a caller who gave up, or an attempt
+a timeout abandoned, pays for no further call). A record that runs out of providers ends
+as an error record:
 ``BudgetExhausted`` when the budget stopped it (or the policy declined), else (with
 ``on_fail: error``) ``VerificationFailed``; ``on_fail: keep`` keeps the last answer with
 its failing verdict. Records at the same step share one batched call per provider, and
@@ -27,7 +29,7 @@ from ..engines.price import Price
 from ..errors import BudgetExhausted, VerificationFailed
 from ..registry import Registry
 from ..request import request_of
-from .llm import MESSAGE_OVERHEAD, stream_of
+from .llm import MESSAGE_OVERHEAD, cancelled, stream_of
 from .policy import Policy, best_plan, features
 
 _ZERO = Price(0.0, 0.0)
@@ -285,6 +287,8 @@ class Allocator:
             if v.ok:
                 self._finish(j, "solved", done)
             else:
+                if cancelled(j.record):  # its caller gave up (or its attempt was
+                    j.plan.clear()  # abandoned): not escalated, it ends as it stands
                 again.append(j)
         return again
 
