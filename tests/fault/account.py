@@ -80,7 +80,7 @@ def account(sc: Scenario, obs: Observed) -> list[str]:
         foreign = _foreign(r, obs.transient)
         if foreign:
             problems.append(f"an output carries fields nobody wrote: {foreign} in {r!r:.300}")
-        problems += answer_problems(sc, r)
+        problems += answer_problems(sc, r, obs.cancelled)
     for e in obs.errors:
         try:
             paths = lineages(e.input)
@@ -164,7 +164,7 @@ def explain_errors(sc: Scenario, obs: Observed) -> list[str]:
                 problems.append(f"unexplained error at {e.stage}: its verifier passed the "
                                 f"record: {e.message}")
         elif step.op == "escalate" and e.error in ("BudgetExhausted", "VerificationFailed"):
-            problems += _escalate_error(sc, e)
+            problems += _escalate_error(sc, e, obs.cancelled)
         elif timeout is not None and e.error in TAILRACE_ERRORS:
             pass  # StageTimeout (or a runtime's clear error about abandoned calls)
         else:
@@ -177,13 +177,32 @@ def _tried(route: Any) -> list:
     return [(c.get("engine"), c.get("passed")) for c in (route or {}).get("tried", ())]
 
 
-def _escalate_error(sc: Scenario, e: Any) -> list[str]:
+def _cut_short(sc: Scenario, stage: str, key: tuple, cancelled: set[int],
+               seen: list) -> tuple | None:
+    """A cancelled request is not escalated: if the record's caller gave up, the
+    ``(outcome, engine, tried)`` it may end with instead of ``escalated()``'s, given the
+    calls ``seen``: any failed first ones (the cancel lands while one is verified), then
+    on_fail decides, as when no provider is left. None: not so."""
+    _, _, tried = escalated(sc.seed, stage, key)
+    k = len(seen)
+    if key[0] not in cancelled or not 0 < k <= len(tried) or seen != tried[:k] or \
+            any(ok for _, ok in seen):
+        return None
+    if escalation(sc.seed, stage).on_fail == "keep":
+        return "kept", seen[-1][0], seen
+    return "VerificationFailed", None, seen
+
+
+def _escalate_error(sc: Scenario, e: Any, cancelled: set[int]) -> list[str]:
     """A ``BudgetExhausted`` or ``VerificationFailed`` error record of an ``escalate``
     stage: only when ``escalated()`` says the record ends so (a budget that stops the next
     provider after the ones that failed; ``on_fail: error`` and every provider failed),
-    with the calls it says in its detail."""
+    with the calls it says in its detail; a cancelled request may end cut short."""
     key = key_of(e.input)
     outcome, _, tried = escalated(sc.seed, e.stage, key)
+    short = _cut_short(sc, e.stage, key, cancelled, _tried((e.detail or {}).get("route")))
+    if short is not None and short[0] == e.error:
+        return []
     setup = escalation(sc.seed, e.stage)
     if outcome != e.error:
         return [f"unexplained error at {e.stage} ({setup}): {key} should have ended "
@@ -195,15 +214,16 @@ def _escalate_error(sc: Scenario, e: Any) -> list[str]:
     return []
 
 
-def answer_problems(sc: Scenario, r: Any) -> list[str]:
+def answer_problems(sc: Scenario, r: Any, cancelled: set[int] = frozenset()) -> list[str]:
     """The answer of every ``escalate`` stage an output (or a batch's member) passed:
     the provider, the calls and the verdict ``escalated()`` says, for the record the
-    answer names; an output of a record that should have ended there is a wrong answer."""
+    answer names; an output of a record that should have ended there is a wrong answer.
+    A cancelled request's may be cut short (``_cut_short``)."""
     if not isinstance(r, dict):
         return []
     problems: list[str] = []
     for m in r.get("items", ()):
-        problems += answer_problems(sc, m)
+        problems += answer_problems(sc, m, cancelled)
     for k in sorted(r):
         m = ESCALATE_FIELD.fullmatch(k)
         if m is None or m.group(1) != "route":
@@ -218,6 +238,9 @@ def answer_problems(sc: Scenario, r: Any) -> list[str]:
                             f"provider gives: {answer!r:.100} ({e})")
             continue
         outcome, want, tried = escalated(sc.seed, sid, key)
+        short = _cut_short(sc, sid, key, cancelled, _tried(route))
+        if short is not None and short[0] == "kept":
+            outcome, want, tried = short
         where = f"{sid} ({escalation(sc.seed, sid)}) on {key}"
         if stage != sid or tuple(r["path"][:len(key)]) != key:
             problems.append(f"request {r.get('lid')}: {sid} answered with the answer of "

@@ -148,6 +148,42 @@ def test_budget_required_comes_from_the_request_or_a_field_and_a_bad_one_is_an_e
     assert "needs a budget per request" in msgs[1]
 
 
+def crashes_on_boom(answer: str, record: dict) -> tuple[bool, str]:
+    if "boom" in record["q"]:
+        raise RuntimeError("the check crashed")
+    return says_ok(answer, record)
+
+
+def test_a_verifier_that_crashes_on_one_record_ends_that_record_only():
+    # found by the fault suite: one record's crashing check used to fail the whole
+    # micro-batch, answers already verified (and counted solved) included
+    res = run(pipeline(escalate=["small", "big"],
+                       verify={"python": "tests.operators.test_route_budget:crashes_on_boom"}),
+              [{"q": "level 1 a"}, {"q": "level 3 boom"}, {"q": "level 3 c"}])
+    assert sorted(r["q"] for r in res.outputs) == ["level 1 a", "level 3 c"]
+    (e,) = res.errors
+    assert (e.input["q"], e.error, e.message) == ("level 3 boom", "RuntimeError",
+                                                  "the check crashed")
+    c = res.stats["route"].counters
+    assert (c["solved"], c["unsolved"]) == (2, 1)
+
+
+def test_a_cancelled_request_is_not_escalated():
+    # its caller gave up (or its attempt was abandoned by a timeout): no dearer call
+    from tailrace.request import REQUEST, Request
+
+    gone = Request()
+    gone.cancel.set()
+    res = run(pipeline(escalate=["small", "big"]), [{"q": "level 3 x", REQUEST: gone}])
+    (e,) = res.errors
+    assert e.error == "VerificationFailed"
+    assert [c["engine"] for c in e.detail["route"]["tried"]] == ["small"]
+    assert SkillEngine.calls == {"small": 1}
+    kept = run(pipeline(escalate=["small", "big"], on_fail="keep"),
+               [{"q": "level 3 x", REQUEST: gone}])
+    assert [r["route"]["engine"] for r in kept.outputs] == ["small"]
+
+
 def trace_of(res) -> list[str]:
     lines = [json.dumps(tr.api.records.ErrorRecord.to_dict(e)) for e in res.errors]
     return lines + [json.dumps(r) for r in res.outputs]

@@ -5,7 +5,9 @@ policy's), and a budget (its request's, a field's or the stage's). Before each c
 allocator bounds what the call can cost (the prompt's tokens plus ``max_tokens``, at
 the provider's price); a provider that does not fit in what is left is skipped. Each
 answer is verified; the first that passes ends the record, a failure escalates to the
-next provider. A record that runs out of providers ends as an error record:
+next provider (unless its request was cancelled: a caller who gave up, or an attempt
+a timeout abandoned, pays for no further call). A record that runs out of providers ends
+as an error record:
 ``BudgetExhausted`` when the budget stopped it (or the policy declined), else (with
 ``on_fail: error``) ``VerificationFailed``; ``on_fail: keep`` keeps the last answer with
 its failing verdict. Records at the same step share one batched call per provider, and
@@ -43,10 +45,20 @@ def _run(coro: Any) -> Any:
     except RuntimeError:
         return asyncio.run(coro)
     out: list = []
-    t = threading.Thread(target=lambda: out.append(asyncio.run(coro)))
+
+    def main() -> None:
+        try:
+            out.append((True, asyncio.run(coro)))
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+            out.append((False, e))
+
+    t = threading.Thread(target=main)
     t.start()
     t.join()
-    return out[0]
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
 
 
 @dataclass
@@ -288,6 +300,14 @@ class Allocator:
             j = by_row[id(row)]
             cost = price.cost(g.prompt_tokens, g.completion_tokens)
             j.spent += cost
+            if isinstance(v, Exception):  # its check crashed: this record only, like an
+                j.calls.append({"engine": name, "passed": False,  # engine error
+                                "reason": f"verifier raised {type(v).__name__}",
+                                "prompt_tokens": g.prompt_tokens,
+                                "completion_tokens": g.completion_tokens, "cost": cost})
+                self._settle(j.record, "unsolved", 0.0, j.spent, j.calls)
+                errors.append((j.record, v))
+                continue
             call = {"engine": name, "passed": v.ok, "reason": v.reason,
                     "prompt_tokens": g.prompt_tokens, "completion_tokens": g.completion_tokens,
                     "cost": cost}
@@ -302,8 +322,8 @@ class Allocator:
             if v.ok:
                 self._finish(j, "solved", done)
                 continue
-            if cancelled(j.record):  # the caller left: nothing more is bought for it
-                j.plan = []
+            if cancelled(j.record):  # its caller gave up (or its attempt was abandoned):
+                j.plan = []  # not escalated, it ends as it stands
             elif self.order == "policy":  # plan again, knowing how this one failed
                 left = None if j.budget is None else j.budget - j.spent
                 j.plan = self.replan(j.x, j.calls, j.skipped, left)
@@ -311,7 +331,14 @@ class Allocator:
         return again
 
     async def _verify(self, pairs: list) -> list:
-        return list(await asyncio.gather(*(self.verifier(g.text, r) for r, g in pairs)))
+        """A verdict per pair, or the exception its check raised (a crash ends that
+        record only; the others' verdicts stand)."""
+        got = await asyncio.gather(*(self.verifier(g.text, r) for r, g in pairs),
+                                   return_exceptions=True)
+        for v in got:
+            if isinstance(v, BaseException) and not isinstance(v, Exception):
+                raise v  # a cancellation or an interrupt is the run's, not a record's
+        return list(got)
 
     def _decision(self, j: _Job, engine: str | None) -> dict[str, Any]:
         return {"engine": engine, "tried": j.calls, "spent": j.spent, "budget": j.budget,
