@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 PROFILES = ("ci", "chaos")
@@ -38,3 +39,15 @@ for _name in PROFILES:
 _chosen = os.environ.get("TAILRACE_FAULT_PROFILE", "ci")
 if _chosen not in PROFILES:
     raise ValueError(f"TAILRACE_FAULT_PROFILE={_chosen!r}: choose one of {', '.join(PROFILES)}")
+
+
+@pytest.fixture(autouse=True)
+def scripted_backend(monkeypatch):
+    """The escalate steps' scripted engine backend, registered for each fault test and
+    taken out after it (the process-wide backend table must not leak it to other tests)."""
+    from tailrace.engines import BACKENDS
+
+    from .harness import SCRIPTED
+
+    monkeypatch.setitem(BACKENDS, SCRIPTED,
+                        ("tests.fault.harness", "ScriptedEngine", ("generate",)))

@@ -211,7 +211,9 @@ SCRIPTED = "fault-scripted"
 
 def _register_scripted() -> None:
     """Registers the ``fault-scripted`` backend in this process (a name of its own that
-    nothing else uses; Ray's processes never see it, so Ray targets draw no escalate)."""
+    nothing else uses; Ray's processes never see it, so Ray targets draw no escalate).
+    In pytest, conftest.py registers it per test and takes it out after; a run in a
+    child process (the interrupt test) registers it here."""
     from tailrace.engines import BACKENDS
 
     BACKENDS.setdefault(SCRIPTED, (__name__, "ScriptedEngine", ("generate",)))
