@@ -308,3 +308,16 @@ def test_admission_at_the_source_keeps_a_bounded_number_of_tasks():
     tr.run(p, admission=gate)
     assert len(out) == 5_000
     assert peak[0] <= 2_000, f"{peak[0]} tasks alive at once for 5,000 records"
+
+
+def test_an_escalate_verifier_that_raises_fails_its_own_record_only():
+    """A budgeted route (``escalate``) whose verifier raises for one record (an injected
+    ``always`` fault) failed the whole micro-batch: every record, those already verified
+    and counted solved included, ended with that record's InjectedFault."""
+    from .harness import Faults, Scenario, Step
+    from .runners import run_local
+
+    sc = Scenario(n=12, seed=0, steps=(Step("flat_map"),
+                                       Step("escalate", faults=Faults(always=10, first=15)),
+                                       Step("map")))
+    run_local(sc).check(sc)
