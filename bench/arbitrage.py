@@ -110,22 +110,30 @@ def generate(name: str, tasks: list[dict[str, Any]], threads: int) -> None:
     todo = [t for t in tasks if task_key(t) not in have]
     if not todo:
         return
-    spec, _ = PROVIDERS[name]
-    p = tr.Pipeline(f"humaneval-{name}", engines={
-        "llm": {**spec, "n_threads": threads, "n_ctx": 1536, "n_seq_max": 4}})
-    p.source(fields=["prompt"]).apply(
-        "generate", id="gen", engine="llm", prompt=PROMPT, system=SYSTEM,
-        max_tokens=MAX_TOKENS, usage="usage", max_batch=4).sink()
+    spec, price = PROVIDERS[name]
+    # a route stage over this one provider: the same chat request as ``generate``, and it
+    # asks the engine for the answer's mean token log-probability (the "confidence" a
+    # learned policy reads after a failure)
+    p = tr.Pipeline(f"humaneval-{name}", engines={name: {
+        **spec, "n_threads": threads, "n_ctx": 1536, "n_seq_max": 4,
+        "price": {"prompt_per_1k": price, "completion_per_1k": price}}})
+    p.source(fields=["prompt", "entry_point", "test"]).apply(
+        "route", id="gen", prompt=PROMPT, system=SYSTEM, max_tokens=MAX_TOKENS,
+        escalate=[name], verify={"unit_tests": {"timeout_s": 10}}, on_fail="keep",
+        max_batch=4).sink()
     t0 = time.perf_counter()
     with path.open("a") as f:
         for i in range(0, len(todo), 4):
             chunk = todo[i:i + 4]
-            res = tr.run(p, input=[{"prompt": t["prompt"], "key": task_key(t)}
-                                   for t in chunk], runtime="local")
+            res = tr.run(p, input=[{**t, "key": task_key(t)} for t in chunk], runtime="local")
             if res.errors:
                 sys.exit(f"{name}: {res.errors[0].message}")
             for r in res.outputs:
-                f.write(json.dumps({"key": r["key"], "text": r["answer"], **r["usage"]}) + "\n")
+                call = r["route"]["tried"][-1]
+                f.write(json.dumps({"key": r["key"], "text": r["answer"],
+                                    "prompt_tokens": call["prompt_tokens"],
+                                    "completion_tokens": call["completion_tokens"],
+                                    "confidence": call.get("confidence")}) + "\n")
             f.flush()
             done = i + len(chunk)
             rate = (time.perf_counter() - t0) / done
@@ -162,7 +170,8 @@ def outcomes(tasks: list[dict[str, Any]], names: list[str]) -> dict[str, list[di
         rows = []
         for t in tasks:
             a, (ok, reason) = answers[task_key(t)], verdicts[task_key(t)]
-            rows.append({"passed": ok, "reason": reason, "prompt_tokens": a["prompt_tokens"],
+            rows.append({"passed": ok, "reason": reason, "confidence": a.get("confidence"),
+                         "prompt_tokens": a["prompt_tokens"],
                          "completion_tokens": a["completion_tokens"],
                          "cost": (a["prompt_tokens"] + a["completion_tokens"]) * price / 1000})
         out[name] = rows
@@ -181,6 +190,14 @@ def replay(plan: list[str], m: dict[str, list[dict]], i: int) -> tuple[bool, flo
 
 
 EMBEDDER = "minilm-l6-int8"
+
+
+def call_of(name: str, row: dict[str, Any]) -> dict[str, Any]:
+    """A failed call as the route stage records it (what ``with_history`` reads)."""
+    call = {"engine": name, "reason": row["reason"]}
+    if row.get("confidence") is not None:
+        call["confidence"] = row["confidence"]
+    return call
 
 
 def fit_policy(tasks: list[dict], m: dict[str, list[dict]], train: list[int], names: list[str],
@@ -202,7 +219,7 @@ def fit_policy(tasks: list[dict], m: dict[str, list[dict]], train: list[int], na
             failed = [n for n in names if n != e and not m[n][i]["passed"]]
             for k in range(len(failed) + 1):
                 for hist in combinations(failed, k):
-                    calls = [{"engine": n, "reason": m[n][i]["reason"]} for n in hist]
+                    calls = [call_of(n, m[n][i]) for n in hist]
                     rows.append((with_history(x, calls),
                                  {"engine": e, "passed": m[e][i]["passed"],
                                   "completion_tokens": m[e][i]["completion_tokens"]}))
@@ -232,7 +249,7 @@ def replay_policy(pol: Any, task: dict, names: list[str], m: dict, i: int,
         spent += m[e][i]["cost"]
         if m[e][i]["passed"]:
             return True, spent
-        calls.append({"engine": e, "reason": m[e][i]["reason"]})
+        calls.append(call_of(e, m[e][i]))
 
 
 def embeddings(tasks: list[dict]) -> Any:
