@@ -4,6 +4,7 @@
 - ``PlanError``: the pipeline definition is invalid (raised at build/compile time,
   never at run time). The message names the file:line or stage id and the fix.
 - ``InputError``: a run input (file, JSONL line) is unreadable or malformed.
+- ``FieldError``: a record lacks a field a stage (or its verifier) reads, or is not a dict.
 - ``StageTimeout``: an operator exceeded its stage's ``timeout_ms``.
 - ``RunInterrupted``: the run was stopped by the caller (Ctrl-C / cancellation).
 - ``VerificationFailed``: an answer failed its verifier (``verify``, budgeted ``route``).
@@ -13,8 +14,7 @@
   ``ContextOverflow``, one of them: a prompt does not fit in the model's context.
 - ``StoreError``: an index or memory store is missing, corrupt or incompatible.
 
-Errors that belong to one layer live beside it: ``operators.common.FieldError`` (a
-record lacks a field), ``control.admission.AdmissionRejected`` (over budget),
+Errors that belong to one layer live beside it: ``control.admission.AdmissionRejected`` (over budget),
 ``serving.errors.ServiceError`` (an HTTP request failed).
 """
 
@@ -42,6 +42,10 @@ class PlanError(TailraceError):
 
 class InputError(TailraceError):
     """A run input is unreadable or malformed (missing file, bad JSONL line)."""
+
+
+class FieldError(TailraceError):
+    """A record lacks a field a stage (or its verifier) reads, or is not a dict."""
 
 
 class StageTimeout(TailraceError):

@@ -188,6 +188,14 @@ def request_of(record: Any) -> Request | None:
     return record.get(REQUEST) if type(record) is dict else None
 
 
+def field_list(record: Any) -> str:
+    """The record's user field names, comma-separated, for a "which fields it has"
+    message (``"no fields"``; ``"not a mapping"``)."""
+    if not isinstance(record, dict):
+        return "not a mapping"
+    return ", ".join(str(k) for k in record if k != REQUEST) or "no fields"
+
+
 def strip(record: Any) -> Any:
     """``record`` with its user fields only (a copy if it had a request)."""
     if type(record) is dict and REQUEST in record:

@@ -11,7 +11,7 @@ import pytest
 import tailrace as tr
 from tailrace.api.yaml_loader import loads_pipeline
 from tailrace.compiler import compile_pipeline
-from tailrace.errors import PlanError
+from tailrace.errors import FieldError, PlanError
 from tailrace.verify import Verdict, Verifier, make_verifier
 
 PROMPT = 'def add(a: int, b: int) -> int:\n    """The sum of a and b."""\n'
@@ -50,7 +50,8 @@ def test_unit_tests_read_their_fields_by_name():
     spec = {"unit_tests": {"tests": "tests", "entry_point": "fn", "prompt": "q"}}
     assert make_verifier(spec).fields == ("tests", "fn", "q")
     assert verdict(spec, "    return a + b\n", task).ok
-    with pytest.raises(ValueError, match="reads field 'test', which the record lacks"):
+    lacks = re.escape("reads field 'test', which the record lacks (it has: prompt, entry_point)")
+    with pytest.raises(FieldError, match=lacks):
         verdict({"unit_tests": {}}, "x", {"prompt": "", "entry_point": "f"})
 
 

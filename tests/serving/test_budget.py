@@ -25,12 +25,12 @@ def skill_backend(monkeypatch):
                         ("tests.operators.test_route_budget", "SkillEngine", ("generate",)))
 
 
-def budgeted(name: str, budget=None) -> tr.Pipeline:
+def budgeted(name: str, budget=None, verify=VERIFY) -> tr.Pipeline:
     p = tr.Pipeline(name, engines={"small": spec("small", 1, 1.0), "big": spec("big", 3, 10.0)})
     kw = {} if budget is None else {"budget": budget}
     (p.source(fields=["q"])
      .apply("route", id="route", input="q", escalate=["small", "big"], order="price",
-            verify=VERIFY, max_tokens=10, label=f"{name}-ledger", **kw)
+            verify=verify, max_tokens=10, label=f"{name}-ledger", **kw)
      .sink())
     return p
 
@@ -49,6 +49,7 @@ def url():
                    ("tests.operators.test_route_budget", "SkillEngine", ("generate",)))
         hub = ServingHub([PipelineService(budgeted("open")),
                           PipelineService(budgeted("strict", "required")),
+                          PipelineService(budgeted("tests", verify={"unit_tests": {}})),
                           PipelineService(plain())], tenants=keys, api_key=ADMIN)
         with running(hub) as u:
             yield u
@@ -102,3 +103,14 @@ def test_a_required_budget_sent_is_spent(url):
     r = chat(url, "strict", "level 1 x", extra_headers={"X-Tailrace-Budget": "0.5"})
     assert r.choices[0].message.content == "ok"
     assert r.usage.model_extra["cost"] == pytest.approx(0.013)
+
+
+def test_a_request_lacking_a_field_its_verifier_reads_is_a_400_naming_the_field(url):
+    """A chat request carries its text only; the unit_tests verifier reads the task's
+    prompt, entry point and tests."""
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(url, "tests", "level 1 task", extra_body={"budget": 1.0})
+    err = e.value.body
+    assert err["code"] == "FieldError", err
+    assert "verifier unit_tests reads field 'prompt', which the record lacks (it has: q)" \
+        in err["message"], err  # the envelope's key is not a user field

@@ -6,7 +6,7 @@ declared engine, counting tokens for a budget, and parameter checks.
 >>> get_field({"q": "hi"}, "text")
 Traceback (most recent call last):
 ...
-tailrace.operators.common.FieldError: record has no field 'text' (it has: q)
+tailrace.errors.FieldError: record has no field 'text' (it has: q)
 """
 
 from __future__ import annotations
@@ -16,14 +16,11 @@ from typing import Any
 
 from ..engines import check_spec
 from ..engines.tokens import approx_tokens
-from ..errors import TailraceError
+from ..errors import FieldError, TailraceError
+from ..request import field_list
 from .registry import BuildContext, LinkContext, Param
 
 ENGINE_HINT = "a name declared under 'engines:'"
-
-
-class FieldError(TailraceError):
-    """A record lacks a field a stage reads, or is not a dict."""
 
 
 def get_field(record: Any, name: str) -> Any:
@@ -31,8 +28,7 @@ def get_field(record: Any, name: str) -> Any:
     try:
         return record[name]
     except KeyError:
-        have = ", ".join(map(str, record)) if isinstance(record, dict) else ""
-        raise FieldError(f"record has no field '{name}' (it has: {have or 'no fields'})") from None
+        raise FieldError(f"record has no field '{name}' (it has: {field_list(record)})") from None
     except TypeError:
         raise FieldError(f"stage reads field '{name}' but the record is a "
                          f"{type(record).__name__}, not a JSON object") from None

@@ -16,6 +16,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import FieldError
+from ..request import field_list
+
 #: the longest reason a verdict carries (one line)
 REASON_CHARS = 200
 
@@ -75,13 +78,13 @@ class Verifier:
 
 
 def field_of(record: Mapping[str, Any], name: str, verifier: str) -> Any:
-    """``record[name]``, or a ValueError saying which verifier needs it."""
+    """``record[name]``, or a FieldError saying which verifier needs it (a served
+    request's 400)."""
     try:
         return record[name]
     except (KeyError, TypeError):
-        have = ", ".join(map(str, record)) if isinstance(record, Mapping) else "not a mapping"
-        raise ValueError(f"verifier {verifier} reads field '{name}', which the record lacks "
-                         f"(it has: {have or 'no fields'})") from None
+        raise FieldError(f"verifier {verifier} reads field '{name}', which the record lacks "
+                         f"(it has: {field_list(record)})") from None
 
 
 _FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)(?:\n[ \t]*```|\Z)", re.S)
