@@ -112,5 +112,9 @@ def test_a_request_lacking_a_field_its_verifier_reads_is_a_400_naming_the_field(
         chat(url, "tests", "level 1 task", extra_body={"budget": 1.0})
     err = e.value.body
     assert err["code"] == "FieldError", err
-    assert "verifier unit_tests reads field 'prompt', which the record lacks (it has: q)" \
+    assert "verifier unit_tests reads field 'test', which the record lacks (it has: q)" \
         in err["message"], err  # the envelope's key is not a user field
+    metrics = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}).text
+    # refused before any provider was called: nothing spent, counted unsolved
+    assert 'tailrace_allocation_unsolved_total{label="tests-ledger",tenant="acme"} 1.0' in metrics
+    assert 'tailrace_allocation_spend_total{label="tests-ledger",tenant="acme"} 0.0' in metrics

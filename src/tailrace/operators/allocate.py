@@ -29,6 +29,7 @@ from ..engines.price import Price
 from ..errors import BudgetExhausted, VerificationFailed
 from ..registry import Registry
 from ..request import request_of
+from ..verify.base import field_of
 from .llm import MESSAGE_OVERHEAD, cancelled, stream_of
 from .policy import Policy, next_plan, with_history
 
@@ -228,10 +229,13 @@ class Allocator:
             if vec is False:
                 continue
             try:
+                for f in self.verifier.fields:  # unverifiable: refused before any spend
+                    field_of(r, f, self.verifier.name)
                 budget = self.budget_of(r)
                 plan, x = self.plan(r, budget, vec)
             except Exception as e:  # noqa: BLE001 - this record only
-                self._settle(r, "exhausted", 0.0, 0.0, [])
+                self._settle(r, "exhausted" if isinstance(e, BudgetExhausted) else "unsolved",
+                             0.0, 0.0, [])
                 errors.append((r, e))
                 continue
             jobs.append(_Job(r, plan, budget, x))
