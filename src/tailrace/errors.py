@@ -14,8 +14,8 @@
   ``ContextOverflow``, one of them: a prompt does not fit in the model's context.
 - ``StoreError``: an index or memory store is missing, corrupt or incompatible.
 
-Errors that belong to one layer live beside it: ``control.admission.AdmissionRejected`` (over budget),
-``serving.errors.ServiceError`` (an HTTP request failed).
+Errors that belong to one layer live beside it: ``control.admission.AdmissionRejected``
+(over budget), ``serving.errors.ServiceError`` (an HTTP request failed).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..engines import check_spec
 from ..engines.tokens import approx_tokens
-from ..errors import FieldError, TailraceError
+from ..errors import FieldError
 from ..request import field_list
 from .registry import BuildContext, LinkContext, Param
 

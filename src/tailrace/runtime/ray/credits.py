@@ -154,7 +154,7 @@ class Link:
             if self.route.sink:
                 assert self._deliver is not None
                 fut = self._deliver(self.route.target, key, part, ids, born)
-                fut.add_done_callback(lambda _done, n=n: window.give(n))
+                fut.add_done_callback(lambda _done, n=n: window.give(n))  # type: ignore[misc]
                 acks.append(fut)
                 continue
             r = self._pick()
