@@ -4,11 +4,12 @@ Three real local providers of different size, priced by parameter count (per 1,0
 tokens, prompt and completion alike: SmolLM2-135M 0.0135, Qwen2.5-Coder-0.5B 0.05,
 Qwen2.5-Coder-1.5B 0.15 — what a 2-core CPU can run; real remote prices differ).
 
-1. **Outcomes.** Every provider answers every task once (greedy, the tailrace
-   ``generate`` path with the engine's chat template) and the answer is verified by
+1. **Outcomes.** Every provider answers every task once (greedy, through a ``route``
+   stage over that provider alone: the engine's chat template, and the answer's mean
+   token log-probability recorded as its confidence) and the answer is verified by
    tailrace's ``unit_tests`` verifier (the task's tests in the sandbox). Each answer's
-   tokens and verdict are cached under ``$TAILRACE_HOME/arbitrage/`` (a rerun only
-   generates what is missing).
+   tokens, confidence and verdict are cached under ``$TAILRACE_HOME/arbitrage/`` (a
+   rerun only generates what is missing).
 2. **Strategies**, on held-out halves (``--splits`` random halves; the learned policy and
    the RouteLLM-style router are fit on the other half), replayed on the outcome
    matrix — every strategy pays each call's real cost and passes only when the call's
