@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -119,8 +120,16 @@ def kill(server, what):
         name, _ = run["stages"]["work"][0]
         ray.kill(ray.get_actor(name), no_restart=False)
         return None
-    replicas = [(a["name"], a["namespace"]) for a in list_named_actors(all_namespaces=True)
-                if a["name"].startswith("SERVE_REPLICA::tailrace-fault#")]
+    # an earlier example's kill leaves Serve starting the replacement: wait for it to be
+    # listed (a bounded wait on the condition, not a race with it)
+    deadline = time.monotonic() + 60
+    while True:
+        replicas = [(a["name"], a["namespace"]) for a in list_named_actors(all_namespaces=True)
+                    if a["name"].startswith("SERVE_REPLICA::tailrace-fault#")]
+        if replicas or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert replicas, "no ingress replica of tailrace-fault came up within 60 s"
     name, ns = replicas[0]
     ray.kill(ray.get_actor(name, namespace=ns), no_restart=True)
     return name.rsplit("#", 1)[-1]

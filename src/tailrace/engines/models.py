@@ -25,6 +25,7 @@ from ..errors import EngineError
 #: backend name -> (module, class name, kinds it serves)
 BACKENDS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "llama_cpp": ("tailrace.engines.llama_cpp", "LlamaCppEngine", ("generate",)),
+    "collab": ("tailrace.engines.collab", "CollaborativeEngine", ("generate",)),
     "onnx": ("tailrace.engines.onnx", "OnnxEmbedder", ("embed",)),
     "openai": ("tailrace.engines.openai", "OpenAIEngine", ("generate", "embed")),
 }

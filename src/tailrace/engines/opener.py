@@ -89,6 +89,11 @@ def check_spec(name: str, spec: Any, kind: str) -> None:
     if kind not in kinds:
         raise EngineError(f"engine '{name}' (backend '{backend_name}') cannot {kind}; it serves: "
                           f"{', '.join(kinds)}")
+    if backend_name == "collab":
+        from .collab import check_spec as check_collab
+
+        check_collab(name, spec)
+        return
     if backend_name == "openai":
         if not spec.get("base_url") or not spec.get("model"):
             raise EngineError(f"engine '{name}': the openai backend needs 'base_url' and "

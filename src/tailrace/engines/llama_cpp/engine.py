@@ -241,6 +241,14 @@ class LlamaCppEngine:
                 self._thread.submit(self._loop)
         return call.wait()
 
+    def parts(self) -> tuple[Any, Any, Vocab, PrefixCache]:
+        """(the ``llama_cpp`` module, the context, the vocabulary, the prefix cache), for
+        an engine that drives this context with its own loop (``engines.collab``); the
+        caller then never calls ``generate`` on this engine."""
+        if self._ctx is None:
+            raise EngineError(f"engine '{self.model}' is closed")
+        return self._lib, self._ctx, self._vocab, self._decoder.cache
+
     def cache_statistics(self) -> dict[str, float]:
         """The prefix cache's counters: requests started (``lookups``), their prompt
         tokens, the prompt tokens whose KV was reused (``hit_tokens``), their ratio, and
