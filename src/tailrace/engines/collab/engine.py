@@ -72,7 +72,12 @@ def check_spec(name: str, spec: dict[str, Any]) -> None:
         if bad or m.get("backend", "llama_cpp") != "llama_cpp":
             raise EngineError(f"{where}: {role} must be a llama_cpp model spec with keys "
                               f"from {', '.join(MODEL_KEYS)}; got {sorted(m)}")
-        check_model(f"{name}.{role}", {**m, "backend": "llama_cpp"}, "generate")
+        try:
+            check_model(f"{name}.{role}", {**m, "backend": "llama_cpp"}, "generate")
+        except EngineError as e:
+            msg = str(e)
+            raise EngineError(msg if msg.startswith("engine '") else
+                              f"{where}: {role}: {msg}") from None
     check_router(spec.get("router", {"kind": "threshold"}), f"{where}: router")
     parse_span(spec.get("span", "token"), f"{where}: span")
     n = spec.get("n_seq_max", 4)

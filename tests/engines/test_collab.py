@@ -1,0 +1,191 @@
+"""The collaborative engine (``backend: collab``) on real llama.cpp models.
+
+With the same model on both sides (SmolLM2-135M twice) every routing must give the very
+answer the model gives alone (greedy): that checks the catch-up prefill keeps both KV
+caches in step with the answer, whoever wrote which token. A different pair of
+vocabularies is refused; the Qwen2.5-Coder 0.5B/1.5B pair (when assembled) is accepted
+and really shares the work.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from tailrace.engines.base import GenerationRequest
+from tailrace.engines.collab import CollaborativeEngine, check_spec, make_router
+from tailrace.engines.collab.router import FEATURES, Threshold, features
+from tailrace.engines.llama_cpp import LlamaCppEngine
+from tailrace.errors import EngineError
+from tests.operators.test_route_budget_real import QWEN_HOME
+
+pytestmark = pytest.mark.engine
+
+SMOL = {"model": "smollm2-135m-instruct", "n_threads": 2, "n_ctx": 512}
+SKY = GenerationRequest(messages=({"role": "user", "content":
+                                   "Name three colours and say why the sky is blue."},),
+                        max_tokens=32)
+HAIKU = GenerationRequest(messages=({"role": "user", "content": "Write a haiku about the sea."},),
+                          max_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def alone():
+    eng = LlamaCppEngine(**SMOL, n_seq_max=2)
+    yield {id(r): eng.generate([r])[0].text for r in (SKY, HAIKU)}
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def twin():
+    eng = CollaborativeEngine(SMOL, SMOL, router={"kind": "random", "rate": 0.5},
+                              span="token", n_seq_max=4)
+    yield eng
+    eng.close()
+
+
+@pytest.mark.parametrize("router", [{"kind": "small"}, {"kind": "large"},
+                                    {"kind": "random", "rate": 0.5, "seed": 3},
+                                    {"kind": "threshold", "metric": "top1", "threshold": 0.6}])
+@pytest.mark.parametrize("span", ["token", "line", 5])
+def test_any_routing_of_one_model_gives_its_own_answer(twin, alone, router, span):
+    from tailrace.engines.collab.engine import parse_span
+
+    twin.span = parse_span(span)
+    try:
+        got = twin.collaborate([SKY, HAIKU, SKY], router=make_router(router))
+    finally:
+        twin.span = 1
+    assert [g.text for g in got] == [alone[id(SKY)], alone[id(HAIKU)], alone[id(SKY)]]
+    for g in got:
+        x = g.extra
+        assert x["small_tokens"] + x["large_tokens"] == g.completion_tokens > 0
+        assert x["decisions"] >= 1
+    if router["kind"] == "small":
+        assert all(g.extra["large_tokens"] == 0 for g in got)
+    elif router["kind"] == "large":
+        assert all(g.extra["small_tokens"] == 0 for g in got)
+    elif router["kind"] == "random":
+        assert sum(g.extra["large_tokens"] for g in got) > 0
+        assert sum(g.extra["small_tokens"] for g in got) > 0
+
+
+def test_concurrent_calls_batch_on_the_shared_engines(twin, alone):
+    results: dict[int, str] = {}
+
+    def one(i: int) -> None:
+        results[i] = twin.generate([SKY if i % 2 else HAIKU])[0].text
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert results == {i: alone[id(SKY if i % 2 else HAIKU)] for i in range(6)}
+
+
+def test_streams_pieces_and_a_caller_that_leaves_stops_its_answer(twin, alone):
+    pieces: list[str] = []
+    got = twin.generate([SKY], on_token=lambda i, p: pieces.append(p))
+    assert "".join(pieces) == got[0].text == alone[id(SKY)]
+    (cut,) = twin.generate([SKY], on_token=lambda i, p: False)
+    assert cut.finish_reason == "cancelled"
+    assert cut.completion_tokens <= 2
+    # the slots came back: the engine still answers
+    assert twin.generate([HAIKU])[0].text == alone[id(HAIKU)]
+
+
+def test_trace_records_each_decision(twin):
+    (g,) = twin.collaborate([SKY], router=make_router({"kind": "threshold", "threshold": 0.5}),
+                            trace=True)
+    trace = g.extra["trace"]
+    assert len(trace) == g.extra["decisions"] == g.completion_tokens
+    f, large, position = trace[0]
+    assert position == 0 and len(f) == len(FEATURES)
+    assert large == (f[0] < 0.5)  # top-1 probability below the threshold: the large one
+    assert sum(1 for _, big, _ in trace if big) == g.extra["large_tokens"]
+
+
+def test_features_of_a_known_distribution():
+    import numpy as np
+
+    row = np.log(np.array([0.5, 0.25, 0.25], dtype=np.float32))
+    f = features(row, 10, 2, 0.25, True)
+    assert f[0] == pytest.approx(0.5)
+    assert f[1] == pytest.approx(-(0.5 * np.log(0.5) + 0.5 * np.log(0.25)), rel=1e-5)
+    assert f[2] == pytest.approx(0.25)
+    assert list(f[3:]) == pytest.approx([10 / 256, 2 / 16, 0.25, 1.0])
+    assert Threshold("entropy", 1.0)(f) is True
+    assert Threshold("top1", 0.4)(f) is False
+
+
+def test_models_with_different_vocabularies_are_refused():
+    with pytest.raises(EngineError, match="do not share a tokenizer"):
+        CollaborativeEngine(SMOL, {"model": "gemma3-270m", "n_threads": 2, "n_ctx": 512})
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"router": {"kind": "oracle"}}, "unknown router kind 'oracle'; kinds: small, large"),
+    ({"router": {"kind": "learned"}}, "router learned needs policy: FILE"),
+    ({"router": {"kind": "learned", "policy": "/nope/policy.json"}},
+     "policy file not found: /nope/policy.json"),
+    ({"router": {"kind": "threshold", "metric": "top3"}}, "threshold metric must be one of"),
+    ({"router": {"kind": "threshold", "threshold": 2}}, "threshold between 0.0 and 1.0"),
+    ({"router": {"kind": "random"}}, "router random needs rate between"),
+    ({"router": {"kind": "random", "rate": 0.2, "temp": 1}}, "does not take temp"),
+    ({"span": "paragraph"}, "span must be token, line or a number"),
+    ({"large": None}, "collab needs large: {model: NAME}"),
+    ({"large": {"model": "no-such-model"}}, "no-such-model"),
+    ({"large": {"model": "smollm2-135m-instruct", "replicas": 2}}, "keys from model, path"),
+    ({"n_seq_max": 0}, "n_seq_max must be an integer from 1 to 64"),
+    ({"grammar": "x"}, "does not take grammar"),
+])
+def test_bad_specs_are_one_line_errors_naming_the_engine(spec, message):
+    full = {"backend": "collab", "small": {"model": "smollm2-135m-instruct"},
+            "large": {"model": "smollm2-135m-instruct"}, **spec}
+    with pytest.raises(EngineError) as e:
+        check_spec("coder", full)
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert str(e.value).startswith("engine 'coder")
+
+
+def test_a_policy_file_of_another_shape_is_refused(tmp_path):
+    p = tmp_path / "policy.json"
+    p.write_text("not json")
+    with pytest.raises(EngineError, match="is not JSON"):
+        make_router({"kind": "learned", "policy": str(p)})
+    p.write_text(json.dumps({"version": 1, "features": ["top1"], "weights": [1], "bias": 0}))
+    with pytest.raises(EngineError, match="train it again"):
+        make_router({"kind": "learned", "policy": str(p)})
+    n = len(FEATURES)
+    p.write_text(json.dumps({"version": 1, "features": list(FEATURES), "weights": [0.0] * n,
+                             "bias": 2.0}))
+    assert make_router({"kind": "learned", "policy": str(p)})(features_row()) is True
+    assert make_router({"kind": "learned", "policy": str(p), "threshold": 0.95})(
+        features_row()) is False
+
+
+def features_row():
+    import numpy as np
+
+    return features(np.zeros(4, dtype=np.float32), 0, 0, 0.0, False)
+
+
+@pytest.mark.skipif(QWEN_HOME is None, reason="needs make models-arbitrage (Qwen chunk packages)")
+def test_the_qwen_coder_pair_shares_a_tokenizer_and_the_work(monkeypatch):
+    monkeypatch.setenv("TAILRACE_HOME", QWEN_HOME)
+    eng = CollaborativeEngine({"model": "qwen2.5-coder-0.5b-instruct", "n_ctx": 512},
+                              {"model": "qwen2.5-coder-1.5b-instruct", "n_ctx": 512},
+                              router={"kind": "random", "rate": 0.5}, span="line")
+    try:
+        req = GenerationRequest(messages=({"role": "user", "content":
+                                           "Write a Python function add(a, b) returning a + b. "
+                                           "Code only."},), max_tokens=48)
+        (g,) = eng.generate([req])
+        assert "def add" in g.text
+        assert g.extra["small_tokens"] > 0 and g.extra["large_tokens"] > 0
+        assert g.extra["small_model"] == "qwen2.5-coder-0.5b-instruct"
+    finally:
+        eng.close()
