@@ -121,9 +121,21 @@ def test_features_of_a_known_distribution():
     assert Threshold("top1", 0.4)(f) is False
 
 
-def test_models_with_different_vocabularies_are_refused():
+def test_models_with_different_vocabularies_are_refused_at_compile_time(tmp_path):
+    import tailrace as tr
+
     with pytest.raises(EngineError, match="do not share a tokenizer"):
         CollaborativeEngine(SMOL, {"model": "gemma3-270m", "n_threads": 2, "n_ctx": 512})
+    path = tmp_path / "p.yaml"
+    path.write_text("version: 1\npipeline: duo\nsource: {fields: [q]}\nengines:\n"
+                    "  duo: {backend: collab, small: {model: smollm2-135m-instruct},\n"
+                    "        large: {model: gemma3-270m}}\nstages:\n"
+                    "  - {id: a, op: generate, engine: duo, input: q, output: a}\n")
+    with pytest.raises(Exception) as e:
+        tr.compile_pipeline(tr.Pipeline.from_yaml(str(path)))
+    msg = str(e.value)
+    assert "engine 'duo'" in msg and "do not share a tokenizer (49,152 vs 262,144 tokens)" \
+        in msg and "\n" not in msg, msg
 
 
 @pytest.mark.parametrize("spec, message", [

@@ -339,7 +339,14 @@ def _build_generate(params: dict, ctx: BuildContext) -> OpRuntime:
             r = {**rec, out: g.text}
             counts: dict[str, Any] = {"prompt_tokens": g.prompt_tokens,
                                       "completion_tokens": g.completion_tokens}
-            cost = None if price is None else price.cost(g.prompt_tokens, g.completion_tokens)
+            cost = g.extra.get("cost") if price is None else \
+                price.cost(g.prompt_tokens, g.completion_tokens)
+            if "large_tokens" in g.extra:  # a collaborative engine: who wrote how much
+                x = g.extra
+                counts["by_model"] = {x["small_model"]: x["small_tokens"],
+                                      x["large_model"]: x["large_tokens"]} \
+                    if x["small_model"] != x["large_model"] else \
+                    {x["small_model"]: x["small_tokens"] + x["large_tokens"]}
             if cost is not None:
                 spent[0] += cost
             if usage is not None:

@@ -180,6 +180,9 @@ def usage_of(b: Binding, record: dict, reply: Reply, text: str,
     cached = u.get("cached_tokens") if isinstance(u, dict) else None
     if isinstance(cached, int) and cached > 0:  # OpenAI's field for prompt-cache hits
         usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    by = u.get("by_model") if isinstance(u, dict) else None
+    if isinstance(by, dict):  # a collaborative engine: completion tokens per model
+        usage["completion_tokens_details"] = {"by_model": dict(by)}
     if reply.cost is not None:  # priced engines: what the answer cost (docs/routing.md)
         usage["cost"] = reply.cost
     return usage

@@ -335,6 +335,12 @@ def completion_body(req: WireRequest, rid: str, created: int,
                  for _, _, u in answers)
     if cached:
         usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    by: dict[str, int] = {}
+    for _, _, u in answers:  # a collaborative engine's tokens per model
+        for m, n in u.get("completion_tokens_details", {}).get("by_model", {}).items():
+            by[m] = by.get(m, 0) + n
+    if by:
+        usage["completion_tokens_details"] = {"by_model": by}
     if any("cost" in u for _, _, u in answers):
         usage["cost"] = sum(u.get("cost", 0.0) for _, _, u in answers)
     return {"id": rid, "object": "chat.completion" if req.chat else "text_completion",

@@ -28,12 +28,13 @@ from ..call import Call
 from ..llama_cpp import LlamaCppEngine
 from ..llama_cpp.decoder import Batch
 from ..llama_cpp.sampling import Sampler, TextStream
+from ..price import price_of
 from .router import Router, check_router, features, make_router
 
 SMALL, LARGE = 0, 1
 #: engine spec keys of one model (a ``llama_cpp`` spec without its backend)
 MODEL_KEYS = ("model", "path", "n_threads", "n_ctx", "flash_attn", "prefill_chunk",
-              "prefix_cache")
+              "prefix_cache", "price")
 #: most tokens one span of the large model may write before the router is asked again
 MAX_SPAN = 32
 
@@ -49,6 +50,17 @@ def parse_span(span: Any, where: str = "span") -> int:
         raise EngineError(f"{where} must be token, line or a number of tokens from 1 to "
                           f"256, got {span!r}")
     return span
+
+
+#: model file pairs whose vocabularies were found the same
+_SAME: set[tuple[str, ...]] = set()
+
+
+def _file(m: dict[str, Any]) -> str:
+    from ..models import model_info, model_path
+
+    return str(m["path"]) if m.get("path") else \
+        str(model_path(model_info(m["model"], "llama_cpp")))
 
 
 def check_spec(name: str, spec: dict[str, Any]) -> None:
@@ -78,6 +90,16 @@ def check_spec(name: str, spec: dict[str, Any]) -> None:
             msg = str(e)
             raise EngineError(msg if msg.startswith("engine '") else
                               f"{where}: {role}: {msg}") from None
+    paths = [_file(spec[role]) for role in ("small", "large")]
+    if tuple(paths) not in _SAME:  # vocabularies only (milliseconds), once per pair
+        from ..llama_cpp.vocab import LlamaVocab
+
+        try:
+            same_vocabulary(LlamaVocab(paths[0]).vocab, LlamaVocab(paths[1]).vocab,
+                            (Path(paths[0]).name, Path(paths[1]).name))
+        except EngineError as e:
+            raise EngineError(f"{where}: {e}") from None
+        _SAME.add(tuple(paths))
     check_router(spec.get("router", {"kind": "threshold"}), f"{where}: router")
     parse_span(spec.get("span", "token"), f"{where}: span")
     n = spec.get("n_seq_max", 4)
@@ -89,14 +111,14 @@ def same_vocabulary(a: Any, b: Any, names: tuple[str, str]) -> None:
     """EngineError unless vocabularies ``a`` and ``b`` (``llama_cpp.vocab.Vocab``) have the
     same tokens with the same texts (checked token by token)."""
     if a.n_tokens != b.n_tokens:
-        raise EngineError(f"collab: models {names[0]} and {names[1]} do not share a "
+        raise EngineError(f"models {names[0]} and {names[1]} do not share a "
                           f"tokenizer ({a.n_tokens:,} vs {b.n_tokens:,} tokens); pick two "
                           "models of one family (e.g. Qwen2.5-Coder 0.5B and 1.5B)")
     lib = a._lib
     for t in range(a.n_tokens):
         ta, tb = lib.llama_vocab_get_text(a.ptr, t), lib.llama_vocab_get_text(b.ptr, t)
         if ta != tb:
-            raise EngineError(f"collab: models {names[0]} and {names[1]} do not share a "
+            raise EngineError(f"models {names[0]} and {names[1]} do not share a "
                               f"tokenizer (token {t} is {ta!r} in one, {tb!r} in the other)")
 
 
@@ -119,6 +141,7 @@ class Duet:
     writer: int = SMALL  # who writes the current span
     left: int = 0  # tokens left in the current span; 0: a decision comes first
     by: list[int] = field(default_factory=lambda: [0, 0])  # answer tokens per model
+    read: list[int] = field(default_factory=lambda: [0, 0])  # tokens each model was sent
     decisions: int = 0
     switches: int = 0
     since_large: int = 1 << 20
@@ -155,9 +178,11 @@ class CollaborativeEngine:
         self.n_seq_max = n_seq_max
         self._rng = np.random.default_rng(seed)
         self.engines: list[LlamaCppEngine] = []
+        prices = [price_of(m) for m in (small, large)]
+        self.prices = prices if None not in prices else None
         try:
             for m in (small, large):
-                opts = {k: v for k, v in m.items() if k != "backend"}
+                opts = {k: v for k, v in m.items() if k not in ("backend", "price")}
                 if "path" in opts:
                     opts.setdefault("model", Path(opts["path"]).stem)
                 self.engines.append(LlamaCppEngine(**opts, n_seq_max=n_seq_max,
@@ -168,7 +193,6 @@ class CollaborativeEngine:
             self._vocab = parts[0][2]
             self._cache = [p[3] for p in parts]
             names = (self.engines[0].model, self.engines[1].model)
-            same_vocabulary(parts[0][2], parts[1][2], names)
         except BaseException:
             self.close()
             raise
@@ -308,6 +332,7 @@ class CollaborativeEngine:
             seq[n:n + k] = d.slot[m]
             out[n:n + k] = 0
             d.fed[m] = end
+            d.read[m] += k
             if end == len(d.tokens):
                 out[n + k - 1] = 1
                 d.row = n + k - 1
@@ -386,6 +411,10 @@ class CollaborativeEngine:
             "large_model": self.names[LARGE], "large_tokens": d.by[LARGE],
             "large_share": d.by[LARGE] / n if n else 0.0,
             "decisions": d.decisions, "switches": d.switches}
+        if self.prices is not None:  # each model at its price: what it wrote, and what
+            # it read besides (the prompt, the other model's tokens it caught up on)
+            extra["cost"] = sum(p.cost(max(d.read[m] - d.by[m], 0), d.by[m])
+                                for m, p in enumerate(self.prices))
         mean = d.sampler.mean_logprob()
         if mean is not None:
             extra["mean_logprob"] = mean

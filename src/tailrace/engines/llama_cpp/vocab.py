@@ -164,9 +164,9 @@ class LlamaVocab:
         model = lib.llama_model_load_from_file(path.encode(), params)
         if not model:
             raise EngineError(f"llama.cpp could not read the vocabulary of {path}")
-        self._vocab = Vocab(lib, model, path)  # the model stays loaded for the counter's life
+        self.vocab = Vocab(lib, model, path)  # the model stays loaded for the counter's life
 
     def count_tokens(self, text: str) -> int:
         """Tokens ``text`` takes as a raw prompt (with BOS), as ``LlamaCppEngine`` counts."""
         with self._lock:
-            return self._vocab.count(text)
+            return self.vocab.count(text)
