@@ -29,6 +29,7 @@ ALLOWED: dict[str, set[str]] = {
     "stores": BASE | {"engines"},
     "control": BASE | {"engines"},  # admission only; tokens, never the pool's insides
     "verify": BASE,  # verifiers and their sandbox: used by operators (verify, route)
+    "routing": BASE | {"engines", "verify"},  # training a collaborative router
     "operators": BASE | {"engines", "stores", "control", "observability", "verify"},
     "compiler": BASE | {"operators", "observability"},
     # control: the Ray gate actor (runtime/ray/gate.py) hosts an admission policy; see
@@ -37,7 +38,7 @@ ALLOWED: dict[str, set[str]] = {
     "serving": BASE | {"runtime", "compiler", "operators", "control", "engines", "stores",
                        "observability"},
     "cli": BASE | {"serving", "runtime", "compiler", "operators", "control", "engines",
-                   "stores", "observability"},
+                   "stores", "observability", "routing"},
     "demo": BASE,
 }
 
