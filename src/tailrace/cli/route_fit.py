@@ -35,6 +35,9 @@ def add_parser(sub: Any) -> None:
     f.add_argument("--no-words", action="store_true",
                    help="do not use the prompts' words as features")
     f.add_argument("--debug", action="store_true", help="show tracebacks")
+    from .route_train import add_parser as add_train
+
+    add_train(verbs)
 
 
 def read_trace(path: str, prompt_field: str, route_field: str) -> tuple[list, int]:
@@ -66,6 +69,10 @@ def read_trace(path: str, prompt_field: str, route_field: str) -> tuple[list, in
 
 
 def route(args: argparse.Namespace) -> int:
+    if args.verb == "train":
+        from .route_train import train
+
+        return train(args)
     pairs, skipped = read_trace(args.trace, args.prompt_field, args.route_field)
     if not pairs:
         raise TailraceError(f"{args.trace}: no line has a '{args.route_field}' field with "
