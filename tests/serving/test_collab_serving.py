@@ -9,8 +9,8 @@ import openai
 import pytest
 
 import tailrace as tr
-from tailrace.serving import PipelineService, ServingHub
 from tailrace.engines.models import MODELS, model_path
+from tailrace.serving import PipelineService, ServingHub
 from tests.serving.server import running
 
 FILE = model_path(MODELS["smollm2-135m-instruct"])

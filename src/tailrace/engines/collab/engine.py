@@ -28,7 +28,7 @@ from ..call import Call
 from ..llama_cpp import LlamaCppEngine
 from ..llama_cpp.decoder import Batch
 from ..llama_cpp.sampling import Sampler, TextStream
-from ..price import price_of
+from ..price import Price, price_of
 from .router import Router, check_router, features, make_router
 
 SMALL, LARGE = 0, 1
@@ -179,7 +179,8 @@ class CollaborativeEngine:
         self._rng = np.random.default_rng(seed)
         self.engines: list[LlamaCppEngine] = []
         prices = [price_of(m) for m in (small, large)]
-        self.prices = prices if None not in prices else None
+        self.prices: list[Price] | None = \
+            [p for p in prices if p is not None] if None not in prices else None
         try:
             for m in (small, large):
                 opts = {k: v for k, v in m.items() if k not in ("backend", "price")}
@@ -230,8 +231,8 @@ class CollaborativeEngine:
         and benchmarks sweep routers on one loaded engine) and, with ``trace``, each
         decision's features, choice and position in ``extra["trace"]``."""
         np = self._np
-        routers = list(router) if isinstance(router, (list, tuple)) else \
-            [router or self.router] * len(requests)
+        routers: list[Router] = list(router) if isinstance(router, (list, tuple)) else \
+            [router or self.router] * len(requests)  # type: ignore[list-item]
         if len(routers) != len(requests):
             raise EngineError(f"collab: {len(routers)} routers for {len(requests)} requests")
         call = Call(len(requests), on_token)
@@ -345,8 +346,9 @@ class CollaborativeEngine:
         if rc != 0:
             raise EngineError(f"llama_decode failed with code {rc} on the "
                               f"{'small' if m == SMALL else 'large'} model ({n} tokens)")
+        logits_of, ctx = self._lib.llama_get_logits_ith, self._ctx[m]
         for d in ran:
-            addr = ctypes.cast(self._lib.llama_get_logits_ith(self._ctx[m], d.row), ctypes.c_void_p).value
+            addr = ctypes.cast(logits_of(ctx, d.row), ctypes.c_void_p).value
             row = np.frombuffer(self._row_type.from_address(addr),  # type: ignore[arg-type]
                                 dtype=np.float32)
             if m == SMALL and d.left == 0:
@@ -413,8 +415,8 @@ class CollaborativeEngine:
             "decisions": d.decisions, "switches": d.switches}
         if self.prices is not None:  # each model at its price: what it wrote, and what
             # it read besides (the prompt, the other model's tokens it caught up on)
-            extra["cost"] = sum(p.cost(max(d.read[m] - d.by[m], 0), d.by[m])
-                                for m, p in enumerate(self.prices))
+            extra["cost"] = sum([p.cost(max(d.read[m] - d.by[m], 0), d.by[m])
+                                 for m, p in enumerate(self.prices)])
         mean = d.sampler.mean_logprob()
         if mean is not None:
             extra["mean_logprob"] = mean

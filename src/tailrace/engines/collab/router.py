@@ -120,10 +120,10 @@ def read_policy(path: str | Path, where: str = "router") -> dict[str, Any]:
     n = len(FEATURES)
     for key in ("weights", "mean", "scale"):
         v = policy.get(key)
-        if key == "weights" or v is not None:
-            if not isinstance(v, list) or len(v) != n or \
-                    not all(isinstance(x, (int, float)) for x in v):
-                raise EngineError(f"{where}: policy file {p}: '{key}' must be {n} numbers")
+        if (key == "weights" or v is not None) and (
+                not isinstance(v, list) or len(v) != n
+                or not all(isinstance(x, (int, float)) for x in v)):
+            raise EngineError(f"{where}: policy file {p}: '{key}' must be {n} numbers")
     if not isinstance(policy.get("bias"), (int, float)):
         raise EngineError(f"{where}: policy file {p}: 'bias' must be a number")
     return policy
