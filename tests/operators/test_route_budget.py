@@ -184,6 +184,25 @@ def test_a_cancelled_request_is_not_escalated():
     assert [r["route"]["engine"] for r in kept.outputs] == ["small"]
 
 
+def test_a_cancelled_request_that_skipped_a_provider_ends_unsolved_not_exhausted():
+    # listed order: the dear provider does not fit the budget and is skipped, the small
+    # one fails, then the caller gives up: the cancel stopped it, not the budget (found
+    # by the fault suite's chaos profile)
+    from tailrace.request import REQUEST, Request
+
+    engines = {**ENGINES, "dear": spec("dear", 9, 100.0)}
+    gone = Request()
+    gone.cancel.set()
+    res = run(pipeline(engines, escalate=["dear", "small", "big"], budget=0.5,
+                       label="cut-short"), [{"q": "level 3 x", REQUEST: gone}])
+    (e,) = res.errors
+    assert e.error == "VerificationFailed", e.message
+    route = e.detail["route"]
+    assert [c["engine"] for c in route["tried"]] == ["small"] and route["skipped"] == ["dear"]
+    c = res.stats["route"].counters
+    assert (c["unsolved"], c.get("exhausted", 0)) == (1, 0)
+
+
 def trace_of(res) -> list[str]:
     lines = [json.dumps(tr.api.records.ErrorRecord.to_dict(e)) for e in res.errors]
     return lines + [json.dumps(r) for r in res.outputs]

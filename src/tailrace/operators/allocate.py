@@ -127,7 +127,7 @@ def ledgers() -> dict[str, dict[str, Any]]:
 class _Job:
     """One record's allocation in progress."""
 
-    __slots__ = ("record", "plan", "budget", "spent", "calls", "last", "skipped", "x")
+    __slots__ = ("record", "plan", "budget", "spent", "calls", "last", "skipped", "x", "cut")
 
     def __init__(self, record: Any, plan: list[str], budget: float | None, x: Any) -> None:
         self.record, self.plan, self.budget, self.x = record, plan, budget, x
@@ -135,6 +135,7 @@ class _Job:
         self.calls: list[dict[str, Any]] = []
         self.last: tuple[Any, Any] | None = None  # (Generation, Verdict) of the last call
         self.skipped: list[str] = []  # providers the budget left out
+        self.cut = False  # its caller gave up: not escalated, whatever the budget left
 
 
 class Allocator:
@@ -327,7 +328,7 @@ class Allocator:
                 self._finish(j, "solved", done)
                 continue
             if cancelled(j.record):  # its caller gave up (or its attempt was abandoned):
-                j.plan = []  # not escalated, it ends as it stands
+                j.plan, j.cut = [], True  # not escalated, it ends as it stands
             elif self.order == "policy":  # plan again, knowing how this one failed
                 left = None if j.budget is None else j.budget - j.spent
                 j.plan = self.replan(j.x, j.calls, j.skipped, left)
@@ -375,7 +376,8 @@ class Allocator:
     def _end(self, j: _Job, errors: list, done: list) -> None:
         """``j`` has no provider left: it ends by its budget, or unsolved."""
         tried = ", ".join(f"{c['engine']} ({c['reason']})" for c in j.calls) or "nothing"
-        if j.skipped and j.budget is not None:
+        if j.skipped and j.budget is not None and not j.cut:  # (a cancel, not the
+            # budget, stopped a cut one: it ends unsolved)
             self._settle(j.record, "exhausted", 0.0, j.spent, j.calls)
             self._fail(j, errors, BudgetExhausted(
                 f"budget exhausted: spent {j.spent:.6g} of {j.budget:.6g} on {tried}; the "
