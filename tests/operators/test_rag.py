@@ -116,7 +116,8 @@ def test_ingest_is_cached_and_empty_corpus_is_refused(tailrace_home, tmp_path):
 
 ENGINE_ERRORS = {
     "unknown backend": ({"backend": "vllm", "model": "x"},
-                        "stage 'a': engine 'llm': unknown backend 'vllm'; known: llama_cpp, "
+                        "stage 'a': engine 'llm': unknown backend 'vllm'; known: collab, "
+                        "llama_cpp, "
                         "onnx, openai"),
     "unknown model": ({"backend": "llama_cpp", "model": "gpt-5"},
                       "stage 'a': unknown model 'gpt-5' for backend 'llama_cpp'; known: "
