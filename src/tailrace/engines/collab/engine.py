@@ -9,6 +9,10 @@ it runs, so both caches stay in step with the answer. One decode thread drives b
 contexts: each step sends every answer's pending tokens to the small model in one
 ``llama_batch``, lets the router decide, then does the same on the large model, so
 concurrent requests' collaborations batch together on both engines.
+
+With ``span: draft`` the small model drafts each line first and the router reads the
+draft: kept, it is sent on; refused, the tokens are taken back (the small model's KV cut
+at the line's start, the sampler restored) and the large model writes the line.
 """
 
 from __future__ import annotations
@@ -29,7 +33,16 @@ from ..llama_cpp import LlamaCppEngine
 from ..llama_cpp.decoder import Batch
 from ..llama_cpp.sampling import Sampler, TextStream
 from ..price import Price, price_of
-from .router import Router, check_router, features, make_router
+from .router import (
+    DRAFT_FEATURES,
+    FEATURES,
+    Router,
+    check_router,
+    confidence,
+    draft_features,
+    features,
+    make_router,
+)
 
 SMALL, LARGE = 0, 1
 #: engine spec keys of one model (a ``llama_cpp`` spec without its backend)
@@ -41,14 +54,17 @@ MAX_SPAN = 32
 
 def parse_span(span: Any, where: str = "span") -> int:
     """``span``: ``token`` (a decision before every token), ``line`` (before every line,
-    at most ``MAX_SPAN`` tokens) or N (every N tokens) -> N, with 0 meaning ``line``."""
+    at most ``MAX_SPAN`` tokens), ``draft`` (after the small model drafted the line) or N
+    (every N tokens) -> N, with 0 meaning ``line`` and -1 ``draft``."""
     if span == "token":
         return 1
     if span == "line":
         return 0
+    if span == "draft":
+        return -1
     if isinstance(span, bool) or not isinstance(span, int) or not 1 <= span <= 256:
-        raise EngineError(f"{where} must be token, line or a number of tokens from 1 to "
-                          f"256, got {span!r}")
+        raise EngineError(f"{where} must be token, line, draft or a number of tokens from "
+                          f"1 to 256, got {span!r}")
     return span
 
 
@@ -100,8 +116,9 @@ def check_spec(name: str, spec: dict[str, Any]) -> None:
         except EngineError as e:
             raise EngineError(f"{where}: {e}") from None
         _SAME.add(tuple(paths))
-    check_router(spec.get("router", {"kind": "threshold"}), f"{where}: router")
-    parse_span(spec.get("span", "token"), f"{where}: span")
+    draft = parse_span(spec.get("span", "token"), f"{where}: span") < 0
+    check_router(spec.get("router", {"kind": "threshold"}), f"{where}: router",
+                 DRAFT_FEATURES if draft else FEATURES)
     n = spec.get("n_seq_max", 4)
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 64:
         raise EngineError(f"{where}: n_seq_max must be an integer from 1 to 64, got {n!r}")
@@ -149,6 +166,13 @@ class Duet:
     row: int = -1  # its logits row in this step's batch; -1: none
     trace: list[tuple[Any, bool, int]] | None = None  # (features, to large, position)
     done: bool = False
+    # span: draft only
+    draft_at: int = -1  # where the small model's pending draft starts; -1: none
+    draft: list[tuple[float, float, float]] = field(default_factory=list)  # confidences
+    held: list[bytes | None] = field(default_factory=list)  # its pieces (None: the end)
+    saved: tuple[Any, ...] = ()  # the sampler's state at the draft's start
+    prev: int = SMALL  # who wrote the last line
+    thrown: int = 0  # drafted tokens taken back
 
 
 class CollaborativeEngine:
@@ -173,8 +197,9 @@ class CollaborativeEngine:
                               "router": router or {"kind": "threshold"}, "span": span,
                               "n_seq_max": n_seq_max})
         self._np = np
-        self.router = make_router(router or {"kind": "threshold"}, "collab: router")
         self.span = parse_span(span)
+        self.router = make_router(router or {"kind": "threshold"}, "collab: router",
+                                  self.features)
         self.n_seq_max = n_seq_max
         self._rng = np.random.default_rng(seed)
         self.engines: list[LlamaCppEngine] = []
@@ -212,6 +237,12 @@ class CollaborativeEngine:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="collab")
 
     # -- public API -------------------------------------------------------------------
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        """The features its routers read: ``DRAFT_FEATURES`` with ``span: draft``, else
+        ``FEATURES``."""
+        return DRAFT_FEATURES if self.span < 0 else FEATURES
 
     def count_tokens(self, text: str) -> int:
         return self.engines[0].count_tokens(text)
@@ -302,6 +333,8 @@ class CollaborativeEngine:
         d.slot[SMALL], d.fed[SMALL] = self._cache[SMALL].take(prompt)
         d.slot[LARGE], d.fed[LARGE] = self._cache[LARGE].take(prompt)
         d.cached = d.fed[SMALL]
+        if self.span < 0:
+            self._open_draft(d)
         self._active.append(d)
 
     def _wants(self, d: Duet, m: int) -> bool:
@@ -355,7 +388,10 @@ class CollaborativeEngine:
                 self._decide(d, row)
                 if d.writer == LARGE:
                     continue  # the large model writes this token (its step comes next)
-            self._write(d, row, m)
+            if d.draft_at >= 0:
+                self._draft(d, row)
+            else:
+                self._write(d, row, m)
 
     def _decide(self, d: Duet, row: Any) -> None:
         """A decision point: the router reads the small model's distribution and picks
@@ -372,6 +408,90 @@ class CollaborativeEngine:
             d.switches += 1
         d.writer = who
         d.left = self.span or MAX_SPAN
+
+    # -- span: draft ------------------------------------------------------------------
+
+    def _open_draft(self, d: Duet) -> None:
+        """The small model starts drafting the next line."""
+        s = d.sampler
+        d.writer, d.left, d.draft_at = SMALL, MAX_SPAN, len(d.tokens)
+        d.draft, d.held = [], []
+        d.saved = (None if s.counts is None else dict(s.counts), s.n_lp, s.lp_sum)
+
+    def _draft(self, d: Duet, row: Any) -> None:
+        """The small model drafts the line's next token from ``row``; at the line's end
+        (a newline, ``MAX_SPAN`` tokens, its end of text or ``max_tokens``) the router
+        judges the draft."""
+        sampler = d.sampler
+        logits = sampler.logits(row)
+        t = sampler.draw(logits)
+        sampler.took(logits, t)
+        d.draft.append(confidence(row))
+        vocab = self._vocab
+        piece = vocab.pieces[t] if t in vocab.pieces else vocab.piece(t)
+        d.held.append(piece)
+        d.left -= 1
+        if piece is not None:
+            d.tokens.append(t)
+            d.by[SMALL] += 1
+        if d.call.failed:
+            self._finish(d, "cancelled")
+        elif piece is None or b"\n" in piece or d.left == 0 \
+                or d.by[SMALL] + d.by[LARGE] >= d.request.max_tokens:
+            self._judge(d)
+
+    def _judge(self, d: Duet) -> None:
+        """The router reads the finished draft: kept, its text goes out and the next line
+        is drafted; refused, it is taken back and the large model writes the line."""
+        n = len(d.tokens) - d.draft_at
+        before = d.by[SMALL] + d.by[LARGE] - n
+        f = draft_features(d.draft, before, d.since_large,
+                           d.by[LARGE] / before if before else 0.0)
+        large = bool(d.router(f))
+        if d.trace is not None:
+            d.trace.append((f, large, before))
+        d.decisions += 1
+        who = LARGE if large else SMALL
+        if who != d.prev:
+            d.switches += 1
+        d.prev, d.draft_at = who, -1
+        if not large:
+            d.since_large += n
+            for piece in d.held:
+                if piece is None:
+                    self._finish(d, "stop")
+                    return
+                if self._emit(d, piece):
+                    return
+            if d.by[SMALL] + d.by[LARGE] >= d.request.max_tokens:
+                self._finish(d, "length")
+            else:
+                self._open_draft(d)
+            return
+        start = len(d.tokens) - n
+        del d.tokens[start:]
+        d.by[SMALL] -= n
+        d.thrown += len(d.held)
+        if d.fed[SMALL] > start:
+            if not self._cache[SMALL].cut(d.slot[SMALL], start):
+                raise EngineError(f"the small model {self.names[SMALL]} cannot take back "
+                                  "a draft from its KV cache; use span: line")
+            d.fed[SMALL] = start
+        s = d.sampler
+        s.counts, s.n_lp, s.lp_sum = d.saved
+        d.writer, d.left = LARGE, MAX_SPAN
+
+    def _emit(self, d: Duet, piece: bytes) -> bool:
+        """Send ``piece`` of the answer to the caller; True if that ended the answer (the
+        caller left, or a stop string)."""
+        text = d.stream.feed(piece)
+        if text and not d.call.emit(d.index, text) or d.call.failed:
+            self._finish(d, "cancelled")
+        elif d.stream.stopped:
+            self._finish(d, "stop")
+        else:
+            return False
+        return True
 
     def _write(self, d: Duet, row: Any, m: int) -> None:
         """Model ``m`` writes the answer's next token from ``row``."""
@@ -391,13 +511,12 @@ class CollaborativeEngine:
         d.line_start = b"\n" in piece
         if d.line_start and self.span == 0:
             d.left = 0  # line mode: a decision at every line start
-        text = d.stream.feed(piece)
-        if text and not d.call.emit(d.index, text) or d.call.failed:
-            self._finish(d, "cancelled")
-        elif d.stream.stopped:
-            self._finish(d, "stop")
-        elif d.by[SMALL] + d.by[LARGE] >= d.request.max_tokens:
+        if self._emit(d, piece):
+            return
+        if d.by[SMALL] + d.by[LARGE] >= d.request.max_tokens:
             self._finish(d, "length")
+        elif self.span < 0 and (d.line_start or d.left == 0):
+            self._open_draft(d)  # the large model's line is written: draft the next
 
     def _finish(self, d: Duet, reason: str) -> None:
         tail = d.stream.finish()
@@ -413,9 +532,13 @@ class CollaborativeEngine:
             "large_model": self.names[LARGE], "large_tokens": d.by[LARGE],
             "large_share": d.by[LARGE] / n if n else 0.0,
             "decisions": d.decisions, "switches": d.switches}
+        if self.span < 0:
+            extra["drafted_away"] = d.thrown
         if self.prices is not None:  # each model at its price: what it wrote, and what
             # it read besides (the prompt, the other model's tokens it caught up on)
-            extra["cost"] = sum([p.cost(max(d.read[m] - d.by[m], 0), d.by[m])
+            # (the small model's drafts taken back count as its output)
+            out = [d.by[SMALL] + d.thrown, d.by[LARGE]]
+            extra["cost"] = sum([p.cost(max(d.read[m] - out[m], 0), out[m])
                                  for m, p in enumerate(self.prices)])
         mean = d.sampler.mean_logprob()
         if mean is not None:

@@ -3,8 +3,10 @@ the routers (docs/routing.md, "Collaborative generation").
 
 At each decision point the small model has just computed its distribution over the next
 token; ``features`` turns that row of logits and the answer's state into a short vector,
-and a router maps it to a choice: True sends the next span to the large model. Pure
-numpy, no model: the routers are tested on their own.
+and a router maps it to a choice: True sends the next span to the large model. With
+``span: draft`` the small model first drafts the line and ``draft_features`` describe
+the draft (its least sure token, how many were unsure); True then has the large model
+write the line instead. Pure numpy, no model: the routers are tested on their own.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ from ...errors import EngineError
 #: the feature vector, in order (``features``); a policy file names them to check
 FEATURES = ("top1", "entropy", "margin", "position", "since_large", "large_share",
             "line_start")
+#: the feature vector of a drafted line (``draft_features``); the first three have the
+#: names, and the sides, of the next-token ones, for the least sure token of the draft
+DRAFT_FEATURES = ("top1", "entropy", "margin", "mean_top1", "unsure", "length", "position",
+                  "since_large", "large_share")
 #: router kinds a spec may name
 KINDS = ("small", "large", "random", "threshold", "learned")
 #: threshold metrics: for each, the side on which the small model counts as unsure
@@ -36,14 +42,39 @@ def features(row: Any, position: int, since_large: int, large_share: float,
     model's share of the tokens so far, and whether a line starts here."""
     import numpy as np
 
+    p1, entropy, margin = confidence(row)
+    return np.array([p1, entropy, margin, position / 256.0,
+                     min(since_large / 16.0, 4.0), large_share, 1.0 if line_start else 0.0])
+
+
+def confidence(row: Any) -> tuple[float, float, float]:
+    """The small model's top-1 probability, entropy (nats) and top-1 minus top-2
+    probability of one row of logits."""
+    import numpy as np
+
     m = float(row.max())
     z = np.exp(row - m)
     s = float(z.sum())
     top2 = float(np.partition(row, -2)[-2])
-    entropy = math.log(s) - float(np.dot(z, row - m)) / s
     p1 = 1.0 / s
-    return np.array([p1, entropy, p1 - math.exp(top2 - m) / s, position / 256.0,
-                     min(since_large / 16.0, 4.0), large_share, 1.0 if line_start else 0.0])
+    return p1, math.log(s) - float(np.dot(z, row - m)) / s, p1 - math.exp(top2 - m) / s
+
+
+def draft_features(draft: list[tuple[float, float, float]], position: int,
+                   since_large: int, large_share: float) -> Any:
+    """A drafted line's feature vector (float64, ``DRAFT_FEATURES`` order) from each draft
+    token's ``confidence``: the least top-1 probability, the most entropy, the least
+    margin, the mean top-1, the fraction of tokens with top-1 below 0.5, the draft's
+    length (/32), and as in ``features`` the position, tokens since the large model last
+    wrote and its share so far."""
+    import numpy as np
+
+    c = np.asarray(draft, dtype=np.float64).reshape(-1, 3)
+    if not len(c):
+        c = np.ones((1, 3))
+    return np.array([c[:, 0].min(), c[:, 1].max(), c[:, 2].min(), c[:, 0].mean(),
+                     float((c[:, 0] < 0.5).mean()), len(draft) / 32.0, position / 256.0,
+                     min(since_large / 16.0, 4.0), large_share])
 
 
 #: a router: the features -> True (the large model writes the next span)
@@ -101,9 +132,11 @@ class Learned:
         return self.probability(f) > self.threshold
 
 
-def read_policy(path: str | Path, where: str = "router") -> dict[str, Any]:
-    """A policy file (JSON, ``policy.py`` writes it), checked; EngineError naming the
-    file and what is wrong."""
+def read_policy(path: str | Path, where: str = "router",
+                names: tuple[str, ...] = FEATURES) -> dict[str, Any]:
+    """A policy file (JSON, ``policy.py`` writes it) for features ``names`` (``FEATURES``,
+    or ``DRAFT_FEATURES`` for ``span: draft``), checked; EngineError naming the file and
+    what is wrong."""
     p = Path(path)
     if not p.is_file():
         raise EngineError(f"{where}: policy file not found: {p}")
@@ -114,10 +147,14 @@ def read_policy(path: str | Path, where: str = "router") -> dict[str, Any]:
     if not isinstance(policy, dict) or policy.get("version") != POLICY_VERSION:
         raise EngineError(f"{where}: policy file {p} is not a version-{POLICY_VERSION} "
                           "tailrace router policy (train one with: tailrace route train)")
-    if policy.get("features") != list(FEATURES):
+    if policy.get("features") != list(names):
+        other = DRAFT_FEATURES if names == FEATURES else FEATURES
+        hint = (f"it was trained for span: {'draft' if names == FEATURES else 'line'} "
+                "decisions; use that span or train again") \
+            if policy.get("features") == list(other) else "train it again"
         raise EngineError(f"{where}: policy file {p} reads features {policy.get('features')}"
-                          f", this tailrace computes {list(FEATURES)}: train it again")
-    n = len(FEATURES)
+                          f", this engine computes {list(names)}: {hint}")
+    n = len(names)
     for key in ("weights", "mean", "scale"):
         v = policy.get(key)
         if (key == "weights" or v is not None) and (
@@ -129,13 +166,16 @@ def read_policy(path: str | Path, where: str = "router") -> dict[str, Any]:
     return policy
 
 
-def check_router(spec: Any, where: str = "router") -> None:
+def check_router(spec: Any, where: str = "router",
+                 names: tuple[str, ...] = FEATURES) -> None:
     """Validate a router spec without building it; EngineError says what to fix."""
-    make_router(spec, where)
+    make_router(spec, where, names)
 
 
-def make_router(spec: Any, where: str = "router") -> Router:
-    """The router a spec names: ``{kind: threshold, metric: top1, threshold: 0.5}``,
+def make_router(spec: Any, where: str = "router",
+                names: tuple[str, ...] = FEATURES) -> Router:
+    """The router a spec names, reading features ``names`` (``FEATURES``, or
+    ``DRAFT_FEATURES`` for ``span: draft``): ``{kind: threshold, metric: top1, threshold: 0.5}``,
     ``{kind: learned, policy: FILE[, threshold: P]}``, ``{kind: random, rate: R[, seed]}``,
     ``{kind: small}`` or ``{kind: large}`` (one model writes every span)."""
     if isinstance(spec, str):
@@ -180,6 +220,6 @@ def make_router(spec: Any, where: str = "router") -> Router:
     if not spec.get("policy"):
         raise EngineError(f"{where}: router learned needs policy: FILE (train one with: "
                           "tailrace route train)")
-    policy = read_policy(spec["policy"], where)
+    policy = read_policy(spec["policy"], where, names)
     t = number("threshold", None, 0.0, 1.0) if "threshold" in spec else None
     return Learned(policy, t)

@@ -80,6 +80,11 @@ class PrefixCache:
             self._remove(slot, -1, -1)
         self.busy.discard(slot)
 
+    def cut(self, slot: int, start: int) -> bool:
+        """Drop the KV of positions ``start`` on from a busy stream (tokens taken back, as
+        a rejected draft); False if the model's memory cannot cut there."""
+        return bool(self._remove(slot, start, -1))
+
     def clear(self) -> None:
         """The context's KV was cleared (after a failure): nothing is held or busy."""
         self.streams = [None] * len(self.streams)
