@@ -71,3 +71,35 @@ def test_the_openai_client_gets_one_answer_with_tokens_by_model(server):
     streamed = usage.completion_tokens_details.model_extra["by_model"]
     # the random router draws on: another split of the same answer
     assert sorted(streamed) == sorted(by) and sum(streamed.values()) == u.completion_tokens
+
+
+@pytest.fixture(scope="module")
+def drafting(tmp_path_factory):
+    path = tmp_path_factory.mktemp("collab") / "draft.yaml"
+    text = YAML % (SMOL % ("model: smollm2-135m-instruct", 0.01, 0.01),
+                   SMOL % (f"path: {FILE}", 0.1, 0.1))
+    path.write_text(text.replace("span: token", "span: draft").replace("max_tokens: 24",
+                                                                        "max_tokens: 40"))
+    with running(ServingHub([PipelineService(tr.Pipeline.from_yaml(str(path)))])) as url:
+        yield url
+
+
+def test_drafted_lines_stream_as_one_answer_and_refused_drafts_never_reach_the_client(
+        drafting):
+    """span: draft: the small model drafts each line, the random router refuses some and
+    the large model rewrites them; the client sees the model's own answer, line by line."""
+    c = openai.OpenAI(base_url=drafting + "/v1", api_key="unused", max_retries=0)
+    ask = [{"role": "user", "content": "List five colours, one per line."}]
+    whole = c.chat.completions.create(model="duo", messages=ask)
+    text = whole.choices[0].message.content
+    assert text.count("\n") >= 3
+    u = whole.usage
+    by = u.completion_tokens_details.model_extra["by_model"]
+    small, large = by["smollm2-135m-instruct"], by[FILE_STEM]
+    assert small > 0 and large > 0 and small + large == u.completion_tokens
+    # the refused drafts were computed: the small model's cost counts them on top
+    low = (0.01 * (u.prompt_tokens + small) + 0.1 * (u.prompt_tokens + large)) / 1000
+    assert u.model_extra["cost"] >= low + 0.01 * large / 1000 * 0.99
+    pieces = [ch.choices[0].delta.content for ch in c.chat.completions.create(
+        model="duo", messages=ask, stream=True) if ch.choices and ch.choices[0].delta.content]
+    assert "".join(pieces) == text and len(pieces) >= 3
