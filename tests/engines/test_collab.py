@@ -98,15 +98,24 @@ def test_concurrent_calls_batch_on_the_shared_engines(twin, alone):
     assert results == {i: alone[id(SKY if i % 2 else HAIKU)] for i in range(6)}
 
 
-def test_streams_pieces_and_a_caller_that_leaves_stops_its_answer(twin, alone):
-    pieces: list[str] = []
-    got = twin.generate([SKY], on_token=lambda i, p: pieces.append(p))
-    assert "".join(pieces) == got[0].text == alone[id(SKY)]
-    (cut,) = twin.generate([SKY], on_token=lambda i, p: False)
-    assert cut.finish_reason == "cancelled"
-    assert cut.completion_tokens <= 2
-    # the slots came back: the engine still answers
-    assert twin.generate([HAIKU])[0].text == alone[id(HAIKU)]
+@pytest.mark.parametrize("span", ["token", "draft"])
+def test_streams_pieces_and_a_caller_that_leaves_stops_its_answer(twin, alone, span):
+    from tailrace.engines.collab.engine import parse_span
+
+    twin.span = parse_span(span)
+    try:
+        pieces: list[str] = []
+        got = twin.generate([COLOURS], on_token=lambda i, p: pieces.append(p))
+        assert "".join(pieces) == got[0].text == alone[id(COLOURS)]
+        (cut,) = twin.generate([COLOURS], on_token=lambda i, p: False)
+        assert cut.finish_reason == "cancelled"
+        # token: the first piece; draft: the first line, the first text sent
+        first = alone[id(COLOURS)].split("\n")[0]
+        assert cut.completion_tokens <= (2 if span == "token" else twin.count_tokens(first) + 1)
+        # the slots came back: the engine still answers
+        assert twin.generate([HAIKU])[0].text == alone[id(HAIKU)]
+    finally:
+        twin.span = 1
 
 
 def test_trace_records_each_decision(twin):
