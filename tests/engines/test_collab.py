@@ -288,3 +288,18 @@ def test_the_qwen_coder_pair_shares_a_tokenizer_and_the_work(monkeypatch):
         assert d.extra["drafted_away"] >= d.extra["large_tokens"]
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-coder-line.json", "qwen2.5-coder-draft.json"])
+def test_the_shipped_policies_load_for_the_span_they_were_trained_for(name):
+    from pathlib import Path
+
+    from tailrace.engines.collab.router import read_policy
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "routers" / name
+    span = json.loads(path.read_text())["trained"]["span"]
+    names = DRAFT_FEATURES if span == "draft" else FEATURES
+    policy = read_policy(path, "router", names)
+    assert policy["trained"]["paths"] > 0
+    with pytest.raises(EngineError, match="trained for span"):
+        read_policy(path, "router", FEATURES if span == "draft" else DRAFT_FEATURES)
