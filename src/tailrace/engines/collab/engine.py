@@ -399,15 +399,28 @@ class CollaborativeEngine:
         written = d.by[SMALL] + d.by[LARGE]
         f = features(row, written, d.since_large,
                      d.by[LARGE] / written if written else 0.0, d.line_start)
-        large = bool(d.router(f))
-        if d.trace is not None:
-            d.trace.append((f, large, written))
-        d.decisions += 1
-        who = LARGE if large else SMALL
-        if who != d.writer:
-            d.switches += 1
-        d.writer = who
+        d.writer = self._ask(d, f, written, d.writer)
         d.left = self.span or MAX_SPAN
+
+    def _ask(self, d: Duet, f: Any, position: int, last: int) -> int:
+        """The router's choice on features ``f`` at answer ``position`` (traced and
+        counted; a switch when it differs from ``last``, who wrote before)."""
+        who = LARGE if d.router(f) else SMALL
+        if d.trace is not None:
+            d.trace.append((f, who == LARGE, position))
+        d.decisions += 1
+        if who != last:
+            d.switches += 1
+        return who
+
+    def _draw(self, d: Duet, row: Any) -> tuple[int, bytes | None]:
+        """The answer's next token drawn from ``row`` and its piece (None: end of text)."""
+        sampler = d.sampler
+        logits = sampler.logits(row)
+        t = sampler.draw(logits)
+        sampler.took(logits, t)
+        vocab = self._vocab
+        return t, vocab.pieces[t] if t in vocab.pieces else vocab.piece(t)
 
     # -- span: draft ------------------------------------------------------------------
 
@@ -422,13 +435,8 @@ class CollaborativeEngine:
         """The small model drafts the line's next token from ``row``; at the line's end
         (a newline, ``MAX_SPAN`` tokens, its end of text or ``max_tokens``) the router
         judges the draft."""
-        sampler = d.sampler
-        logits = sampler.logits(row)
-        t = sampler.draw(logits)
-        sampler.took(logits, t)
+        t, piece = self._draw(d, row)
         d.draft.append(confidence(row))
-        vocab = self._vocab
-        piece = vocab.pieces[t] if t in vocab.pieces else vocab.piece(t)
         d.held.append(piece)
         d.left -= 1
         if piece is not None:
@@ -447,15 +455,9 @@ class CollaborativeEngine:
         before = d.by[SMALL] + d.by[LARGE] - n
         f = draft_features(d.draft, before, d.since_large,
                            d.by[LARGE] / before if before else 0.0)
-        large = bool(d.router(f))
-        if d.trace is not None:
-            d.trace.append((f, large, before))
-        d.decisions += 1
-        who = LARGE if large else SMALL
-        if who != d.prev:
-            d.switches += 1
+        who = self._ask(d, f, before, d.prev)
         d.prev, d.draft_at = who, -1
-        if not large:
+        if who == SMALL:
             d.since_large += n
             for piece in d.held:
                 if piece is None:
@@ -495,12 +497,7 @@ class CollaborativeEngine:
 
     def _write(self, d: Duet, row: Any, m: int) -> None:
         """Model ``m`` writes the answer's next token from ``row``."""
-        sampler = d.sampler
-        logits = sampler.logits(row)
-        t = sampler.draw(logits)
-        sampler.took(logits, t)
-        vocab = self._vocab
-        piece = vocab.pieces[t] if t in vocab.pieces else vocab.piece(t)
+        t, piece = self._draw(d, row)
         if piece is None:
             self._finish(d, "stop")
             return
