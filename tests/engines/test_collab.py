@@ -303,3 +303,15 @@ def test_the_shipped_policies_load_for_the_span_they_were_trained_for(name):
     assert policy["trained"]["paths"] > 0
     with pytest.raises(EngineError, match="trained for span"):
         read_policy(path, "router", FEATURES if span == "draft" else DRAFT_FEATURES)
+
+
+def test_a_draft_policy_without_mean_and_scale_reads_draft_features(tmp_path):
+    p = tmp_path / "draft.json"
+    n = len(DRAFT_FEATURES)
+    p.write_text(json.dumps({"version": 1, "features": list(DRAFT_FEATURES),
+                             "weights": [0.0] * (n - 1) + [-8.0], "bias": 2.0}))
+    route = make_router({"kind": "learned", "policy": str(p)}, names=DRAFT_FEATURES)
+    f = draft_features([(0.9, 0.2, 0.8)], 0, 0, 0.0)
+    assert route(f) is True  # large share 0: the bias decides
+    f[-1] = 1.0
+    assert route(f) is False  # the last weight reads the large model's share

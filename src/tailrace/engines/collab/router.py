@@ -118,8 +118,8 @@ class Learned:
         self.policy = policy
         self.w = np.asarray(policy["weights"], dtype=np.float64)
         self.b = float(policy["bias"])
-        self.mean = np.asarray(policy.get("mean", [0.0] * len(FEATURES)), dtype=np.float64)
-        self.scale = np.asarray(policy.get("scale", [1.0] * len(FEATURES)), dtype=np.float64)
+        self.mean = np.asarray(policy.get("mean", [0.0] * len(self.w)), dtype=np.float64)
+        self.scale = np.asarray(policy.get("scale", [1.0] * len(self.w)), dtype=np.float64)
         self.threshold = float(policy.get("threshold", 0.5) if threshold is None else threshold)
 
     def probability(self, f: Any) -> float:
