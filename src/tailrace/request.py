@@ -100,6 +100,7 @@ class Request:
     ticket:   its admission ticket while it holds one (the runtime gives it back).
     session:  the session its engine calls stick to (prefix reuse), or None.
     messages: the conversation it carries (OpenAI chat), or None.
+    tools:    the client tools it offers the answering stage (``ToolSpec``), or None.
     tenant:   the tenant it was sent by, or None.
     budget:   the most its answer may cost (``X-Tailrace-Budget``), or None: the
               answering stage's own budget, if any (docs/routing.md).
@@ -118,6 +119,7 @@ class Request:
     ticket: Any = None
     session: str | None = None
     messages: list | tuple | None = None
+    tools: Any = None
     tenant: str | None = None
     budget: float | None = None
     trace: Any = None
@@ -129,6 +131,10 @@ class Request:
 
     def __hash__(self) -> int:
         return hash(self.rid)
+
+    def tools_for(self, out: str) -> Any:
+        """The request's client tools if the stage writing ``out`` answers it, else None."""
+        return self.tools if self.answers == out else None
 
     def options_for(self, out: str) -> dict[str, Any] | None:
         """The request's options if the stage writing ``out`` answers it, else None."""
@@ -153,8 +159,8 @@ class Request:
         asks the same: one of several records a client request sends together."""
         return Request(cancel=self.cancel, sink=self.sink, options=self.options,
                        answers=self.answers, asked=self.asked, session=self.session,
-                       messages=self.messages, tenant=self.tenant, budget=self.budget,
-                       trace=self.trace)
+                       messages=self.messages, tools=self.tools, tenant=self.tenant,
+                       budget=self.budget, trace=self.trace)
 
     def bind(self, cancel: Cancel, sink: Callable[[str], Any] | None) -> None:
         """Give a request that crossed a process its live parts (the receiving side's)."""
@@ -165,12 +171,12 @@ class Request:
         # the live parts stay home: a cancel's state and whether it streams travel
         return (self.rid, self.cancel.is_set(), self.sink is not None, self.options,
                 self.answers, self.asked, self.granted, self.session, self.messages,
-                self.tenant, self.budget, self.trace, self.reply, self.streamed)
+                self.tools, self.tenant, self.budget, self.trace, self.reply, self.streamed)
 
     def __setstate__(self, state: tuple) -> None:
         (self.rid, cancelled, streams, self.options, self.answers, self.asked,
-         self.granted, self.session, self.messages, self.tenant, self.budget, self.trace,
-         self.reply, self.streamed) = state
+         self.granted, self.session, self.messages, self.tools, self.tenant, self.budget,
+         self.trace, self.reply, self.streamed) = state
         self.cancel = _cancel_of(cancelled)
         self.sink = _remote_sink if streams else None
         self.ticket = None

@@ -38,6 +38,9 @@ class GenerationRequest:
     # earlier first within a class
     session: str | None = None  # the caller's session (conversation) id: an engine pool with
     # ``dispatch: prefix_affinity`` sends a session's requests to the replica that served it
+    tools: Any = None  # the client tools it offers (``tool_calls.ToolSpec``), or None:
+    # engines with ``tool_calls = True`` answer a call in ``tool_calls``' text form;
+    # ``messages`` may then hold assistant ``tool_calls`` and ``tool`` results
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,12 @@ def enforced_by(spec: Any) -> frozenset[str]:
     return frozenset(getattr(engine_class(spec), "response_formats", ()))
 
 
+def calls_tools(spec: Any) -> bool:
+    """Whether the engine of ``spec`` answers client tools (``GenerationRequest.tools``):
+    its class's ``tool_calls``, found without opening it."""
+    return bool(getattr(engine_class(spec), "tool_calls", False))
+
+
 def check_enforceable(spec: Any, fmt: dict[str, Any]) -> None:
     """Raise the engine's own error (e.g. ``StructuredOutputError``) if the engine of
     ``spec`` cannot turn the checked constraint ``fmt`` into one: its class's optional

@@ -14,7 +14,14 @@ from typing import Any
 from ..engines import GenerationRequest
 from ..engines.models import batches_continuously
 from ..engines.price import price_of
-from ..engines.structured import check_answer, check_enforceable, check_schema, enforced_by
+from ..engines.structured import (
+    calls_tools,
+    check_answer,
+    check_enforceable,
+    check_schema,
+    enforced_by,
+)
+from ..engines.tool_calls import split_calls
 from ..errors import ContextOverflow, EngineError, StructuredOutputError
 from ..request import request_of
 from .common import (
@@ -110,32 +117,39 @@ _SYSTEM_ROLES = ("system", "developer")
 
 
 def chat_messages(system: str | None, conversation: Any, latest: str,
-                  count: Any, limit: int) -> tuple[dict[str, str], ...]:
-    """The chat a ``generate`` stage with ``messages:`` sends (docs/serving.md,
-    "Conversations"): one system message, the earlier turns, then ``latest`` (the
-    rendered prompt). Oldest turns go first when it does not fit in ``limit`` tokens
-    (``count``: a text's tokens, plus ``MESSAGE_OVERHEAD`` a message)."""
+                  count: Any, limit: int) -> tuple[dict[str, Any], ...]:
+    """The chat a stage answering a conversation sends (docs/serving.md,
+    "Conversations"): one system message, the earlier turns, ``latest`` (the rendered
+    prompt, in place of the last user message), then what came after it (an
+    assistant's tool calls and their results). Oldest turns go first when it does not
+    fit in ``limit`` tokens (``count``: a text's tokens, plus ``MESSAGE_OVERHEAD`` a
+    message)."""
     if not isinstance(conversation, (list, tuple)):
         raise FieldError(f"the conversation must be a list of messages, got "
                          f"{type(conversation).__name__}")
     systems = [system] if system else []
-    turns: list[dict[str, str]] = []
+    turns: list[dict[str, Any]] = []
+    after: list[dict[str, Any]] = []
     last_user = max((i for i, m in enumerate(conversation)
                      if isinstance(m, dict) and m.get("role") == "user"), default=-1)
     for i, m in enumerate(conversation):
         if not isinstance(m, dict) or not isinstance(m.get("content"), str) \
-                or m.get("role") not in ("user", "assistant", *_SYSTEM_ROLES):
+                or m.get("role") not in ("user", "assistant", "tool", *_SYSTEM_ROLES):
             raise FieldError(f"conversation message {i} must be {{'role': system|user|"
-                             "assistant, 'content': text}")
+                             "assistant|tool, 'content': text}")
         if m["role"] in _SYSTEM_ROLES:
             systems.append(m["content"])
         elif i < last_user:
-            turns.append({"role": m["role"], "content": m["content"]})
+            turns.append(dict(m))
+        elif i > last_user:
+            after.append(dict(m))
     head = ({"role": "system", "content": "\n\n".join(systems)},) if systems else ()
-    tail = ({"role": "user", "content": latest},)
+    tail = ({"role": "user", "content": latest}, *after)
 
-    def cost(m: dict[str, str]) -> int:
-        return count(m["content"]) + MESSAGE_OVERHEAD
+    def cost(m: dict[str, Any]) -> int:
+        calls = m.get("tool_calls") or ()
+        return count(m["content"]) + MESSAGE_OVERHEAD + sum(
+            count(c["function"]["name"] + c["function"]["arguments"]) for c in calls)
 
     fixed = sum(cost(m) for m in head + tail)
     if fixed > limit:
@@ -158,8 +172,9 @@ OPTIONS = ("max_tokens", "temperature", "top_p", "stop", "seed", "presence_penal
 
 
 #: what generate, route and tool_call share: the conversation field and frozen options
-MESSAGES = Param("messages", (str,), want="a field holding the conversation (a list of "
-                 "{role, content}), e.g. _messages")
+MESSAGES = Param("messages", (str, bool), want="a field holding the conversation (a list "
+                 "of {role, content}), e.g. _messages; false: answer the prompt alone",
+                 check=lambda v: v is False or isinstance(v, str))
 FROZEN = Param("frozen", (list,), want=f"a list of request options the request may not set "
                f"(of {', '.join(OPTIONS)})",
                check=lambda v: isinstance(v, list) and all(x in OPTIONS for x in v))
@@ -195,13 +210,32 @@ def cancelled(record: Any) -> bool:
     return c is not None and c.is_set()
 
 
-def conversation(record: Any, field: str | None) -> Any:
-    """The conversation a stage answers: its request's (``messages: _messages``) or the
-    record field ``field`` names; None without one."""
-    if not field or type(record) is not dict:
+def conversation(record: Any, field: str | bool | None, out: str, chat: bool = True) -> Any:
+    """The conversation the stage writing ``out`` answers, or None: the record field
+    ``field`` names (``_messages``: its request's); by default (``field`` None) its
+    request's when it answers that request; ``False``: none (``messages: false``).
+    ``chat``: whether its engine takes chat messages; a default conversation with more
+    than the latest user message is then a FieldError."""
+    if field is False or type(record) is not dict:
+        return None
+    if field is None:
+        req = request_of(record)
+        conv = req.messages if req is not None and req.answers == out else None
+        if conv is None or chat:
+            return conv
+        if len(conv) > 1:
+            raise FieldError("the request's system messages and earlier turns cannot reach "
+                             "this stage's model: its engine takes a raw prompt (use a chat "
+                             "model, or send only the last user message)")
         return None
     req = request_of(record) if field == CONVERSATION else None
     return req.messages if req is not None else record.get(field)
+
+
+def tools_of(record: Any, out: str) -> Any:
+    """The client tools the request offers the stage writing ``out``, or None."""
+    req = request_of(record)
+    return req.tools_for(out) if req is not None else None
 
 
 def with_urgency(kw: dict[str, Any], record: Any) -> dict[str, Any]:
@@ -275,7 +309,7 @@ def _build_generate(params: dict, ctx: BuildContext) -> OpRuntime:
     template, inp, out = params.get("prompt"), params.get("input"), params["output"]
     system = params.get("system")
     conv_field = params.get("messages")
-    if conv_field is not None and not chat:
+    if conv_field not in (None, False) and not chat:
         raise ValueError(f"generate: 'messages: {conv_field}' needs a chat model; engine "
                          f"'{engine.model}' takes a raw prompt (drop 'messages')")
     usage = params.get("usage")
@@ -298,10 +332,10 @@ def _build_generate(params: dict, ctx: BuildContext) -> OpRuntime:
         if fmt is not None and fmt.get("type") not in enforced:
             raise EngineError(f"response_format '{fmt.get('type')}' cannot be enforced by "
                               f"engine '{params['engine']}'; use a llama_cpp or openai engine")
-        conv = conversation(record, conv_field)
+        conv = conversation(record, conv_field, out, chat)
         if conv is not None:
             msgs = chat_messages(system, conv, text, engine.count_tokens, limit)
-            return GenerationRequest(messages=msgs, **kw)
+            return GenerationRequest(messages=msgs, tools=tools_of(record, out), **kw)
         n = engine.count_tokens(text)
         if n > limit:
             raise ContextOverflow(
@@ -355,7 +389,10 @@ def _build_generate(params: dict, ctx: BuildContext) -> OpRuntime:
                 cached = g.extra.get("cached_tokens")
                 if cached:  # prompt tokens whose KV the engine reused (prefix cache)
                     counts["cached_tokens"] = cached
-                report(r, out, g.finish_reason, counts, cost)
+                finish = g.finish_reason
+                if q.tools is not None and finish == "stop" and split_calls(g.text)[1]:
+                    finish = "tool_calls"  # its answer is a call to a client tool
+                report(r, out, finish, counts, cost)
             result.append(r)
         return result
 
@@ -381,6 +418,16 @@ def _build_generate(params: dict, ctx: BuildContext) -> OpRuntime:
                      counters=None if price is None else lambda: {"cost": spent[0]})
 
 
+def _client_tools(p: dict) -> str | None:
+    """Why a generate stage cannot answer client tools (None: it can)."""
+    if p.get("json_schema") is not None:
+        return "its answer is held to its json_schema"
+    if not calls_tools(p["_engine"]):
+        return (f"its engine '{p['engine']}' (backend '{p['_engine'].get('backend')}') does "
+                "not call tools (llama_cpp and openai engines do)")
+    return None
+
+
 register(OpDef(
     "generate", "map", _build_generate,
     (Param("engine", (str,), required=True, want=ENGINE_HINT),
@@ -404,4 +451,5 @@ register(OpDef(
     answers=Answers(output_tokens=lambda p: int(p["max_tokens"]),
                     max_tokens=lambda p: int(p["max_tokens"]),
                     usage_field=lambda p: p.get("usage"),
-                    enforces=lambda p: enforced_by(p["_engine"]))))
+                    enforces=lambda p: enforced_by(p["_engine"]), tools=_client_tools)))
+

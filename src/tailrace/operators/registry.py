@@ -82,6 +82,10 @@ class Answers:
                    per token).
     budgets:       whether it spends a request's budget: ``"required"`` (a request must
                    bring one), ``"optional"``, or None (a budget is refused: a 400).
+    tools:         why it cannot answer a request's client tools (``tools``), or None:
+                   it can (it passes them to its engine and answers in the call form).
+    converses:     whether a served chat's conversation (system messages, earlier turns)
+                   reaches its model; False: its YAML opted out (``messages: false``).
     """
 
     output_tokens: Callable[[dict[str, Any]], int]
@@ -92,6 +96,10 @@ class Answers:
         default=lambda p: frozenset())
     pieces: Callable[[dict[str, Any]], int] | None = None
     budgets: Callable[[dict[str, Any]], str | None] = field(default=lambda p: None)
+    tools: Callable[[dict[str, Any]], str | None] = field(
+        default=lambda p: "it does not pass client tools to a model")
+    converses: Callable[[dict[str, Any]], bool] = field(
+        default=lambda p: p.get("messages") is not False)
 
     def stream_pieces(self, params: dict[str, Any]) -> int:
         """Most text pieces one attempt of the stage streams."""

@@ -130,7 +130,7 @@ class _Target:
         self.max_tokens, self.temperature = opts["max_tokens"], float(opts["temperature"])
         self.out, self.conv_field = params["output"], params.get("messages")
         self.frozen = frozenset(params.get("frozen") or ())
-        if self.conv_field is not None and not getattr(self.engine, "chat", True):
+        if self.conv_field not in (None, False) and not getattr(self.engine, "chat", True):
             raise ValueError(f"route: 'messages: {self.conv_field}' needs chat models; engine "
                              f"'{name}' takes a raw prompt (drop 'messages')")
 
@@ -145,7 +145,7 @@ class _Target:
                                                              self.frozen), r),
                               **({"logprobs": True} if _LOGPROBS else {})}
         limit = eng.context_length - self.max_tokens
-        conv = conversation(r, self.conv_field)
+        conv = conversation(r, self.conv_field, self.out, getattr(self.engine, "chat", True))
         if conv is not None:
             return GenerationRequest(messages=chat_messages(self.system, conv, text,
                                                             eng.count_tokens, limit), **kw)
@@ -508,4 +508,6 @@ register(OpDef(
                     # a cascade level's kept answer goes whole: one piece more
                     pieces=lambda p: 1 + _ceiling(p),
                     budgets=lambda p: None if not p.get("escalate") else
-                    "required" if p.get("budget") == "required" else "optional")))
+                    "required" if p.get("budget") == "required" else "optional",
+                    tools=lambda p: "a route stage does not pass client tools to its "
+                    "engines (answer with a generate stage)")))

@@ -274,11 +274,12 @@ def _build_tool_call(params: dict, ctx: BuildContext) -> OpRuntime:
     base = {"max_tokens": params["max_tokens"], "temperature": float(params["temperature"]),
             "stop": ()}
     system = params.get("system") or ""
+    chat_model = fmt == "openai" or bool(getattr(chat, "chat", True))
     if fmt == "json":
         system = (system + "\n\n" if system else "") + JSON_CONVENTION.format(
             tools=runner.describe())
         count, limit = chat.engine.count_tokens, chat.engine.context_length - base["max_tokens"]
-        if conv_field is not None and not chat.chat:
+        if conv_field not in (None, False) and not chat.chat:
             raise ValueError(f"tool_call: 'messages: {conv_field}' needs a chat model; engine "
                              f"'{chat.engine.model}' takes a raw prompt (drop 'messages')")
     else:  # no tokenizer for a remote model: the shared estimate, its declared context
@@ -287,7 +288,7 @@ def _build_tool_call(params: dict, ctx: BuildContext) -> OpRuntime:
     def start(r: Any) -> Conversation:
         text = prompt_text(template, inp, r)
         opts = request_options(base, answering(r, out), frozen)
-        conv = conversation(r, conv_field)
+        conv = conversation(r, conv_field, out, chat_model)
         if conv is not None:
             return Conversation(r, list(chat_messages(system or None, conv, text, count,
                                                       limit)), opts)
@@ -415,4 +416,7 @@ register(OpDef(
     fields=lambda p: (prompt_reads(p), (p["output"], p["calls"])),
     prepare=_prepare_tool_call, doc="let a model call registered tools, then answer",
     answers=Answers(output_tokens=lambda p: int(p["max_tokens"]) * (int(p["max_rounds"]) + 1),
-                    max_tokens=lambda p: int(p["max_tokens"]))))
+                    max_tokens=lambda p: int(p["max_tokens"]),
+                    tools=lambda p: "it is a tool_call stage that calls the pipeline's own "
+                    "tools; client tools would compete with them (send the request without "
+                    "'tools', or serve a pipeline that answers with a generate stage)")))

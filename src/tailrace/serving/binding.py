@@ -55,6 +55,8 @@ class Binding:
     kind: str | None = None
     response_formats: frozenset[str] = frozenset()
     budget: str | None = None
+    no_tools: str | None = "it has no answering stage"  # why client tools are refused
+    converses: bool = True  # a chat's system messages and earlier turns reach its model
 
 
 def _downstream(ops: list) -> dict[str, set[str]]:
@@ -125,7 +127,27 @@ def bind(plan: Plan) -> Binding:
     p, ans = gen.params, gen.op.answers
     return Binding(field, p["output"], ans.usage_field(p), ans.max_tokens(p), ans.engine(p),
                    problem, frozenset(p.get("frozen") or ()), gen.id, gen.op.name,
-                   ans.enforces(p), ans.budgets(p))
+                   ans.enforces(p), ans.budgets(p), ans.tools(p), ans.converses(p))
+
+
+def check_conversation(b: Binding, req: WireRequest, name: str) -> None:
+    """400 when the request offers client tools, or carries tool calls and results, that
+    the answering stage cannot take (``Binding.no_tools``), or carries system messages or
+    earlier turns that its YAML keeps from the model (``messages: false``): never cut
+    silently."""
+    msgs = req.messages or ()
+    tooled = next((i for i, m in enumerate(msgs) if m["role"] == "tool" or m.get("tool_calls")),
+                  None)
+    if b.no_tools is not None and (req.tools is not None or tooled is not None):
+        what = "'tools'" if req.tools is not None else f"messages[{tooled}] (a tool call or result)"
+        raise WireError(f"{what}: pipeline '{name}' cannot answer client tools: its answering "
+                        f"stage '{b.stage}' ({b.kind}): {b.no_tools}", code="unsupported_tools")
+    if not b.converses and len(msgs) > 1:
+        raise WireError(f"pipeline '{name}' answers the last user message alone (its answering "
+                        f"stage '{b.stage}' says 'messages: false'), so this request's system "
+                        "messages and earlier turns would not reach the model; send only the "
+                        f"last user message, or remove 'messages: false' from stage '{b.stage}'",
+                        code="conversation_not_accepted")
 
 
 def request_options(b: Binding, req: WireRequest, name: str) -> dict[str, Any]:
@@ -235,6 +257,8 @@ def accepts(plan: Plan, b: Binding) -> dict[str, Any]:
     if b.problem is None:
         out["options"] = [k for k in OPTION_FIELDS if k not in b.frozen]
         out["frozen"] = sorted(b.frozen)
+        out["tools"] = b.no_tools is None
+        out["conversation"] = b.converses
     if gens:
         out["generate_max_tokens"] = gens
     return out

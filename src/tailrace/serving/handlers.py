@@ -21,14 +21,23 @@ from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 
 from ..engines.tokens import approx_tokens
+from ..engines.tool_calls import CallStream
 from ..request import Request as Envelope
 from .app_state import AppState
-from .binding import Binding, answer_of, finish_reason, request_options, usage_of
+from .binding import (
+    Binding,
+    answer_of,
+    check_conversation,
+    finish_reason,
+    request_options,
+    usage_of,
+)
 from .embeddings import embed_texts, embeddings_body, parse_embeddings
 from .errors import RequestFailed, ServiceError, ServiceUnavailable
 from .openai_wire import (
     WireError,
     WireRequest,
+    call_delta,
     chunk,
     completion_body,
     dumps,
@@ -102,8 +111,8 @@ def request_record(state: AppState, name: str, fields: dict[Any, Any], request: 
                    tenant: Tenant | None, *, body: dict | None = None, text: str = "",
                    n: int = 1, options: dict[str, Any] | None = None,
                    answers: str | None = None,
-                   messages: tuple[dict[str, str], ...] | None = None,
-                   ) -> tuple[dict[Any, Any], Envelope]:
+                   messages: tuple[dict[str, Any], ...] | None = None,
+                   tools: Any = None) -> tuple[dict[Any, Any], Envelope]:
     """What an HTTP request submits to pipeline ``name``: the record, ``fields``
     (updated in place) with the pipeline's ``serve:`` fields (the tenant's last: the
     caller cannot choose it), and its ``Request``. Checks them (400 naming a bad one),
@@ -123,6 +132,7 @@ def request_record(state: AppState, name: str, fields: dict[Any, Any], request: 
     # engine pools route a session's requests together (``session``)
     return fields, Envelope(options=options, answers=answers, asked=urgent, session=session,
                             messages=list(messages) if messages is not None else None,
+                            tools=tools,
                             tenant=tenant.name if tenant is not None else None,
                             budget=spend)
 
@@ -196,11 +206,12 @@ async def completions(state: AppState, request: Request, chat: bool) -> Response
     b = state.bindings[req.model]
     if b.problem is not None:
         raise WireError(b.problem, code="pipeline_not_chat")
+    check_conversation(b, req, req.model)
     record, env = request_record(
         state, req.model, {b.input_field: req.text}, request, tenant, body=body,
         text="".join(req.prompts) if req.prompts else req.text, n=len(req.prompts) or 1,
         options=request_options(b, req, req.model), answers=b.answer_field,
-        messages=req.messages)
+        messages=req.messages, tools=req.tools)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     if req.prompts:
@@ -266,13 +277,24 @@ def _answered(b: Binding, out: dict, reply: Any, text: str) -> tuple[str, str, d
 async def _stream_openai(state: AppState, request: Request, service: PipelineService,
                          b: Binding, req: WireRequest, record: dict, env: Envelope,
                          rid: str, created: int) -> Response:
+    calls = CallStream() if req.tools is not None else None
+
+    def pieces(text: str) -> list[bytes]:
+        """The chunks of a piece of the answer (through ``calls``: content or tool calls)."""
+        if calls is None:
+            return [chunk(req, rid, created, text)]
+        return [chunk(req, rid, created, e[1]) if e[0] == "text" else
+                chunk(req, rid, created, None, tool_calls=call_delta(e))
+                for e in calls.feed(text)]
+
     async def events(relay: Relay, first: Any) -> AsyncIterator[bytes]:
         if req.chat:
             yield chunk(req, rid, created, "", role=True)
         sent: list[str] = []
         async for text in relay.texts(first):
             sent.append(text)
-            yield chunk(req, rid, created, text)
+            for c in pieces(text):
+                yield c
         try:
             out = relay.result()
             answer = answer_of(b, out)
@@ -283,10 +305,16 @@ async def _stream_openai(state: AppState, request: Request, service: PipelineSer
         if len(answer) > len(streamed) and answer.startswith(streamed):
             # pieces that had not arrived when the output did (on Ray, the pieces and the
             # output reach the driver from different actors): the rest of the answer
-            yield chunk(req, rid, created, answer[len(streamed):])
+            for c in pieces(answer[len(streamed):]):
+                yield c
         usage = usage_of(b, out, env.reply, req.text, answer)
-        yield chunk(req, rid, created, None if req.chat else "",
-                    finish_reason(b, usage, env.reply))
+        finish = finish_reason(b, usage, env.reply)
+        if calls is not None:
+            for ev in calls.close():
+                yield chunk(req, rid, created, ev[1])
+            if calls.calls and not calls.broken and finish == "stop":
+                finish = "tool_calls"
+        yield chunk(req, rid, created, None if req.chat else "", finish)
         if req.include_usage:
             yield chunk(req, rid, created, None, usage=usage)
 

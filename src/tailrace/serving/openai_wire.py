@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import math
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..engines.structured import check_response_format
+from ..engines.tool_calls import ToolSpec, check_tools, split_calls
 
 #: The ``error.type`` OpenAI clients expect for each HTTP status.
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
@@ -92,12 +94,13 @@ class WireRequest:
     messages: tuple[dict[str, str], ...] | None = None  # chat: the conversation, as text
     options: dict[str, Any] = field(default_factory=dict)  # sampling options it set
     prompts: tuple[str, ...] = ()  # completions with a list of prompts: all of them
+    tools: ToolSpec | None = None  # chat: the client tools it offers
 
 
 #: fields every OpenAI request may carry that tailrace accepts and ignores by design
 #: (``user`` and ``metadata`` reach the record only through a pipeline's ``serve:``;
 #: ``user`` is also the session id engine pools route by: ``sessions.session_of``)
-IGNORED = frozenset({"user", "metadata", "service_tier", "store", "parallel_tool_calls"})
+IGNORED = frozenset({"user", "metadata", "service_tier", "store"})
 _HANDLED = frozenset({"model", "stream", "stream_options", "n", "max_tokens", "temperature",
                       "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
                       "logprobs", "logit_bias",
@@ -105,7 +108,8 @@ _HANDLED = frozenset({"model", "stream", "stream_options", "n", "max_tokens", "t
                       "budget"})  # what the answer may cost: urgency.budget
 #: fields only one endpoint has
 CHAT_ONLY = frozenset({"messages", "max_completion_tokens", "top_logprobs", "tools",
-                       "tool_choice", "functions", "function_call", "response_format"})
+                       "tool_choice", "parallel_tool_calls", "functions", "function_call",
+                       "response_format"})
 COMPLETION_ONLY = frozenset({"prompt", "echo", "best_of", "suffix"})
 #: the sampling options a request may set (see ``options``)
 OPTION_FIELDS = ("max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty",
@@ -187,13 +191,10 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
         raise _unsupported("top_logprobs", "no token log-probabilities are returned")
     if body.get("logit_bias"):
         raise _unsupported("logit_bias", "logits cannot be biased per request")
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise _unsupported(name, "client-side tools are not called here (a pipeline's "
-                               "tool_call stage calls its own registered tools)")
-    for name in ("tool_choice", "function_call"):
-        if body.get(name) not in (None, "none"):
-            raise _unsupported(name, "client-side tools are not called here")
+    for name in ("functions", "function_call"):
+        if body.get(name) is not None:
+            raise _unsupported(name, "the deprecated functions API is not served; send "
+                               "'tools' and 'tool_choice'")
     if body.get("echo"):
         raise _unsupported("echo", "the prompt is not echoed")
     if body.get("best_of") not in (None, 1):
@@ -245,45 +246,103 @@ def _content_text(content: Any, i: int) -> str:
                     f"{type(content).__name__}", code="invalid_content")
 
 
-_CHAT_ROLES = ("system", "developer", "user", "assistant")
+_CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+_MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "refusal"}
 
 
-def parse_chat(body: dict) -> WireRequest:
-    """Parse a chat completion request; raises ``WireError`` (400) naming the bad field.
-    The conversation (text only) must end with a ``user`` message; tool messages and
-    assistant ``tool_calls`` are refused: no tool stage answers them here."""
-    model, stream, include_usage = _common(body, True)
-    messages = body.get("messages")
+def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls``, checked (400 naming the bad one)."""
+    if not isinstance(calls, list) or not calls:
+        raise WireError(f"messages[{i}].tool_calls must be a non-empty list",
+                        code="invalid_messages")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or c.get("type", "function") != "function" \
+                or not isinstance(c.get("id"), str) or not isinstance(fn.get("name"), str) \
+                or not isinstance(fn.get("arguments"), str):
+            raise WireError(f"messages[{i}].tool_calls[{j}] must be {{\"id\", \"type\": "
+                            "\"function\", \"function\": {\"name\", \"arguments\": JSON text}}",
+                            code="invalid_messages")
+        out.append({"id": c["id"], "type": "function",
+                    "function": {"name": fn["name"], "arguments": fn["arguments"]}})
+    return out
+
+
+def parse_messages(messages: Any) -> tuple[str, tuple[dict[str, Any], ...]]:
+    """A chat's messages, checked: (the last user message's text, the conversation).
+    Assistant ``tool_calls`` and ``tool`` results are kept; it ends with a user or tool
+    message. ``WireError`` (400) naming the bad message."""
     if not isinstance(messages, list) or not messages:
         raise WireError("'messages' must be a non-empty list like "
                         "[{\"role\": \"user\", \"content\": \"...\"}]", code="invalid_messages")
     text = None
-    conv: list[dict[str, str]] = []
+    conv: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise WireError(f"messages[{i}] must be an object with a 'role' and 'content'",
                             code="invalid_messages")
         role = m["role"]
         if role not in _CHAT_ROLES:
-            raise WireError(f"messages[{i}].role: '{role}' is not supported (tailrace "
-                            "pipelines take system, developer, user and assistant messages; "
-                            "no tool stage answers tool messages)", code="unsupported_role")
-        for key in ("tool_calls", "function_call", "audio"):
-            if m.get(key) is not None:
-                raise WireError(f"messages[{i}].{key} is not supported (no tool or audio "
-                                "support here)", code="unsupported_message_field")
-        content = _content_text(m.get("content"), i)
-        conv.append({"role": role, "content": content})
+            raise WireError(f"messages[{i}].role: '{role}' is not supported (system, "
+                            "developer, user, assistant and tool messages are)",
+                            code="unsupported_role")
+        extra = sorted(set(m) - _MESSAGE_KEYS)
+        if extra:
+            raise WireError(f"messages[{i}].{extra[0]} is not supported (no audio or "
+                            "function_call messages here)", code="unsupported_message_field")
+        if m.get("tool_calls") is not None and role != "assistant":
+            raise WireError(f"messages[{i}].tool_calls: only assistant messages carry calls",
+                            code="invalid_messages")
+        msg: dict[str, Any] = {"role": role}
+        if role == "assistant" and m.get("tool_calls") is not None:
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], i)
+            msg["content"] = "" if m.get("content") is None else _content_text(m["content"], i)
+        else:
+            msg["content"] = _content_text(m.get("content"), i)
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise WireError(f"messages[{i}].tool_call_id is required: the id of the call "
+                                "this message answers", code="invalid_messages")
+            msg["tool_call_id"] = m["tool_call_id"]
+        elif m.get("tool_call_id") is not None:
+            raise WireError(f"messages[{i}].tool_call_id: only tool messages carry one",
+                            code="invalid_messages")
+        conv.append(msg)
         if role == "user":
-            text = content
+            text = msg["content"]
     if text is None:
         raise WireError("'messages' has no user message; the last user message is the "
                         "pipeline's input", code="no_user_message")
-    if conv[-1]["role"] != "user":
+    if conv[-1]["role"] not in ("user", "tool"):
         raise WireError(f"messages[{len(conv) - 1}]: the conversation must end with a user "
-                        f"message (got '{conv[-1]['role']}' last)", code="invalid_messages")
-    return WireRequest(model, text, stream, include_usage, chat=True, messages=tuple(conv),
-                       options=_options(body, True))
+                        f"or tool message (got '{conv[-1]['role']}' last)",
+                        code="invalid_messages")
+    return text, tuple(conv)
+
+
+def check_tool_fields(tools: Any, choice: Any, parallel: Any, *, flat: bool = False
+                      ) -> ToolSpec | None:
+    """The request's ``ToolSpec`` (None: no tools); 400 naming the bad field."""
+    try:
+        return check_tools(tools, choice, parallel, flat=flat)
+    except ValueError as e:
+        raise WireError(str(e), code="invalid_tools") from None
+
+
+def parse_chat(body: dict) -> WireRequest:
+    """Parse a chat completion request; raises ``WireError`` (400) naming the bad field.
+    The conversation must end with a ``user`` (or ``tool``) message; its last user
+    message is the pipeline's input."""
+    model, stream, include_usage = _common(body, True)
+    text, conv = parse_messages(body.get("messages"))
+    tools = check_tool_fields(body.get("tools"), body.get("tool_choice"),
+                              body.get("parallel_tool_calls"))
+    options = _options(body, True)
+    if tools is not None and tools.offered and "response_format" in options:
+        raise _unsupported("response_format", "not together with 'tools' (send one)")
+    return WireRequest(model, text, stream, include_usage, chat=True, messages=conv,
+                       options=options, tools=tools)
 
 
 #: most prompts one ``/v1/completions`` request may carry (each is a record in the pipeline)
@@ -325,10 +384,20 @@ def completion_body(req: WireRequest, rid: str, created: int,
     """The non-streaming response object (``created``: Unix seconds): one choice per
     answer (its text, finish reason and usage; a completion's list of prompts gives
     several, in order), usage summed."""
-    choices = [{"index": i, "finish_reason": f, "logprobs": None,
-                "message": {"role": "assistant", "content": a}} if req.chat
-               else {"index": i, "text": a, "finish_reason": f, "logprobs": None}
-               for i, (a, f, _) in enumerate(answers)]
+    choices: list[dict[str, Any]] = []
+    for i, (a, f, _) in enumerate(answers):
+        if not req.chat:
+            choices.append({"index": i, "text": a, "finish_reason": f, "logprobs": None})
+            continue
+        message: dict[str, Any] = {"role": "assistant", "content": a}
+        content, calls = split_calls(a) if req.tools is not None else (a, [])
+        if calls:  # an answer in the call form is its tool_calls
+            message = {"role": "assistant", "content": content or None,
+                       "tool_calls": [{"id": call_id(), "type": "function",
+                                       "function": {"name": n, "arguments": args}}
+                                      for n, args in calls]}
+            f = "tool_calls" if f == "stop" else f
+        choices.append({"index": i, "finish_reason": f, "logprobs": None, "message": message})
     usage: dict[str, Any] = {k: sum(u[k] for _, _, u in answers)
                              for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
     cached = sum(u.get("prompt_tokens_details", {}).get("cached_tokens", 0)
@@ -347,11 +416,27 @@ def completion_body(req: WireRequest, rid: str, created: int,
             "created": created, "model": req.model, "choices": choices, "usage": usage}
 
 
+def call_id() -> str:
+    """A new tool call's id."""
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def call_delta(event: tuple) -> list[dict[str, Any]]:
+    """A chat chunk's ``delta.tool_calls`` for a ``CallStream`` call event: a call's start
+    (its index, a new id, the name, empty arguments), or more of its arguments."""
+    if event[0] == "call":
+        return [{"index": event[1], "id": call_id(), "type": "function",
+                 "function": {"name": event[2], "arguments": ""}}]
+    return [{"index": event[1], "function": {"arguments": event[2]}}]
+
+
 def chunk(req: WireRequest, rid: str, created: int, text: str | None,
           finish: str | None = None, *, role: bool = False,
-          usage: dict[str, Any] | None = None) -> bytes:
+          usage: dict[str, Any] | None = None,
+          tool_calls: list[dict[str, Any]] | None = None) -> bytes:
     """One streamed SSE chunk (``text`` None and ``usage`` given: the usage-only chunk;
-    ``role``: the first chat chunk, with ``role: assistant``)."""
+    ``role``: the first chat chunk, with ``role: assistant``; ``tool_calls``: a chat
+    delta's calls, ``call_delta``'s)."""
     choices: list[dict[str, Any]]
     if text is None and usage is not None:
         choices = []
@@ -361,6 +446,8 @@ def chunk(req: WireRequest, rid: str, created: int, text: str | None,
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
+        if tool_calls is not None:
+            delta["tool_calls"] = tool_calls
         choices = [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
     else:
         choices = [{"index": 0, "text": text or "", "finish_reason": finish,

@@ -27,7 +27,7 @@ from ..base import Generation, GenerationRequest, TokenCallback
 from ..call import Call
 from ..models import MODELS, model_info, model_path
 from .decoder import Decoder
-from .grammar import Grammars, grammar_text
+from .grammar import Grammars, grammar_text, tool_request
 from .prefix_cache import PrefixCache
 from .scheduler import Job, Scheduler, Seq
 from .vocab import Vocab, llama_lib
@@ -44,6 +44,8 @@ class LlamaCppEngine:
 
     #: ``GenerationRequest.response_format`` types enforced (by a grammar)
     response_formats = frozenset({"json_object", "json_schema"})
+    #: it answers ``GenerationRequest.tools`` (a grammar holds a call to the schema)
+    tool_calls = True
     #: the calls it batches itself (the decode loop): a pool in front sends them on unbatched
     continuous_batching = frozenset({"generate"})
 
@@ -213,6 +215,8 @@ class LlamaCppEngine:
         with self._lock:
             if self._ctx is None:
                 raise EngineError(f"engine '{self.model}' is closed")
+            if any(r.tools is not None for r in requests):  # client tools: text + grammar
+                requests = [r if r.tools is None else tool_request(r) for r in requests]
             prompts = [self._vocab.prompt(r) for r in requests]
             for r, p in zip(requests, prompts, strict=True):
                 if len(p) + max(r.max_tokens, 0) > self.context_length:

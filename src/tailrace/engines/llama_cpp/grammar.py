@@ -14,13 +14,16 @@ import ctypes
 import functools
 import json
 import math
+import re
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from ...errors import StructuredOutputError
 from ..base import GenerationRequest
 from ..structured import check_response_format, schema_of
+from ..tool_calls import CALL_CLOSE, CALL_OPEN, call_schema, tool_prompt
 
 #: compiled grammars (one per distinct JSON schema) an engine keeps for reuse
 GRAMMAR_CACHE = 32
@@ -54,6 +57,45 @@ def _schema_grammar(schema: str) -> str:
     return text.replace('char ::= [^"\\\\] |', 'char ::= [^"\\\\\\x7F\\x00-\\x1F] |')
 
 
+def tool_request(req: GenerationRequest) -> GenerationRequest:
+    """A request offering tools as llama.cpp runs it: the tools and earlier calls as text
+    in its messages (``tool_calls.tool_prompt``) and, when it may call, its answer held to
+    ``tool_grammar``."""
+    spec = req.tools
+    if req.messages is None:
+        raise StructuredOutputError("tools need chat messages, not a raw prompt")
+    msgs = tool_prompt(req.messages, spec)
+    if not spec.offered:  # tool_choice none: text only
+        return replace(req, messages=msgs, tools=None)
+    if req.response_format is not None:
+        raise StructuredOutputError("a request offering tools cannot also set "
+                                    "response_format on llama.cpp; send one of them")
+    return replace(req, messages=msgs, tools=None, response_format={
+        "type": "grammar", "grammar": tool_grammar(spec.must_call, spec.parallel,
+                                                   json.dumps(call_schema(spec)))})
+
+
+@functools.lru_cache(maxsize=GRAMMAR_CACHE)
+def tool_grammar(must_call: bool, parallel: bool, schema: str) -> str:
+    """The GBNF of an answer that is one call (``parallel``: one or more) to the functions
+    of ``schema`` (``call_schema``'s text) in the call form, or (not ``must_call``) text
+    that does not start with ``<``."""
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+    try:
+        call = json_schema_to_gbnf(schema, prop_order=["name", "arguments"])
+    except Exception as e:  # noqa: BLE001 - the converter raises many kinds
+        raise StructuredOutputError(f"tools: llama.cpp cannot build a grammar from the "
+                                    f"functions' parameters ({type(e).__name__}: {e})") from None
+    call = call.replace('char ::= [^"\\] |', 'char ::= [^"\\\x7F\x00-\x1F] |')
+    call = re.sub(r"^root ::=", "tr-call ::=", call, count=1, flags=re.M)
+    one = f'"{CALL_OPEN}" tr-call "{CALL_CLOSE}"'
+    calls = f"tr-one ::= {one}\ntr-calls ::= tr-one" + (" tr-one*" if parallel else "")
+    free = " | tr-free\ntr-free ::= [^<\\x00] [^\\x00]*"
+    root = "root ::= tr-calls" + ("" if must_call else free)
+    return f"{root}\n{calls}\n{call}"
+
+
 class Grammars:
     """The compiled grammar samplers of one model's vocabulary, by schema (the
     ``GRAMMAR_CACHE`` most recently used); not thread-safe (the engine's lock guards it)."""
@@ -80,7 +122,8 @@ class Grammars:
                     out.append(None)
                     continue
                 js = fmt.get("json_schema")
-                key = "" if fmt.get("type") == "json_object" else json.dumps(
+                key = "gbnf:" + fmt["grammar"] if fmt.get("type") == "grammar" else \
+                    "" if fmt.get("type") == "json_object" else json.dumps(
                     js.get("schema") if isinstance(js, dict) else None, sort_keys=True,
                     default=repr)
                 proto = self._compiled.get(key)
@@ -99,13 +142,16 @@ class Grammars:
     def _compile(self, key: str, fmt: dict[str, Any]) -> Any:
         """Check a constraint not seen before (cached ones passed), compile and cache it."""
         lib = self._lib
-        try:
-            checked = check_response_format(fmt)
-        except ValueError as e:
-            raise StructuredOutputError(str(e)) from None
-        assert checked is not None  # ``samplers`` never asks for {"type": "text"}
-        proto = lib.llama_sampler_init_grammar(
-            self._vocab, grammar_text(checked).encode(), b"root")
+        if fmt.get("type") == "grammar":  # a request's tools (``tool_request``)
+            text = fmt["grammar"]
+        else:
+            try:
+                checked = check_response_format(fmt)
+            except ValueError as e:
+                raise StructuredOutputError(str(e)) from None
+            assert checked is not None  # ``samplers`` never asks for {"type": "text"}
+            text = grammar_text(checked)
+        proto = lib.llama_sampler_init_grammar(self._vocab, text.encode(), b"root")
         if not proto:
             raise StructuredOutputError("response_format.json_schema.schema: llama.cpp could "
                                         "not compile the grammar built from it")
