@@ -129,3 +129,51 @@ def shout_pipeline(name: str = "shout") -> tr.Pipeline:
     p = tr.Pipeline(name)
     p.source(fields=["text"]).map(shout, id="shout").sink()
     return p
+
+
+class ToolEngine(EchoEngine):
+    """An engine that calls client tools by script: offered tools and no tool result
+    after the last user message yet, it calls the first offered function (or the one
+    ``tool_choice`` names) with ``ARGS`` in the call form (``engines/tool_calls.py``),
+    streamed in small pieces; once a tool result follows the last user message, it
+    answers ``"The tool said: <result>"``. Without tools it echoes like ``EchoEngine``."""
+
+    tool_calls = True
+    ARGS: dict[str, Any] = {"city": "Paris"}
+
+    def generate(self, requests: Sequence[GenerationRequest],
+                 on_token: Any = None) -> list[Generation]:
+        from tailrace.engines.tool_calls import format_call
+
+        out: list[Generation] = []
+        for i, r in enumerate(requests):
+            EchoEngine.REQUESTS.append(r)
+            msgs = list(r.messages or ())
+            last_user = max((j for j, m in enumerate(msgs) if m["role"] == "user"), default=-1)
+            results = [m for m in msgs[last_user + 1:] if m["role"] == "tool"]
+            spec = r.tools
+            if results:
+                text = "The tool said: " + results[-1]["content"]
+            elif spec is not None and spec.offered:
+                import json
+
+                text = format_call(spec.offered[0]["name"], json.dumps(self.ARGS))
+            else:
+                out.extend(super().generate([r], None if on_token is None else
+                                            (lambda _, p, i=i: on_token(i, p))))
+                continue
+            pieces = [text[k:k + 7] for k in range(0, len(text), 7)]
+            for p in pieces:
+                if on_token is not None and on_token(i, p) is False:
+                    break
+            out.append(Generation(text, sum(len(str(m.get("content", "")).split())
+                                            for m in msgs), len(pieces), "stop"))
+        return out
+
+
+def register_tools(monkeypatch: Any) -> None:
+    """Make ``backend: tools`` (``ToolEngine``) known to the engine registry for one test."""
+    from tailrace.engines import models as registry
+
+    monkeypatch.setitem(registry.BACKENDS, "tools",
+                        ("tests.serving.fakes", "ToolEngine", ("generate",)))
