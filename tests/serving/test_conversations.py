@@ -13,12 +13,15 @@ from tests.serving import fakes
 from tests.serving.server import running
 
 
-def chat_pipeline(name: str = "chat", **engine) -> tr.Pipeline:
+def chat_pipeline(name: str = "chat", messages=None, **engine) -> tr.Pipeline:
+    """A prompt stage and a generate stage that answers; ``messages``: its YAML key
+    (None: left out, the default: the request's conversation)."""
     p = tr.Pipeline(name, engines={"llm": fakes.echo_spec(**engine)})
+    conv = {} if messages is None else {"messages": messages}
     (p.source(fields=["question"])
      .apply("prompt", id="ctx", template="CONTEXT: facts\nQ: {question}", output="prompt")
      .apply("generate", id="answer", engine="llm", input="prompt", output="answer",
-            system="Stage system.", messages="_messages", max_tokens=8, usage="usage")
+            system="Stage system.", max_tokens=8, usage="usage", **conv)
      .sink())
     return p
 
@@ -28,7 +31,9 @@ def url(monkeypatch):
     fakes.register_echo(monkeypatch)
     fakes.EchoEngine.REQUESTS.clear()
     hub = ServingHub([PipelineService(chat_pipeline()),
-                      PipelineService(chat_pipeline("tiny", context=60))])
+                      PipelineService(chat_pipeline("tiny", context=60)),
+                      PipelineService(chat_pipeline("named", messages="_messages")),
+                      PipelineService(chat_pipeline("alone", messages=False))])
     with running(hub) as u:
         yield u
 
@@ -45,8 +50,10 @@ CONVERSATION = [
 ]
 
 
-def test_multi_turn_conversation_reaches_the_engine_in_order(url):
-    r = client(url).chat.completions.create(model="chat", messages=CONVERSATION)
+@pytest.mark.parametrize("pipeline", ["chat", "named"])
+def test_multi_turn_conversation_reaches_the_engine_in_order(url, pipeline):
+    # by default (no messages: key) as with messages: _messages
+    r = client(url).chat.completions.create(model=pipeline, messages=CONVERSATION)
     sent = fakes.EchoEngine.REQUESTS[-1].messages
     assert list(sent) == [
         {"role": "system", "content": "Stage system.\n\nClient system."},
@@ -89,7 +96,8 @@ def test_a_question_that_cannot_fit_is_a_400(url):
 
 
 @pytest.mark.parametrize(("message", "field"), [
-    ({"role": "tool", "content": "42", "tool_call_id": "a"}, "messages[0].role"),
+    ({"role": "tool", "content": "42", "tool_call_id": "a"},
+     "messages[0] (a tool call or result): pipeline 'chat' cannot answer client tools"),
     ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
      "messages[0].content[0].type"),
     ({"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]},
@@ -108,3 +116,21 @@ def test_a_conversation_must_end_with_a_user_message(url):
             model="chat", messages=[{"role": "user", "content": "hi"},
                                     {"role": "assistant", "content": "prefill"}])
     assert "messages[1]" in str(e.value)
+
+
+def test_a_pipeline_that_opts_out_refuses_a_conversation_naming_the_stage(url):
+    with pytest.raises(openai.BadRequestError) as e:
+        client(url).chat.completions.create(model="alone", messages=CONVERSATION)
+    assert "stage 'answer' says 'messages: false'" in str(e.value)
+    assert e.value.code == "conversation_not_accepted"
+    r = client(url).chat.completions.create(model="alone", messages=CONVERSATION[-1:])
+    assert r.choices[0].message.content.startswith("CONTEXT:")
+    assert list(fakes.EchoEngine.REQUESTS[-1].messages) == [
+        {"role": "system", "content": "Stage system."},
+        {"role": "user", "content": "CONTEXT: facts\nQ: What is my name?"}]
+
+
+def test_models_lists_whether_a_pipeline_takes_conversations_and_tools(url):
+    meta = {m.id: m.model_extra["metadata"] for m in client(url).models.list().data}
+    assert meta["chat"]["conversation"] is True and meta["alone"]["conversation"] is False
+    assert meta["chat"]["tools"] is False  # the echo engine calls no tools

@@ -21,6 +21,7 @@ from typing import Any
 from ..errors import ContextOverflow, EngineError
 from .base import Generation, GenerationRequest, TokenCallback
 from .tokens import approx_tokens
+from .tool_calls import CALL_CLOSE, CALL_OPEN, format_call
 
 #: server messages (HTTP 400/413) that mean "the prompt does not fit in the context window"
 _OVERFLOW = re.compile(
@@ -62,6 +63,8 @@ class OpenAIEngine:
 
     #: ``GenerationRequest.response_format`` types passed on (chat requests)
     response_formats = frozenset({"json_object", "json_schema"})
+    #: client tools pass through to the server; its calls come back in the call form
+    tool_calls = True
     #: the calls the server batches itself (its scheduler); embeddings are batched in front
     #: of it (one /v1/embeddings request takes a list)
     continuous_batching = frozenset({"generate"})
@@ -279,6 +282,8 @@ class OpenAIEngine:
                     "frequency_penalty": req.frequency_penalty or None,
                     "response_format": req.response_format}
         kwargs.update({k: v for k, v in optional.items() if v is not None})
+        if req.tools is not None and req.messages is not None:
+            kwargs.update(_tool_fields(req.tools))
         if req.messages is not None:
             return client.chat.completions.create(
                 messages=[dict(m) for m in req.messages], **kwargs)
@@ -295,6 +300,7 @@ class OpenAIEngine:
         n_events = 0
         finish: str | None = None
         usage: Any = None
+        calls = _CallText() if chat and req.tools is not None else None
         with self._create(req, stream=True) as stream:  # leaving it closes the connection
             for chunk in stream:
                 n_events += 1
@@ -305,6 +311,8 @@ class OpenAIEngine:
                 for choice in chunk.choices or ():
                     source = getattr(choice, "delta", None) if chat else choice
                     piece = getattr(source, "content" if chat else "text", None) or ""
+                    if calls is not None:
+                        piece += calls.delta(getattr(source, "tool_calls", None))
                     if piece:
                         pieces.append(piece)
                         if on_token is not None and on_token(index, piece) is False:
@@ -314,6 +322,11 @@ class OpenAIEngine:
                         finish = choice.finish_reason
                 if finish == "cancelled":
                     break
+        rest = calls.close() if calls is not None and finish != "cancelled" else ""
+        if rest:  # the last call's close
+            pieces.append(rest)
+            if on_token is not None:
+                on_token(index, rest)
         if n_events == 0 and not cancel.is_set():
             # Some servers (llama-cpp-python's) validate a streamed request only after
             # answering 200, and on failure close the stream empty; asked again without
@@ -334,6 +347,9 @@ class OpenAIEngine:
             raise EngineError(f"{self._where()}: the server answered without choices")
         choice = resp.choices[0]
         text = (choice.message.content if req.messages is not None else choice.text) or ""
+        if req.messages is not None and getattr(choice.message, "tool_calls", None):
+            text += "".join(format_call(c.function.name, c.function.arguments)
+                            for c in choice.message.tool_calls)
         if text and on_token is not None:
             on_token(index, text)
         gen = self._generation(req, text, choice.finish_reason, resp.usage, 1 if text else 0)
@@ -441,3 +457,44 @@ class OpenAIEngine:
         self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._client.close()
+
+
+def _tool_fields(spec: Any) -> dict[str, Any]:
+    """A request's client tools (``tool_calls.ToolSpec``) as the chat API's fields."""
+    choice: Any = spec.choice if spec.choice in ("auto", "none", "required") else \
+        {"type": "function", "function": {"name": spec.choice}}
+    out: dict[str, Any] = {"tools": [{"type": "function", "function": dict(f)}
+                                     for f in spec.functions], "tool_choice": choice}
+    if not spec.parallel:
+        out["parallel_tool_calls"] = False
+    return out
+
+
+class _CallText:
+    """Streamed ``delta.tool_calls`` as the call form's text (``tool_calls.py``): a call's
+    head when its index first shows, its arguments as they come, its close before the
+    next call's head and at the end."""
+
+    def __init__(self) -> None:
+        self.index: int | None = None
+        self.args = False
+
+    def delta(self, calls: Any) -> str:
+        out = ""
+        for c in calls or ():
+            fn = getattr(c, "function", None)
+            if c.index != self.index:
+                out += self.close()
+                self.index, self.args = c.index, False
+                name = getattr(fn, "name", None) or ""
+                out += f'{CALL_OPEN}{{"name": {json.dumps(name)}, "arguments": '
+            piece = getattr(fn, "arguments", None) or ""
+            self.args = self.args or bool(piece)
+            out += piece
+        return out
+
+    def close(self) -> str:
+        if self.index is None:
+            return ""
+        self.index = None
+        return ("" if self.args else "{}") + "}" + CALL_CLOSE
