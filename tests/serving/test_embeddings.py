@@ -170,7 +170,8 @@ def test_models_say_what_each_pipeline_accepts(server):
                             "answering_stage": {"id": "answer", "kind": "generate"},
                             "options": ["max_tokens", "temperature", "top_p", "stop", "seed",
                                         "presence_penalty", "frequency_penalty"],
-                            "frozen": [], "generate_max_tokens": {"answer": 8}}
+                            "frozen": [], "tools": False, "conversation": True,
+                            "generate_max_tokens": {"answer": 8}}
     assert meta["embedder"] == {"endpoints": ["embeddings"], "engine": "minilm-l6-int8"}
     assert "no generate, route or tool_call" in meta["shout"].pop("not_chat")
     assert meta["shout"] == {"endpoints": ["pipelines.runs"], "input_field": "text"}

@@ -98,7 +98,7 @@ def test_a_frozen_option_is_a_400_naming_it(url):
 @pytest.mark.parametrize(("extra", "field"), [
     ({"n": 2}, "'n'"), ({"logprobs": True}, "'logprobs'"), ({"top_logprobs": 2}, "'top_logprobs'"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "'tools'"),
-    ({"tool_choice": "auto"}, "'tool_choice'"), ({"functions": [{"name": "f"}]}, "'functions'"),
+    ({"tool_choice": "required"}, "'tool_choice'"), ({"functions": [{"name": "f"}]}, "'functions'"),
     ({"response_format": {"type": "json_object"}}, "'response_format'"),
     ({"logit_bias": {"50256": -100}}, "'logit_bias'"), ({"reasoning_effort": "low"},
                                                           "'reasoning_effort'"),
