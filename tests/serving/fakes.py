@@ -134,8 +134,8 @@ def shout_pipeline(name: str = "shout") -> tr.Pipeline:
 class ToolEngine(EchoEngine):
     """An engine that calls client tools by script: offered tools and no tool result
     after the last user message yet, it calls the first offered function (or the one
-    ``tool_choice`` names) with ``ARGS`` in the call form (``engines/tool_calls.py``),
-    streamed in small pieces; once a tool result follows the last user message, it
+    ``tool_choice`` names) with ``ARGS`` (string values ``repeat`` times over) in the
+    call form (``engines/tool_calls.py``), streamed in pieces ``delay`` seconds apart; once a tool result follows the last user message, it
     answers ``"The tool said: <result>"``. Without tools it echoes like ``EchoEngine``."""
 
     tool_calls = True
@@ -157,17 +157,25 @@ class ToolEngine(EchoEngine):
             elif spec is not None and spec.offered:
                 import json
 
-                text = format_call(spec.offered[0]["name"], json.dumps(self.ARGS))
+                args = {k: v * self.repeat if isinstance(v, str) else v
+                        for k, v in self.ARGS.items()}  # ``repeat``: a longer call
+                text = format_call(spec.offered[0]["name"], json.dumps(args))
             else:
                 out.extend(super().generate([r], None if on_token is None else
                                             (lambda _, p, i=i: on_token(i, p))))
                 continue
             pieces = [text[k:k + 7] for k in range(0, len(text), 7)]
+            finish = "stop"
             for p in pieces:
+                if self.delay:
+                    time.sleep(self.delay)
                 if on_token is not None and on_token(i, p) is False:
+                    finish = "cancelled"
                     break
-            out.append(Generation(text, sum(len(str(m.get("content", "")).split())
-                                            for m in msgs), len(pieces), "stop"))
+            g = Generation(text, sum(len(str(m.get("content", "")).split()) for m in msgs),
+                           len(pieces), finish)
+            EchoEngine.LOG.append(g)
+            out.append(g)
         return out
 
 

@@ -182,6 +182,41 @@ def test_clients_that_disconnect_give_their_tickets_back(monkeypatch):
         wait_until(lambda: idle(gate), "gate idle")
 
 
+def test_a_client_that_leaves_mid_tool_call_gives_its_ticket_back(monkeypatch):
+    """A streamed tool call (client tools) cut by the client's disconnect: the engine
+    stops the call, the slot comes back, the next request is served."""
+    fakes.register_tools(monkeypatch)
+    p = tr.Pipeline("agent", engines={"llm": {"backend": "tools", "model": "tools",
+                                              "path": fakes.__file__, "delay": 0.02,
+                                              "repeat": 200}})
+    (p.source(fields=["question"])
+     .apply("generate", engine="llm", input="question", output="answer", max_tokens=500)
+     .sink())
+    gate = AdmissionGate(make_policy("fcfs", max_in_flight=1, max_queue=4))
+    hub = ServingHub([PipelineService(p, admission=gate, timeout_s=60)], gate=gate)
+    tools = [{"type": "function", "function": {"name": "get_weather"}}]
+    body = {"model": "agent", "messages": [{"role": "user", "content": "w"}], "tools": tools}
+    fakes.EchoEngine.LOG.clear()
+    with running(hub) as url:
+        with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True},
+                          timeout=30) as r:
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(8)]
+            assert any('"tool_calls"' in x for x in got)  # it was calling
+        wait_until(lambda: idle(gate), "gate idle after the stream closed")
+        wait_until(lambda: fakes.EchoEngine.LOG, "the call ended")
+        assert fakes.EchoEngine.LOG[-1].finish_reason == "cancelled"
+        r = httpx.post(url + "/v1/chat/completions", timeout=30,
+                       json={**body, "messages": [*body["messages"], {
+                           "role": "assistant", "tool_calls": [{
+                               "id": "c1", "type": "function", "function": {
+                                   "name": "get_weather", "arguments": "{}"}}]},
+                           {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == "The tool said: sunny"
+        wait_until(lambda: idle(gate), "gate idle")
+
+
 def test_a_list_of_prompts_gives_every_ticket_back(monkeypatch):
     """A completion request with several prompts is several records: when admission
     rejects one (the queue is full) the request is a 429 and the others' work is
