@@ -1,4 +1,5 @@
-"""Structured memory: conversation turns per session and long-term facts per user.
+"""Structured memory: conversation turns per session and long-term facts per user (and
+the stored responses of ``POST /v1/responses``: ``put_response``).
 
 Two stores implement ``MemoryStore``: SQLite (``memory_sqlite.py``, the default) and
 PostgreSQL with pgvector (``memory_pg.py``); docs/memory.md. Every query filters on the
@@ -112,7 +113,23 @@ class MemoryStore:
         raise NotImplementedError
 
     def purge(self, now: float) -> int:
-        """Delete expired turns and facts; returns how many rows went."""
+        """Delete expired turns, facts and responses; returns how many rows went."""
+        raise NotImplementedError
+
+    # -- stored responses (``POST /v1/responses``; serving/responses_store.py) -----------
+    def put_response(self, user: str, rid: str, payload: str, now: float,
+                     expires: float | None) -> None:
+        """Keep response ``rid`` of ``user`` (the tenant): its JSON text ``payload``, until
+        ``expires`` (None: never); the same id again replaces it."""
+        raise NotImplementedError
+
+    def get_response(self, user: str, rid: str, now: float) -> str | None:
+        """The payload of ``user``'s unexpired response ``rid``, or None (none, expired,
+        or another user's)."""
+        raise NotImplementedError
+
+    def delete_response(self, user: str, rid: str, now: float) -> bool:
+        """Delete ``user``'s response ``rid``; True when an unexpired one was there."""
         raise NotImplementedError
 
     def close(self) -> None:

@@ -43,6 +43,11 @@ SCHEMA = (
     "CREATE TABLE IF NOT EXISTS tailrace_memory_pending ("
     " user_id TEXT NOT NULL, session_id TEXT NOT NULL, since DOUBLE PRECISION NOT NULL,"
     " PRIMARY KEY (user_id, session_id))",
+    "CREATE TABLE IF NOT EXISTS tailrace_memory_responses ("
+    " user_id TEXT NOT NULL, id TEXT NOT NULL, payload TEXT NOT NULL,"
+    " created DOUBLE PRECISION NOT NULL, expires DOUBLE PRECISION, PRIMARY KEY (user_id, id))",
+    "CREATE INDEX IF NOT EXISTS tailrace_memory_responses_by_expiry"
+    " ON tailrace_memory_responses (expires)",
 )
 _ADD_TURN = ("INSERT INTO tailrace_memory_turns (user_id, session_id, role, text, created, "
              "expires) VALUES (%s, %s, %s, %s, %s, %s)")
@@ -62,6 +67,14 @@ _TOP_FACTS = ("SELECT text, 1 - (embedding <=> %(q)s::vector), metadata, created
               "AND vector_dims(embedding) = %(dim)s "
               "AND (expires IS NULL OR expires > %(now)s) "
               "ORDER BY embedding <=> %(q)s::vector LIMIT %(k)s")
+_PUT_RESPONSE = ("INSERT INTO tailrace_memory_responses (user_id, id, payload, created, "
+                 "expires) VALUES (%s, %s, %s, %s, %s) ON CONFLICT (user_id, id) DO UPDATE "
+                 "SET payload = EXCLUDED.payload, created = EXCLUDED.created, "
+                 "expires = EXCLUDED.expires")
+_GET_RESPONSE = ("SELECT payload FROM tailrace_memory_responses WHERE user_id = %s AND "
+                 "id = %s AND (expires IS NULL OR expires > %s)")
+_DELETE_RESPONSE = ("DELETE FROM tailrace_memory_responses WHERE user_id = %s AND id = %s "
+                    "AND (expires IS NULL OR expires > %s)")
 
 
 def vector_literal(vector: Any) -> str:
@@ -175,10 +188,25 @@ class PostgresMemory(MemoryStore):
                                  (now,)).rowcount
                 n += conn.execute("DELETE FROM tailrace_memory_facts WHERE expires <= %s",
                                   (now,)).rowcount
+                n += conn.execute("DELETE FROM tailrace_memory_responses WHERE expires <= %s",
+                                  (now,)).rowcount
             self._n["purged"] += n
             return int(n)
 
         return int(self._run(delete))
+
+    def put_response(self, user: str, rid: str, payload: str, now: float,
+                     expires: float | None) -> None:
+        args = (user, rid, payload, now, expires)
+        self._run(lambda c: c.execute(_PUT_RESPONSE, args))
+
+    def get_response(self, user: str, rid: str, now: float) -> str | None:
+        row = self._run(lambda c: c.execute(_GET_RESPONSE, (user, rid, now)).fetchone())
+        return None if row is None else str(row[0])
+
+    def delete_response(self, user: str, rid: str, now: float) -> bool:
+        return bool(self._run(lambda c: c.execute(_DELETE_RESPONSE,
+                                                  (user, rid, now)).rowcount > 0))
 
     def close(self) -> None:
         with self._lock:

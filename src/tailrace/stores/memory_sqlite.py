@@ -34,6 +34,10 @@ CREATE TABLE IF NOT EXISTS facts (
 CREATE TABLE IF NOT EXISTS pending (
     user_id TEXT NOT NULL, session_id TEXT NOT NULL, since REAL NOT NULL,
     PRIMARY KEY (user_id, session_id));
+CREATE TABLE IF NOT EXISTS responses (
+    user_id TEXT NOT NULL, id TEXT NOT NULL, payload TEXT NOT NULL,
+    created REAL NOT NULL, expires REAL, PRIMARY KEY (user_id, id));
+CREATE INDEX IF NOT EXISTS responses_by_expiry ON responses (expires);
 """
 
 _ADD_TURN = ("INSERT INTO turns (user_id, session_id, role, text, created, expires) "
@@ -51,6 +55,15 @@ _LAST_TURNS = ("SELECT role, text FROM turns WHERE user_id = ? AND session_id = 
                "AND (expires IS NULL OR expires > ?) ORDER BY id DESC LIMIT ?")
 _USER_FACTS = ("SELECT text, embedding, metadata, created FROM facts WHERE user_id = ? "
                "AND model = ? AND (expires IS NULL OR expires > ?)")
+
+_PUT_RESPONSE = ("INSERT INTO responses (user_id, id, payload, created, expires) "
+                 "VALUES (?, ?, ?, ?, ?) ON CONFLICT (user_id, id) DO UPDATE SET "
+                 "payload = excluded.payload, created = excluded.created, "
+                 "expires = excluded.expires")
+_GET_RESPONSE = ("SELECT payload FROM responses WHERE user_id = ? AND id = ? "
+                 "AND (expires IS NULL OR expires > ?)")
+_DELETE_RESPONSE = ("DELETE FROM responses WHERE user_id = ? AND id = ? "
+                    "AND (expires IS NULL OR expires > ?)")
 
 
 OPEN_WAIT_S = 30.0
@@ -150,8 +163,24 @@ class SqliteMemory(MemoryStore):
         with self._lock, self._conn:
             n = self._conn.execute("DELETE FROM turns WHERE expires <= ?", (now,)).rowcount
             n += self._conn.execute("DELETE FROM facts WHERE expires <= ?", (now,)).rowcount
+            n += self._conn.execute("DELETE FROM responses WHERE expires <= ?",
+                                    (now,)).rowcount
             self._n["purged"] += n
         return n
+
+    def put_response(self, user: str, rid: str, payload: str, now: float,
+                     expires: float | None) -> None:
+        with self._lock, self._conn:
+            self._conn.execute(_PUT_RESPONSE, (user, rid, payload, now, expires))
+
+    def get_response(self, user: str, rid: str, now: float) -> str | None:
+        with self._lock:
+            row = self._conn.execute(_GET_RESPONSE, (user, rid, now)).fetchone()
+        return None if row is None else str(row[0])
+
+    def delete_response(self, user: str, rid: str, now: float) -> bool:
+        with self._lock, self._conn:
+            return self._conn.execute(_DELETE_RESPONSE, (user, rid, now)).rowcount > 0
 
     def close(self) -> None:
         with self._lock:
