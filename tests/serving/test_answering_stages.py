@@ -101,7 +101,7 @@ def routed(name: str = "routed", delay: float = 0.0) -> tr.Pipeline:
                                    "big": spec("big", delay=delay)})
     (p.source(fields=["question"])
      .apply("route", id="route", rules=[{"when": {"prompt_tokens_over": 6}, "engine": "big"}],
-            default="small", input="question", messages="_messages", system="Be brief.",
+            default="small", input="question", system="Be brief.",  # the conversation: default
             output="answer", max_tokens=12, stop=["END"], frozen=["seed"])
      .sink())
     return p
@@ -124,7 +124,7 @@ def agent() -> tr.Pipeline:
     p = tr.Pipeline("agent", engines={"bot": spec("bot")})
     (p.source(fields=["question"])
      .apply("tool_call", id="agent", engine="bot", tools=[WEATHER], input="question",
-            messages="_messages", system="You are a weather bot.", output="answer",
+            system="You are a weather bot.", output="answer",  # the conversation: default
             max_tokens=16)
      .sink())
     return p
