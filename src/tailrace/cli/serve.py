@@ -83,6 +83,10 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--app-name", default="tailrace", metavar="NAME",
                    help="with --runtime ray: the Ray Serve application (and hub actor) name "
                         "(default tailrace; one per cluster and name)")
+    s.add_argument("--responses-ttl-s", type=float, default=30 * 24 * 3600.0, metavar="S",
+                   help="how long /v1/responses keeps a stored response (readable, and "
+                        "usable as previous_response_id), in seconds (default 2592000: 30 "
+                        "days); kept per tenant in $TAILRACE_HOME/memory.sqlite")
     s.add_argument("--no-fuse", action="store_true", help="run every operator as its own stage")
 
 
@@ -175,6 +179,12 @@ def serve(args: argparse.Namespace) -> int:
         raise TailraceError(f"--max-in-flight must be >= 1, got {args.max_in_flight}")
     if args.max_body_bytes < 1:
         raise TailraceError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+    from ..serving.responses_store import Retention
+
+    try:
+        responses = Retention(ttl_s=args.responses_ttl_s)
+    except ValueError as e:
+        raise TailraceError(f"--responses-ttl-s: {e}") from None
     if args.address and args.runtime != "ray":
         raise TailraceError("--address names a Ray cluster: add --runtime ray")
     cluster_only = [flag for flag, given in (
@@ -206,11 +216,13 @@ def serve(args: argparse.Namespace) -> int:
     plans = [_load(argparse.Namespace(pipeline=path, no_fuse=args.no_fuse))
              for path in args.pipelines]
     if args.runtime == "ray":
-        return serve_on_cluster(args, plans, api_key=api_key, tenants=tenants)
+        return serve_on_cluster(args, plans, api_key=api_key, tenants=tenants,
+                                responses=responses)
     gate = build_gate(args.admission, plans, args.max_in_flight) if args.admission else None
     hub = ServingHub([PipelineService(p, admission=gate) for p in plans], gate=gate,
                      api_key=api_key, max_body_bytes=args.max_body_bytes,
-                     metrics_public=args.metrics_public, tenants=tenants)
+                     metrics_public=args.metrics_public, tenants=tenants,
+                     responses=responses)
     sock = _listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
@@ -257,7 +269,7 @@ def _autoscale(value: str | None) -> tuple[int, int] | None:
 
 
 def serve_on_cluster(args: argparse.Namespace, plans: list[Any], *, api_key: str | None,
-                     tenants: Any) -> int:
+                     tenants: Any, responses: Any = None) -> int:
     """``tailrace serve --runtime ray``: deploy the hub actor and the Ray Serve ingress,
     wait for Ctrl-C (or SIGTERM), drain and take them down; returns the exit status."""
     from ..runtime.ray import connect
@@ -293,7 +305,8 @@ def serve_on_cluster(args: argparse.Namespace, plans: list[Any], *, api_key: str
             max_outstanding=args.ingress_max_outstanding or default_outstanding(
                 args.max_in_flight if args.admission in ("fcfs", "slo") else None),
             api_key=api_key, max_body_bytes=args.max_body_bytes,
-            metrics_public=args.metrics_public, tenants=tenants, proxy=args.ingress_proxy)
+            metrics_public=args.metrics_public, tenants=tenants, proxy=args.ingress_proxy,
+            responses=responses)
     except ValueError as e:
         raise TailraceError(str(e)) from None
     interrupted, failed = False, []

@@ -2,9 +2,10 @@
 
 ``create_app(hub)`` serves ``/v1/chat/completions``, ``/v1/completions``,
 ``/v1/embeddings``, ``/v1/models``, ``/v1/pipelines/{name}/runs``, ``/healthz`` and
-``/readyz`` (docs/serving.md), errors as OpenAI's ``{"error": {...}}``, each a handler
-(``handlers.py``) over the state read once from the hub (``app_state.py``). The app does
-not start or stop the hub; its owner does (``tailrace serve``).
+``/readyz`` (docs/serving.md) and ``/v1/responses`` (docs/responses.md), errors as
+OpenAI's ``{"error": {...}}``, each a handler (``handlers.py``,
+``responses_routes.py``) over the state read once from the hub (``app_state.py``). The
+app does not start or stop the hub; its owner does (``tailrace serve``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from . import handlers
+from . import handlers, responses_routes
 from .app_state import AppState
 from .errors import RequestFailed, ServiceError
 from .hub import ServingHub
@@ -86,7 +87,11 @@ def create_app(hub: ServingHub) -> FastAPI:
             ("/v1/models", "GET", handlers.models),
             ("/v1/embeddings", "POST", handlers.embeddings),
             ("/v1/chat/completions", "POST", partial(handlers.completions, chat=True)),
-            ("/v1/completions", "POST", partial(handlers.completions, chat=False))):
+            ("/v1/completions", "POST", partial(handlers.completions, chat=False)),
+            ("/v1/responses", "POST", responses_routes.create),
+            ("/v1/responses/{rid}", "GET", responses_routes.retrieve),
+            ("/v1/responses/{rid}", "DELETE", responses_routes.delete),
+            ("/v1/responses/{rid}/input_items", "GET", responses_routes.input_items)):
         app.add_api_route(path, _over(state, handler), methods=[method])
 
     from .observe import install_observability

@@ -18,6 +18,7 @@ from .binding import Binding, accepts, bind, output_tokens, piece_budget
 from .embeddings import embed_spec, engine_specs
 from .hub import ServingHub
 from .openai_wire import WireError
+from .responses_store import ResponseLog
 from .security import KeyCheck, Redactor, hub_redactor
 from .service import PipelineService
 from .tenants import Tenant
@@ -31,7 +32,8 @@ class AppState:
     engine spec (or None), ``reserve`` the output tokens one record may spend (tenants'
     reservations), ``pieces`` the most text pieces a stream may wait with; ``engines``
     are the embedding engines served by their own name, ``limit`` the largest body in
-    bytes, ``started`` the Unix seconds the app was made (the models' ``created``)."""
+    bytes, ``started`` the Unix seconds the app was made (the models' ``created``),
+    ``responses`` the stored responses of ``/v1/responses`` (the hub's ``responses``)."""
 
     hub: ServingHub
     bindings: dict[str, Binding]
@@ -46,6 +48,7 @@ class AppState:
     tenants: Any
     keys: KeyCheck
     redact: Redactor
+    responses: ResponseLog
 
     @classmethod
     def of(cls, hub: ServingHub) -> AppState:
@@ -66,7 +69,7 @@ class AppState:
             limit=hub.max_body_bytes, started=int(time.time()), tenants=hub.tenants,
             keys=KeyCheck(hub.api_key, metrics_public=hub.metrics_public,
                           operator_only=hub.tenants is not None),
-            redact=hub_redactor(hub))
+            redact=hub_redactor(hub), responses=ResponseLog(hub.responses))
 
     def service(self, name: str) -> PipelineService:
         """The service of pipeline ``name``; 404 naming the served ones."""

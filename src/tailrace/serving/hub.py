@@ -24,12 +24,15 @@ class ServingHub:
     tenants:        API keys mapped to tenants (``serving.tenants.TenantKeys``): with it,
                     ``/v1/*`` needs one of them (or ``api_key``); a tenant key sets the
                     ``serve.tenant`` field and is held to its tenant's limits.
+    responses:      where and how long ``/v1/responses`` keeps responses
+                    (``serving.responses_store.Retention``; None: its defaults, SQLite at
+                    ``$TAILRACE_HOME/memory.sqlite`` for 30 days).
     """
 
     def __init__(self, services: Iterable[PipelineService] | dict[str, PipelineService], *,
                  gate: Any = None, api_key: str | None = None,
                  max_body_bytes: int = 1 << 20, metrics_public: bool = False,
-                 tenants: Any = None) -> None:
+                 tenants: Any = None, responses: Any = None) -> None:
         items = list(services.values()) if isinstance(services, dict) else list(services)
         self.services: dict[str, PipelineService] = {}
         for s in items:
@@ -47,6 +50,7 @@ class ServingHub:
         self.max_body_bytes = max_body_bytes
         self.metrics_public = bool(metrics_public)
         self.tenants = tenants
+        self.responses = responses
 
     @property
     def ready(self) -> bool:
