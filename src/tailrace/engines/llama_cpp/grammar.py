@@ -79,7 +79,7 @@ def tool_request(req: GenerationRequest) -> GenerationRequest:
 def tool_grammar(must_call: bool, parallel: bool, schema: str) -> str:
     """The GBNF of an answer that is one call (``parallel``: one or more) to the functions
     of ``schema`` (``call_schema``'s text) in the call form, or (not ``must_call``) text
-    that does not start with ``<``."""
+    that does not start with ``<``, ``{`` or a space."""
     from llama_cpp.llama_grammar import json_schema_to_gbnf
 
     try:
@@ -89,9 +89,11 @@ def tool_grammar(must_call: bool, parallel: bool, schema: str) -> str:
                                     f"functions' parameters ({type(e).__name__}: {e})") from None
     call = call.replace('char ::= [^"\\] |', 'char ::= [^"\\\x7F\x00-\x1F] |')
     call = re.sub(r"^root ::=", "tr-call ::=", call, count=1, flags=re.M)
-    one = f'"{CALL_OPEN}" tr-call "{CALL_CLOSE}"'
+    one = f'"{CALL_OPEN}" "\\n"? tr-call "\\n"? "{CALL_CLOSE}"'  # Qwen's form has newlines
     calls = f"tr-one ::= {one}\ntr-calls ::= tr-one" + (" tr-one*" if parallel else "")
-    free = " | tr-free\ntr-free ::= [^<\\x00] [^\\x00]*"
+    # free text may not open like a call: '<', '{' or space (a bare JSON call is a call's
+    # start the model must write in the form)
+    free = " | tr-free\ntr-free ::= [^<{ \\t\\n\\x00] [^\\x00]*"
     root = "root ::= tr-calls" + ("" if must_call else free)
     return f"{root}\n{calls}\n{call}"
 
