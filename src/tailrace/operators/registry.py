@@ -46,6 +46,9 @@ class OpRuntime:
     counters:  ``counters() -> {name: number}``: what the operator counted in this run
                (e.g. tokens per engine), read once when stats are gathered — never per
                record — and summed over replicas into ``StageStats.counters``.
+    close:     ``close()`` releases what ``build`` opened for this replica (server
+               connections, subprocesses); the runtime calls it once when the replica
+               stops (the run ends, the served pipeline stops); None: nothing to release.
     """
 
     kind: str
@@ -55,6 +58,7 @@ class OpRuntime:
     whole_batch: bool = False  # batch contract: record_fn takes the whole list
     counters: Callable[[], dict[str, float]] | None = None
     abandoned: int = 0  # runtime bookkeeping: timed-out blocking calls still running
+    close: Callable[[], None] | None = None
 
 
 @dataclass

@@ -1,10 +1,12 @@
-"""Tool use: ``tool_call`` lets a model call the pipeline's registered Python functions.
+"""Tool use: ``tool_call`` lets a model call the pipeline's registered Python functions
+and the tools of the MCP servers the stage names.
 
-The formats, rounds and failures are in docs/stateful.md (``tool_call``). Every round,
-the records of a micro-batch are generated together; a reply's calls are checked against
-the stage's tools and their JSON schemas, run on worker threads with a per-call timeout,
-and their results appended to the conversation. A timed-out call is abandoned, not
-killed (Python cannot stop a thread): its result is discarded. As a served request's
+The formats, rounds and failures are in docs/stateful.md (``tool_call``, "MCP servers").
+Every round, the records of a micro-batch are generated together; a reply's calls are
+checked against the tools its request may use and their JSON schemas, run with a
+per-call timeout (``tool_runner.py``), and their results appended to the conversation.
+A timed-out function call is abandoned, not killed (Python cannot stop a thread): its
+result is discarded; a timed-out MCP call is cancelled. As a served request's
 answering stage every round takes the request's options and the answer streams whole
 (docs/serving.md, "Which stage answers"); a set cancel ends the conversation.
 """
@@ -13,15 +15,14 @@ from __future__ import annotations
 
 import json
 import keyword
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
-from time import monotonic
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..engines import GenerationRequest
 from ..engines.models import batches_continuously
 from ..engines.tokens import approx_tokens
 from ..errors import EngineError
+from ..request import request_of
 from .common import ENGINE_HINT, FieldError, count_param, each_record, link_engine, positive
 from .llm import (
     FROZEN,
@@ -40,6 +41,7 @@ from .llm import (
     request_options,
     stream_of,
 )
+from .mcp_tools import check_servers, open_servers
 from .registry import (
     Answers,
     BuildContext,
@@ -50,9 +52,8 @@ from .registry import (
     register,
     resolve,
 )
-from .tool_schema import ToolError, check_schema, parse_json_call, validate
-
-_POOL = ThreadPoolExecutor(max_workers=16, thread_name_prefix="tailrace-tool")
+from .tool_runner import ToolRunner
+from .tool_schema import ToolError, check_schema, parse_json_call
 
 
 class Conversation:
@@ -62,13 +63,15 @@ class Conversation:
              options applied: ``request_options``).
     finish:  the finish reason of the round that answered.
     usage:   ``[prompt_tokens, completion_tokens]`` over all its rounds.
+    tools:   the names of the tools its request may see and call (None: all).
     """
 
     __slots__ = ("record", "messages", "calls", "answer", "error", "options", "finish",
-                 "usage")
+                 "usage", "tools")
 
     def __init__(self, record: Any, messages: list[dict],
-                 options: dict[str, Any] | None = None) -> None:
+                 options: dict[str, Any] | None = None,
+                 tools: tuple[str, ...] | None = None) -> None:
         self.record, self.messages = record, messages
         self.calls: list[dict] = []
         self.answer: str | None = None
@@ -76,58 +79,7 @@ class Conversation:
         self.options = options or {}
         self.finish = "stop"
         self.usage = [0, 0]
-
-
-class ToolRunner:
-    """The registered tools of one stage: look-up, validation, timed calls."""
-
-    def __init__(self, tools: list[dict], timeout_s: float) -> None:
-        """Resolve the function of each ``{name, fn, schema, description, timeout_ms}``
-        (checked at compile time); ``timeout_s``: the default per-call timeout."""
-        self.tools = {t["name"]: t for t in tools}
-        self.fns = {t["name"]: resolve(t["fn"]) for t in tools}
-        self.timeout_s = timeout_s
-
-    def start(self, name: str, args: Any, rnd: int) -> tuple[Future | None, float, str]:
-        """Submit one call; returns (future or None, deadline, error message)."""
-        if name not in self.tools:
-            return None, 0.0, (f"round {rnd}: the model called tool '{name}', which is not "
-                               f"registered (registered: {', '.join(self.tools)})")
-        tool = self.tools[name]
-        try:
-            if isinstance(args, ToolError):
-                raise args
-            if not isinstance(args, dict):
-                raise ToolError(f"arguments: expected object, got {type(args).__name__}")
-            validate(args, tool.get("schema") or {"type": "object"})
-        except ToolError as e:
-            return None, 0.0, f"round {rnd}: tool '{name}': invalid arguments: {e}"
-        timeout = tool.get("timeout_ms", self.timeout_s * 1000) / 1000
-        return _POOL.submit(self.fns[name], **args), monotonic() + timeout, ""
-
-    def finish(self, name: str, fut: Future, deadline: float, rnd: int) -> tuple[Any, str]:
-        """(result, "") or (None, error message) of a submitted call."""
-        try:
-            return fut.result(timeout=max(0.0, deadline - monotonic())), ""
-        except FutureTimeout:
-            fut.cancel()
-            ms = self.tools[name].get("timeout_ms", self.timeout_s * 1000)
-            return None, f"round {rnd}: tool '{name}' timed out after {ms:g} ms"
-        except Exception as e:  # noqa: BLE001 - the tool's own failure
-            return None, f"round {rnd}: tool '{name}' raised {type(e).__name__}: {e}"
-
-    def describe(self) -> str:
-        """The tool list for the JSON convention's system message."""
-        return "\n".join(f"- {n}: {t.get('description', '')} arguments (JSON schema): "
-                         f"{json.dumps(t.get('schema') or {'type': 'object'})}"
-                         for n, t in self.tools.items())
-
-    def openai_tools(self) -> list[dict]:
-        """The tools in OpenAI function-calling form."""
-        return [{"type": "function", "function": {
-            "name": n, "description": t.get("description", ""),
-            "parameters": t.get("schema") or {"type": "object", "properties": {}}}}
-            for n, t in self.tools.items()]
+        self.tools = tools
 
 
 JSON_CONVENTION = ("You can call these tools:\n{tools}\nTo call a tool, reply with only this "
@@ -214,7 +166,7 @@ class OpenAIChat:
                                     max_retries=int(spec.get("retries", 2)))
         self.pool = ThreadPoolExecutor(int(spec.get("concurrency", 8)),
                                        thread_name_prefix="tailrace-toolchat")
-        self.tools = runner.openai_tools()
+        self.runner = runner
         self.kw = {"max_tokens": params["max_tokens"], "temperature": float(params["temperature"])}
 
     def _one(self, conv: Conversation, tools_on: bool) -> Any:
@@ -224,8 +176,9 @@ class OpenAIChat:
         else:
             kw.pop("stop", None)
         try:
-            if tools_on:
-                kw = {**kw, "tools": self.tools, "tool_choice": "auto"}
+            tools = self.runner.openai_tools(conv.tools) if tools_on else None
+            if tools:
+                kw = {**kw, "tools": tools, "tool_choice": "auto"}
             resp = self.client.chat.completions.create(model=self.model,
                                                        messages=conv.messages, **kw)
         except Exception as e:  # noqa: BLE001 - becomes this record's error
@@ -261,7 +214,20 @@ class OpenAIChat:
 
 
 def _build_tool_call(params: dict, ctx: BuildContext) -> OpRuntime:
-    runner = ToolRunner(params["tools"], params["tool_timeout_ms"] / 1000)
+    tools, timeout_ms = params.get("tools") or [], params["tool_timeout_ms"]
+    # the MCP servers' tools: their connections are this replica's until ``close``
+    remote, close = open_servers(params.get("mcp") or [], timeout_ms,
+                                 {t["name"]: t for t in tools})
+    try:
+        batch_fn = _conversations(params, ctx, ToolRunner(tools, timeout_ms / 1000, remote))
+    except BaseException:
+        close()
+        raise
+    return OpRuntime("map", batch_fn=batch_fn, close=close)
+
+
+def _conversations(params: dict, ctx: BuildContext, runner: ToolRunner) -> Any:
+    """The stage's ``batch_fn``: each record's conversation with the model and ``runner``."""
     spec = params["_engine"]
     fmt = params["format"]
     if fmt == "auto":
@@ -273,11 +239,18 @@ def _build_tool_call(params: dict, ctx: BuildContext) -> OpRuntime:
     conv_field, frozen = params.get("messages"), frozenset(params.get("frozen") or ())
     base = {"max_tokens": params["max_tokens"], "temperature": float(params["temperature"]),
             "stop": ()}
-    system = params.get("system") or ""
+    head = params.get("system") or ""
+    systems: dict[tuple[str, ...], str] = {}  # by the tools a request may see
+
+    def system_of(names: tuple[str, ...]) -> str:
+        if names not in systems:
+            systems[names] = head if fmt != "json" else (
+                (head + "\n\n" if head else "")
+                + JSON_CONVENTION.format(tools=runner.describe(names)))
+        return systems[names]
+
     chat_model = fmt == "openai" or bool(getattr(chat, "chat", True))
     if fmt == "json":
-        system = (system + "\n\n" if system else "") + JSON_CONVENTION.format(
-            tools=runner.describe())
         count, limit = chat.engine.count_tokens, chat.engine.context_length - base["max_tokens"]
         if conv_field not in (None, False) and not chat.chat:
             raise ValueError(f"tool_call: 'messages: {conv_field}' needs a chat model; engine "
@@ -288,12 +261,15 @@ def _build_tool_call(params: dict, ctx: BuildContext) -> OpRuntime:
     def start(r: Any) -> Conversation:
         text = prompt_text(template, inp, r)
         opts = request_options(base, answering(r, out), frozen)
+        q = request_of(r)
+        names = runner.visible(q.tenant if q is not None else None)
+        system = system_of(names)
         conv = conversation(r, conv_field, out, chat_model)
         if conv is not None:
             return Conversation(r, list(chat_messages(system or None, conv, text, count,
-                                                      limit)), opts)
+                                                      limit)), opts, names)
         msgs = [{"role": "system", "content": system}] if system else []
-        return Conversation(r, msgs + [{"role": "user", "content": text}], opts)
+        return Conversation(r, msgs + [{"role": "user", "content": text}], opts, names)
 
     def batch_fn(batch: list, errors: list) -> list:
         convs: list[Conversation] = each_record(batch, errors, start, FieldError)[1]
@@ -328,7 +304,8 @@ def _build_tool_call(params: dict, ctx: BuildContext) -> OpRuntime:
                 else:
                     conv.messages.append(chat.assistant(text, calls))
                     pending += [(conv, c) for c in calls]
-            running = [(conv, c, *runner.start(c[1], c[2], rnd)) for conv, c in pending]
+            running = [(conv, c, *runner.start(c[1], c[2], rnd, conv.tools))
+                       for conv, c in pending]
             for conv, (call_id, name, args), fut, deadline, err in running:
                 result = None
                 if fut is not None:
@@ -353,14 +330,20 @@ def _build_tool_call(params: dict, ctx: BuildContext) -> OpRuntime:
                 result.append(r)
         return result
 
-    return OpRuntime("map", batch_fn=batch_fn)
+    return batch_fn
 
 
 def _prepare_tool_call(params: dict, ctx: LinkContext) -> dict:
     check_prompt_source(params, "tool_call")
     tools = params["tools"]
-    if not tools:
+    if params.get("mcp") is not None:
+        params["mcp"] = check_servers(params["mcp"])
+    elif tools is None:
+        raise ValueError("needs 'tools' (registered functions: {name, fn, schema}) or "
+                         "'mcp' (MCP servers: {name, command | url})")
+    if tools is not None and not tools and not params.get("mcp"):
         raise ValueError("'tools' is empty; register at least one {name, fn, schema}")
+    tools = tools or []
     seen: set[str] = set()
     for i, t in enumerate(tools):
         where = f"tools[{i}]"
@@ -394,7 +377,9 @@ def _prepare_tool_call(params: dict, ctx: LinkContext) -> dict:
 register(OpDef(
     "tool_call", "map", _build_tool_call,
     (Param("engine", (str,), required=True, want=ENGINE_HINT),
-     Param("tools", (list,), required=True, want="a list of {name, fn, schema} mappings"),
+     Param("tools", (list,), want="a list of {name, fn, schema} mappings"),
+     Param("mcp", (list,), want="a list of MCP servers: {name, command: [...]} or "
+           "{name, url: http://.../mcp}"),
      *PROMPT_PARAMS,
      Param("system", (str,), want="a system message"),
      MESSAGES,
@@ -414,7 +399,8 @@ register(OpDef(
     batchable=True, blocking=True, fusable=False,
     engine_batches=lambda p: batches_continuously(p["_engine"], "generate"),
     fields=lambda p: (prompt_reads(p), (p["output"], p["calls"])),
-    prepare=_prepare_tool_call, doc="let a model call registered tools, then answer",
+    prepare=_prepare_tool_call,
+    doc="let a model call registered tools and MCP servers' tools, then answer",
     answers=Answers(output_tokens=lambda p: int(p["max_tokens"]) * (int(p["max_rounds"]) + 1),
                     max_tokens=lambda p: int(p["max_tokens"]),
                     tools=lambda p: "it is a tool_call stage that calls the pipeline's own "

@@ -139,10 +139,15 @@ class StageWorker:
                                         self.pool)
 
     def stop(self, wait: bool) -> None:
-        """Release the threads; ``wait``: for running calls, unless one was abandoned
-        after a timeout (it cannot be stopped)."""
+        """Release the threads (``wait``: for running calls, unless one was abandoned
+        after a timeout: it cannot be stopped), then what the operators opened
+        (``OpRuntime.close``, once)."""
         if self.pool is not None:
             self.pool.shutdown(wait=wait and self.rts[0].abandoned == 0, cancel_futures=True)
+        for rt in self.rts:  # what the operators opened for this replica
+            if rt.close is not None:
+                close, rt.close = rt.close, None
+                close()
 
     async def process(self, batch: list, errors: list[ErrorRecord],
                       trace: Trace | None = None) -> Ports:

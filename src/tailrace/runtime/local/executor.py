@@ -20,7 +20,7 @@ from ...engines import open_engine
 from ...observability import Histogram, StageMeter
 from ...observability.tracing import STATE as TRACING
 from ...observability.tracing import stage_spans
-from ...operators import BuildContext
+from ...operators import BuildContext, OpRuntime
 from ...request import REQUEST, Request, request_of, strip
 from ..ingress import input_failed, read, read_admitted
 from ..stage import StageWorker, sink_runtime, sink_target
@@ -59,14 +59,21 @@ class LocalRun:
         self.workers: dict[str, list[StageWorker]] = {}
         self.source_meters: dict[str, StageMeter] = {}
         self.inputs = inputs
-        for s in plan.stages:
-            if s.ops[0].op.kind == "source":
-                self.source_meters[s.id] = StageMeter(s.id, "source")
-                continue
-            self.channels[s.id] = Channel(s.queue, producers=len(s.upstream))
-            n = s.replicas * s.execution.in_flight  # type: ignore[union-attr]
-            self.workers[s.id] = [StageWorker(s, self._build(s, outputs), on_drop)
-                                  for _ in range(n)]
+        try:
+            for s in plan.stages:
+                if s.ops[0].op.kind == "source":
+                    self.source_meters[s.id] = StageMeter(s.id, "source")
+                    continue
+                self.channels[s.id] = Channel(s.queue, producers=len(s.upstream))
+                n = s.replicas * s.execution.in_flight  # type: ignore[union-attr]
+                workers = self.workers[s.id] = []
+                for _ in range(n):
+                    workers.append(StageWorker(s, self._build(s, outputs), on_drop))
+        except BaseException:  # a build failed: release what the others opened
+            for ws in self.workers.values():
+                for w in ws:
+                    w.stop(wait=False)
+            raise
         ids = [s.id for s in plan.stages]
         self.down: dict[str, dict[str | None, list[Channel]]] = {
             ids[i]: {port: [self.channels[ids[c]] for c in cs] for port, cs in ports.items()}
@@ -75,15 +82,21 @@ class LocalRun:
         self.sinks = {s.id for s in plan.stages if s.ops[-1].op.kind == "sink"}
 
     def _build(self, s: PlanStage, outputs: dict[str, Any]) -> list:
-        rts = []
-        for o in s.ops:
-            if o.op.kind == "sink":
-                target = sink_target(o, outputs)
-                if self.admission is not None and self.on_drop is None:
-                    target = _user_fields(target)  # a batch run's sink: no request
-                rts.append(sink_runtime(target))
-            else:
-                rts.append(o.op.build(o.params, BuildContext(o.contract, open_engine)))
+        rts: list[OpRuntime] = []
+        try:
+            for o in s.ops:
+                if o.op.kind == "sink":
+                    target = sink_target(o, outputs)
+                    if self.admission is not None and self.on_drop is None:
+                        target = _user_fields(target)  # a batch run's sink: no request
+                    rts.append(sink_runtime(target))
+                else:
+                    rts.append(o.op.build(o.params, BuildContext(o.contract, open_engine)))
+        except BaseException:  # the fused operators built before it release theirs
+            for rt in rts:
+                if rt.close is not None:
+                    rt.close()
+            raise
         return rts
 
     # -- the run ----------------------------------------------------------------------
