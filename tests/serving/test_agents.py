@@ -20,6 +20,7 @@ import pytest
 
 import tailrace as tr
 from tailrace.serving import PipelineService, ServingHub, create_app
+from tailrace.serving.responses_store import Retention
 from tests.rag_fixtures import LLM
 from tests.serving import fakes
 from tests.serving.server import running
@@ -88,7 +89,9 @@ SLOW_TOOLS = {**TOOLS, "repeat": 3, "delay": 0.01}
 
 
 @pytest.fixture(scope="module")
-def url():
+def url(tmp_path_factory):
+    # /v1/responses keeps what the Responses-API model sends in a private SQLite file
+    db = tmp_path_factory.mktemp("responses") / "memory.sqlite"
     with pytest.MonkeyPatch.context() as mp:
         fakes.register_tools(mp)
         fakes.register_echo(mp)
@@ -96,7 +99,8 @@ def url():
                           PipelineService(generate_pipeline("alone", TOOLS, messages=False)),
                           PipelineService(generate_pipeline("slow", SLOW_TOOLS)),
                           PipelineService(generate_pipeline("echo", fakes.echo_spec())),
-                          PipelineService(tool_stage_pipeline("toolstage"))])
+                          PipelineService(tool_stage_pipeline("toolstage"))],
+                         responses=Retention(store={"backend": "sqlite", "path": str(db)}))
         with running(hub) as u:
             yield u + "/v1"
 
