@@ -123,7 +123,7 @@ def sent(i: int = -1) -> list[dict[str, Any]]:
 def assert_tool_loop(system: str | None = None) -> None:
     """The engine was asked twice: offered get_weather, then given the tool's result
     after its own call; ``system`` (if given) led both conversations."""
-    first, second = fakes.EchoEngine.REQUESTS[:2]
+    first, second = fakes.EchoEngine.REQUESTS  # exactly two model calls
     assert [f["name"] for f in first.tools.functions] == ["get_weather"]
     assert second.messages[-1]["role"] == "tool"
     assert second.messages[-1]["content"] == "sunny, 21 C in Paris"
@@ -170,7 +170,7 @@ def test_agents_sdk_streamed_run_reassembles_the_streamed_call(url):
     assert final == ANSWER
     assert CALLS == ["Paris"]
     assert names[:2] == ["tool_called", "tool_output"]
-    assert_tool_loop()
+    assert_tool_loop(system="You answer weather questions.")
 
 
 @RESPONSES
