@@ -192,12 +192,20 @@ def test_a_function_tool_loop(client):
     assert seen[1]["tool_calls"] == [{"id": call.call_id, "type": "function", "function": {
         "name": "weather", "arguments": call.arguments}}]
     assert seen[2] == {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}
-    # the same loop by hand: the output items sent back as input, nothing stored
-    again = client.responses.create(model="tools", tools=[WEATHER], store=False, input=[
-        {"role": "user", "content": "Weather in Paris?"},
-        *[item.model_dump(exclude_none=True) for item in first.output],
-        {"type": "function_call_output", "call_id": call.call_id, "output": "rainy"}])
-    assert again.output_text == "The tool said: rainy" and again.store is False
+    # the same loop by hand: the output items sent back as input (as the client's
+    # objects, or dumped with their unset fields as nulls), nothing stored
+    for sent in (first.output, [item.model_dump() for item in first.output]):
+        again = client.responses.create(model="tools", tools=[WEATHER], store=False, input=[
+            {"role": "user", "content": "Weather in Paris?"}, *sent,
+            {"type": "function_call_output", "call_id": call.call_id, "output": "rainy"}])
+        assert again.output_text == "The tool said: rainy" and again.store is False
+    text = client.responses.create(model="echo", input="hi there")
+    again = client.responses.create(model="echo", input=[
+        {"role": "user", "content": "hi there"}, *[o.model_dump() for o in text.output],
+        {"role": "user", "content": "and again"}])
+    assert again.output_text == "and again"
+    assert fakes.EchoEngine.REQUESTS[-1].messages[1] == {"role": "assistant",
+                                                         "content": "hi there"}
     items = client.responses.input_items.list(second.id, order="asc").data
     assert [(i.type, i.call_id, i.output) for i in items] == [
         ("function_call_output", call.call_id, "sunny")]
@@ -399,6 +407,9 @@ BAD = [
     ({"input": [{"role": "user", "content": "x"}, {"type": "function_call_output",
                                                   "call_id": "c", "output": "o"}]}, 400,
      "unsupported_tools", "pipeline 'echo' cannot answer client tools"),
+    ({"metadata": {"k": 1}}, 400, "invalid_metadata", "'metadata'"),
+    ({"user": 5}, 400, "invalid_session", "'user'"),
+    ({"priority": "batch"}, 400, "priority_not_allowed", "choose its priority"),  # as chat
     ({"model": "loud"}, 400, "pipeline_not_chat", "pipeline 'loud' has no generate"),
     ({"model": "nope"}, 404, "model_not_found", "pipeline 'nope' is not served"),
     ({"model": None}, 400, "missing_model", "'model' is required"),

@@ -144,7 +144,7 @@ def parse_input(raw: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
             raise WireError(f"{where}.type: {kind!r} items are not supported (message, "
                             "function_call and function_call_output items are)",
                             code="unsupported_input_item")
-        extra = sorted(set(it) - _ITEM_KEYS[kind])
+        extra = sorted(k for k in set(it) - _ITEM_KEYS[kind] if it[k] is not None)
         if extra:
             raise invalid(f"{where}.{extra[0]}: not a field of a {kind} item")
         if kind == "message":
@@ -291,7 +291,11 @@ def parse_responses(body: dict) -> ResponsesRequest:
         if tools is not None and tools.offered:
             raise unsupported("text.format", "not together with 'tools' (send one)")
     meta = body.get("metadata")
-    echo = {"metadata": meta if isinstance(meta, dict) else {},
+    if meta is not None and not (isinstance(meta, dict)
+                                 and all(isinstance(v, str) for v in meta.values())):
+        raise WireError("'metadata' must be an object of string values",
+                        code="invalid_metadata")
+    echo = {"metadata": meta or {},
             "parallel_tool_calls": tools.parallel if tools is not None
             else _flag(body, "parallel_tool_calls", True),
             "temperature": options.get("temperature"), "top_p": options.get("top_p"),
