@@ -198,12 +198,14 @@ def lc_tool() -> Any:
     return pytest.importorskip("langchain_core.tools").tool(get_weather)
 
 
-def test_langchain_create_agent_calls_the_tool_with_its_system_prompt(url):
+@pytest.mark.parametrize("responses", [False, pytest.param(True, marks=RESPONSES)],
+                         ids=["chat-completions", "responses-api"])
+def test_langchain_create_agent_calls_the_tool_with_its_system_prompt(url, responses):
     agents = pytest.importorskip("langchain.agents")
-    agent = agents.create_agent(chat_openai(url), tools=[lc_tool()],
-                                system_prompt="You are a weather bot.")
+    agent = agents.create_agent(chat_openai(url, use_responses_api=responses),
+                                tools=[lc_tool()], system_prompt="You are a weather bot.")
     out = agent.invoke({"messages": [{"role": "user", "content": QUESTION}]})
-    assert out["messages"][-1].content == ANSWER
+    assert out["messages"][-1].text == ANSWER  # (Responses: content is a list of blocks)
     assert [m.type for m in out["messages"]] == ["human", "ai", "tool", "ai"]
     assert out["messages"][1].tool_calls[0]["args"] == {"city": "Paris"}
     assert CALLS == ["Paris"]
