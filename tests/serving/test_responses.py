@@ -66,7 +66,7 @@ def wait_until(predicate, what: str, timeout_s: float = 10.0) -> None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """One server for the module: echo, tools, a slow echo, a long echo, one whose stage
+    """One server for the module: echo, tools (and slower ones), a long echo, one whose stage
     after the answer fails and one that cannot chat, behind one fcfs gate and tenant
     keys (alpha, beta) plus the operator's key."""
     with pytest.MonkeyPatch.context() as mp:
@@ -74,7 +74,8 @@ def server(tmp_path_factory):
         fakes.register_tools(mp)
         gate = AdmissionGate(make_policy("fcfs", max_in_flight=4, max_queue=8))
         pipes = [generate("echo"), generate("tools", "tools", max_tokens=64),
-                 generate("slow", delay=0.01), generate("fails", after=explode),
+                 generate("slow_tools", "tools", max_tokens=64, delay=0.03),
+                 generate("slow", delay=0.03), generate("fails", after=explode),
                  generate("long", delay=0.02, repeat=100, max_tokens=500),
                  fakes.shout_pipeline("loud")]
         db = tmp_path_factory.mktemp("responses") / "memory.sqlite"
@@ -275,7 +276,7 @@ def test_a_streamed_text_answer_event_by_event(url, client):
 
 
 def test_a_streamed_function_call_event_by_event(url, client):
-    events = sse(url, {"model": "tools", "input": "Weather?", "tools": [WEATHER]})
+    events = sse(url, {"model": "slow_tools", "input": "Weather?", "tools": [WEATHER]})
     assert kinds(events) == [
         "response.created", "response.in_progress", "response.output_item.added",
         "response.function_call_arguments.delta", "response.function_call_arguments.done",
@@ -285,6 +286,7 @@ def test_a_streamed_function_call_event_by_event(url, client):
     assert item["arguments"] == "" and item["status"] == "in_progress"
     assert item["call_id"].startswith("call_")
     deltas = [e for e in events if e["type"] == "response.function_call_arguments.delta"]
+    assert len(deltas) > 1  # the arguments as they are written
     assert all(e["item_id"] == item["id"] and e["output_index"] == 0 for e in deltas)
     args = "".join(e["delta"] for e in deltas)
     assert json.loads(args) == {"city": "Paris"}
@@ -296,7 +298,8 @@ def test_a_streamed_function_call_event_by_event(url, client):
     assert done["response.completed"]["response"]["output"] == [
         done["response.output_item.done"]["item"]]
 
-    with client.responses.stream(model="tools", input="Weather?", tools=[WEATHER]) as stream:
+    with client.responses.stream(model="slow_tools", input="Weather?",
+                                 tools=[WEATHER]) as stream:
         got = list(stream)
         final = stream.get_final_response()
     snaps = [e.snapshot for e in got if e.type == "response.function_call_arguments.delta"]
