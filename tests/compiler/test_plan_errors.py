@@ -135,7 +135,8 @@ TOP_CASES = {
                    "p.yaml:1: unsupported version None; this tailrace reads 'version: 1'"),
     "misspelt key": ("version: 1\npipeline: t\nstage: []\n",
                      "p.yaml:1: unknown top-level key 'stage'; did you mean 'stages'? "
-                     "(allowed: version, pipeline, slo, engines, source, serve, stages)"),
+                     "(allowed: version, pipeline, description, slo, engines, source, serve, "
+                     "stages)"),
     "not a mapping": ("- a\n", "p.yaml:1: expected a mapping with 'version', 'pipeline' "
                       "and 'stages' at the top level"),
     "no stages": ("version: 1\npipeline: t\nstages: []\n",

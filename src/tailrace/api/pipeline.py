@@ -235,12 +235,16 @@ class Pipeline:
     engines: optional engine declarations (read by engine-backed operators).
     serve:   optional ``{"fields": {...}, "tenant": FIELD}``: how ``tailrace serve`` fills
              record fields from a request (see ``ServeSpec``).
+    description: optional: what the pipeline does, in a sentence (``tailrace serve
+             --mcp`` describes its tool with it).
     """
 
     def __init__(self, name: str, *, slo: dict | None = None,
                  engines: dict | None = None, source_file: str | None = None,
-                 serve: dict | ServeSpec | None = None) -> None:
+                 serve: dict | ServeSpec | None = None,
+                 description: str | None = None) -> None:
         self.name = name
+        self.description = description
         try:
             self.serve = make_serve(serve) if serve is not None else None
         except ValueError as e:

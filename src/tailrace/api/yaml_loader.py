@@ -25,7 +25,8 @@ from .pipeline import (
     make_serve,
 )
 
-TOP_KEYS = ("version", "pipeline", "slo", "engines", "source", "serve", "stages")
+TOP_KEYS = ("version", "pipeline", "description", "slo", "engines", "source", "serve",
+            "stages")
 STAGE_KEYS = ("id", "op", "after")
 _ID_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
 
@@ -95,9 +96,13 @@ def loads_pipeline(text: str, path: str = "<string>") -> Pipeline:
     if not isinstance(engines, dict):
         raise PlanError("'engines' must be a mapping of name -> {backend: ..., model: ...}",
                         where=at(doc))
+    description = doc.get("description")
+    if description is not None and not isinstance(description, str):
+        raise PlanError("'description' must be a sentence saying what the pipeline does",
+                        where=at(doc))
     serve = _serve(doc.get("serve"), at(doc)) if "serve" in doc else None
     p = Pipeline(name, slo=dict(slo) if slo else None, engines=dict(engines), source_file=path,
-                 serve=serve)
+                 serve=serve, description=description)
 
     source = doc.get("source") or {}
     if not isinstance(source, dict) or set(source) - {"fields"}:

@@ -88,6 +88,9 @@ def add_parser(sub: Any) -> None:
                         "usable as previous_response_id), in seconds (default 2592000: 30 "
                         "days); kept per tenant in $TAILRACE_HOME/memory.sqlite")
     s.add_argument("--no-fuse", action="store_true", help="run every operator as its own stage")
+    s.add_argument("--mcp", action="store_true",
+                   help="also serve each pipeline as an MCP tool (streamable HTTP) at /mcp, "
+                        "behind the same API keys (docs/mcp.md)")
 
 
 def build_gate(policy: str, plans: list[Any], max_in_flight: int,
@@ -195,6 +198,16 @@ def serve(args: argparse.Namespace) -> int:
         ("--app-name", args.app_name != "tailrace")) if given]
     if cluster_only and args.runtime != "ray":
         raise TailraceError(f"{cluster_only[0]} is an option of serving on Ray: add --runtime ray")
+    if args.mcp and args.runtime == "ray":
+        raise TailraceError("--mcp is not available with --runtime ray: the Ray Serve "
+                            "ingress replicas do not mount /mcp; serve with --runtime local "
+                            "for MCP")
+    if args.mcp:
+        try:
+            import mcp  # noqa: F401
+        except ImportError:
+            raise TailraceError("--mcp needs the 'mcp' package: pip install "
+                                "'tailrace[serve]' (or pip install 'mcp>=2.3')") from None
     if args.gate == "cluster" and (args.runtime != "ray" or not args.admission):
         raise TailraceError("--gate cluster puts the admission policy in a Ray actor: it "
                             "needs --runtime ray and --admission fcfs|slo|simultaneous")
@@ -226,8 +239,9 @@ def serve(args: argparse.Namespace) -> int:
     sock = _listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    server = draining_server(uvicorn.Config(create_app(hub), log_level="warning",
-                                            access_log=False, lifespan="off"), hub)
+    server = draining_server(uvicorn.Config(create_app(hub, mcp=args.mcp), log_level="warning",
+                                            access_log=False,
+                                            lifespan="on" if args.mcp else "off"), hub)
     failed: list[str] = []
 
     def watch() -> None:
@@ -244,7 +258,8 @@ def serve(args: argparse.Namespace) -> int:
         print("tailrace: ready (engines loaded)", file=sys.stderr, flush=True)
 
     print(f"tailrace: serving {', '.join(hub.services)} on http://{shown}:{port}/v1 "
-          "(OpenAI-compatible; GET /readyz, /metrics, /dashboard)", flush=True)
+          "(OpenAI-compatible; GET /readyz, /metrics, /dashboard"
+          f"{'; MCP tools at /mcp' if args.mcp else ''})", flush=True)
     interrupted = False
     threading.Thread(target=watch, name="tailrace-serve-ready", daemon=True).start()
     try:

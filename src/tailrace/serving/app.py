@@ -4,8 +4,9 @@
 ``/v1/embeddings``, ``/v1/models``, ``/v1/pipelines/{name}/runs``, ``/healthz`` and
 ``/readyz`` (docs/serving.md) and ``/v1/responses`` (docs/responses.md), errors as
 OpenAI's ``{"error": {...}}``, each a handler (``handlers.py``,
-``responses_routes.py``) over the state read once from the hub (``app_state.py``). The
-app does not start or stop the hub; its owner does (``tailrace serve``).
+``responses_routes.py``) over the state read once from the hub (``app_state.py``); with
+``mcp=True`` also ``/mcp``: the pipelines as MCP tools (``mcp_server.py``, docs/mcp.md).
+The app does not start or stop the hub; its owner does (``tailrace serve``).
 """
 
 from __future__ import annotations
@@ -65,8 +66,10 @@ def _over(state: AppState, handler: Handler) -> Callable[[Request], Awaitable[Re
     return endpoint
 
 
-def create_app(hub: ServingHub) -> FastAPI:
-    """The FastAPI app serving ``hub``'s pipelines (see the module docstring)."""
+def create_app(hub: ServingHub, *, mcp: bool = False) -> FastAPI:
+    """The FastAPI app serving ``hub``'s pipelines (see the module docstring); ``mcp``:
+    as MCP tools at ``/mcp`` too (then the app's lifespan must run: uvicorn's
+    ``lifespan="on"``)."""
     app = FastAPI(title="tailrace", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.hub = hub
     state = AppState.of(hub)
@@ -97,4 +100,12 @@ def create_app(hub: ServingHub) -> FastAPI:
     from .observe import install_observability
 
     install_observability(app, hub, state.keys)
+    if mcp:
+        from starlette.routing import Route
+
+        from .mcp_server import PATH, McpEndpoint
+
+        endpoint = McpEndpoint(state)
+        app.router.routes.append(Route(PATH, endpoint=endpoint))
+        app.router.lifespan_context = endpoint.lifespan
     return app
