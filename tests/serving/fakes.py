@@ -135,8 +135,9 @@ class ToolEngine(EchoEngine):
     """An engine that calls client tools by script: offered tools and no tool result
     after the last user message yet, it calls the first offered function (or the one
     ``tool_choice`` names) with ``ARGS`` (string values ``repeat`` times over) in the
-    call form (``engines/tool_calls.py``), streamed in pieces ``delay`` seconds apart; once a tool result follows the last user message, it
-    answers ``"The tool said: <result>"``. Without tools it echoes like ``EchoEngine``."""
+    call form (``engines/tool_calls.py``), streamed in pieces ``delay`` seconds apart;
+    once a tool result follows the last user message, it answers ``"The tool said:
+    <result>"``. Without tools it echoes like ``EchoEngine``."""
 
     tool_calls = True
     ARGS: dict[str, Any] = {"city": "Paris"}

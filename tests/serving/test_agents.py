@@ -282,9 +282,12 @@ def test_streamed_tool_call_deltas_field_by_field(url):
     streamed = "".join(d["function"]["arguments"] for d in later)
     assert json.loads(streamed) == json.loads(call.function.arguments) \
         == {"city": "ParisParisParis"}
-    # no text around the call: only the role chunk's empty content
+    # no text around the call, and the role comes with the call's first delta (content
+    # null, as OpenAI sends a call)
     assert [ch.choices[0].delta.content for ch in chunks if ch.choices
-            and ch.choices[0].delta.content is not None] == [""]
+            and ch.choices[0].delta.content is not None] == []
+    head = next(ch.choices[0].delta for ch in chunks if ch.choices)
+    assert head.role == "assistant" and head.tool_calls[0].function.name == "get_weather"
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
     assert all(ch.choices[0].finish_reason is None for ch in chunks[:-1])
 

@@ -97,7 +97,7 @@ def test_a_question_that_cannot_fit_is_a_400(url):
 
 @pytest.mark.parametrize(("message", "field"), [
     ({"role": "tool", "content": "42", "tool_call_id": "a"},
-     "messages[0] (a tool call or result): pipeline 'chat' cannot answer client tools"),
+     "messages[0].tool_call_id: 'a' answers no call"),
     ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
      "messages[0].content[0].type"),
     ({"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]},
@@ -108,6 +108,16 @@ def test_messages_it_cannot_answer_are_400s_naming_the_field(url, message, field
         client(url).chat.completions.create(
             model="chat", messages=[message, {"role": "user", "content": "hi"}])
     assert field in str(e.value)
+
+
+def test_tool_results_to_a_pipeline_that_takes_no_tools_are_a_400(url):
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client(url).chat.completions.create(model="chat", messages=[
+            {"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "c1", "content": "42"}])
+    assert "messages[1] (a tool call or result): pipeline 'chat' cannot answer client " \
+        "tools" in str(e.value)
 
 
 def test_a_conversation_must_end_with_a_user_message(url):

@@ -278,17 +278,22 @@ async def _stream_openai(state: AppState, request: Request, service: PipelineSer
                          b: Binding, req: WireRequest, record: dict, env: Envelope,
                          rid: str, created: int) -> Response:
     calls = CallStream() if req.tools is not None else None
+    rolled = [calls is None]  # the role went out (with tools: in the first delta)
 
     def pieces(text: str) -> list[bytes]:
-        """The chunks of a piece of the answer (through ``calls``: content or tool calls)."""
+        """The chunks of a piece of the answer (through ``calls``: content or tool calls;
+        the first carries the role)."""
         if calls is None:
             return [chunk(req, rid, created, text)]
-        return [chunk(req, rid, created, e[1]) if e[0] == "text" else
-                chunk(req, rid, created, None, tool_calls=call_delta(e))
-                for e in calls.feed(text)]
+        out = []
+        for e in calls.feed(text):
+            role, rolled[0] = not rolled[0], True
+            out.append(chunk(req, rid, created, e[1], role=role) if e[0] == "text" else
+                       chunk(req, rid, created, None, role=role, tool_calls=call_delta(e)))
+        return out
 
     async def events(relay: Relay, first: Any) -> AsyncIterator[bytes]:
-        if req.chat:
+        if req.chat and calls is None:
             yield chunk(req, rid, created, "", role=True)
         sent: list[str] = []
         async for text in relay.texts(first):
@@ -311,7 +316,10 @@ async def _stream_openai(state: AppState, request: Request, service: PipelineSer
         finish = finish_reason(b, usage, env.reply)
         if calls is not None:
             for ev in calls.close():
-                yield chunk(req, rid, created, ev[1])
+                yield chunk(req, rid, created, ev[1], role=not rolled[0])
+                rolled[0] = True
+            if not rolled[0]:  # nothing was said
+                yield chunk(req, rid, created, "", role=True)
             if calls.calls and not calls.broken and finish == "stop":
                 finish = "tool_calls"
         yield chunk(req, rid, created, None if req.chat else "", finish)

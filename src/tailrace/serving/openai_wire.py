@@ -278,6 +278,7 @@ def parse_messages(messages: Any) -> tuple[str, tuple[dict[str, Any], ...]]:
                         "[{\"role\": \"user\", \"content\": \"...\"}]", code="invalid_messages")
     text = None
     conv: list[dict[str, Any]] = []
+    called: set[str] = set()  # the ids of the calls made so far
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise WireError(f"messages[{i}] must be an object with a 'role' and 'content'",
@@ -297,6 +298,7 @@ def parse_messages(messages: Any) -> tuple[str, tuple[dict[str, Any], ...]]:
         msg: dict[str, Any] = {"role": role}
         if role == "assistant" and m.get("tool_calls") is not None:
             msg["tool_calls"] = _tool_calls(m["tool_calls"], i)
+            called.update(c["id"] for c in msg["tool_calls"])
             msg["content"] = "" if m.get("content") is None else _content_text(m["content"], i)
         else:
             msg["content"] = _content_text(m.get("content"), i)
@@ -304,6 +306,10 @@ def parse_messages(messages: Any) -> tuple[str, tuple[dict[str, Any], ...]]:
             if not isinstance(m.get("tool_call_id"), str):
                 raise WireError(f"messages[{i}].tool_call_id is required: the id of the call "
                                 "this message answers", code="invalid_messages")
+            if m["tool_call_id"] not in called:
+                raise WireError(f"messages[{i}].tool_call_id: '{m['tool_call_id']}' answers no "
+                                "call of an earlier assistant message's tool_calls",
+                                code="invalid_messages")
             msg["tool_call_id"] = m["tool_call_id"]
         elif m.get("tool_call_id") is not None:
             raise WireError(f"messages[{i}].tool_call_id: only tool messages carry one",
