@@ -413,7 +413,7 @@ BAD = [
      "unsupported_tools", "pipeline 'echo' cannot answer client tools"),
     ({"input": [{"role": "user", "content": "x"}, {"type": "function_call_output",
                                                   "call_id": "c", "output": "o"}]}, 400,
-     "invalid_messages", "answers no call of an earlier"),
+     "invalid_input", "input[1].call_id: 'c' answers no function_call"),
     ({"metadata": {"k": 1}}, 400, "invalid_metadata", "'metadata'"),
     ({"user": 5}, 400, "invalid_session", "'user'"),
     ({"priority": "batch"}, 400, "priority_not_allowed", "choose its priority"),  # as chat

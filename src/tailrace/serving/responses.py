@@ -69,13 +69,20 @@ class ResponsesRequest:
 
     def wire(self, history: list[dict[str, Any]]) -> WireRequest:
         """The chat request this one is: ``instructions`` first, then ``history`` (the
-        previous response's conversation), then this input; 400 without a user message."""
+        previous response's conversation), then this input; 400 without a user message,
+        or for a function_call_output that answers no call."""
         conv = ([{"role": "system", "content": self.instructions}] if self.instructions
                 else []) + list(history) + list(self.own)
         if not any(m["role"] == "user" for m in conv):
             raise WireError("'input' has no user message (nor has the previous response's "
                             "conversation); the last user message is the pipeline's input",
                             code="no_user_message")
+        called = {c["id"] for m in conv for c in m.get("tool_calls", ())}
+        for i, item in enumerate(self.items):
+            if item["type"] == "function_call_output" and item["call_id"] not in called:
+                raise invalid(f"input[{i}].call_id: '{item['call_id']}' answers no "
+                              "function_call (of this input or the previous response's "
+                              "output)")
         text, checked = parse_messages(conv)
         return WireRequest(self.model, text, self.stream, True, chat=True, messages=checked,
                            options=self.options, tools=self.tools)
