@@ -7,6 +7,8 @@ like a registered tool's; tenants see only their tools; bad YAML fails at compil
 from __future__ import annotations
 
 import json
+import os
+import select
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +20,7 @@ from tailrace.api.yaml_loader import loads_pipeline
 from tailrace.compiler import compile_pipeline
 from tailrace.engines import BACKENDS, open_engine
 from tailrace.errors import PlanError
+from tailrace.operators.mcp_tools import open_connections
 from tailrace.operators.tool_schema import ToolError
 from tailrace.request import REQUEST, Request
 from tests.conftest import free_port
@@ -51,6 +54,8 @@ def bot(messages: list[dict]) -> str:
 def scripted_backend(monkeypatch):
     monkeypatch.setitem(BACKENDS, "mcp-scripted",
                         ("tests.operators.test_tools", "ScriptedEngine", ("generate",)))
+    yield
+    assert open_connections() == []  # every run released its servers, failed or not
 
 
 @pytest.fixture
@@ -126,7 +131,10 @@ def test_a_prefix_and_a_tool_subset(log):
     ("wait", "round 1: tool 'slow' timed out after 300 ms"),
 ])
 def test_each_failure_is_an_error_record_and_the_rest_go_on(log, question, message):
-    result = run(agent(stdio(log, timeout_ms=300)), question, "add 2 and 3")
+    # two entries, one server process: 'slow' has a timeout of its own
+    p = agent(stdio(log, tools=["add", "boom"]),
+              stdio(log, name="slowpoke", tools=["slow"], timeout_ms=300))
+    result = run(p, question, "add 2 and 3")
     [err] = result.errors
     assert (err.stage, err.error, err.message) == ("agent", "ToolError", message)
     [ok] = result.outputs
@@ -143,7 +151,7 @@ def test_on_error_model_sends_the_error_result_back(log):
 
 
 def test_a_crashed_server_fails_its_call_and_the_next_call_starts_it_again(log):
-    result = run(agent(stdio(log)), "crash", "add 2 and 3")
+    result = run(agent(stdio(log, timeout_ms=30_000)), "crash", "add 2 and 3")
     [err] = result.errors
     assert err.message == ("round 1: tool 'crash' failed (MCP server 'test'): the "
                            "connection closed (did the server exit?)")
@@ -187,6 +195,11 @@ def test_a_server_that_does_not_start_is_a_clear_error():
     with pytest.raises(ToolError, match=r"MCP server 'dud' \(.* -c pass\) failed to start: "
                                         "MCPError: Connection closed"):
         run(agent(exits), "add 2 and 3")
+    mute = {"name": "mute", "command": [sys.executable, "-c", "import sys; sys.stdin.read()"],
+            "connect_timeout_ms": 300}  # never answers
+    with pytest.raises(ToolError, match=r"MCP server 'mute' \(.*\) did not list its tools "
+                                        r"within 300 ms \(connect_timeout_ms\)"):
+        run(agent(mute), "add 2 and 3")
 
 
 def _compile(mcp: str) -> None:
@@ -225,9 +238,10 @@ def test_bad_mcp_yaml_fails_at_compile_time_in_one_line(mcp, message):
 def test_streamable_http_transport(log, tmp_path):
     port = free_port()
     proc = subprocess.Popen([*SERVER, "--http", str(port)], cwd=ROOT, text=True,
-                            env={**log.env, "PATH": "/usr/bin:/bin"},
+                            env={**os.environ, **log.env},
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
+        assert select.select([proc.stdout], [], [], 30)[0], "the HTTP server did not start"
         assert proc.stdout.readline().strip() == "listening"
         server = {"name": "web", "url": f"http://127.0.0.1:{port}/mcp",
                   "headers": {"X-Test": "1"}, "tools": ["add", "weather"]}

@@ -180,7 +180,7 @@ def serving_mcp(hub: ServingHub) -> Iterator[str]:
 
 def test_a_caller_that_leaves_cancels_its_work(monkeypatch):
     fakes.register_echo(monkeypatch)
-    p = tr.Pipeline("long", engines={"llm": fakes.echo_spec(delay=0.02, repeat=100)})
+    p = tr.Pipeline("long", engines={"llm": fakes.echo_spec(delay=0.02, repeat=400)})
     (p.source(fields=["question"])
      .apply("generate", engine="llm", input="question", output="answer", max_tokens=500)
      .sink())
@@ -192,9 +192,9 @@ def test_a_caller_that_leaves_cancels_its_work(monkeypatch):
                    "MCP-Protocol-Version": "2025-11-25"}
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(url, json=call, headers=headers, timeout=0.3)
-        wait_until(lambda: fakes.EchoEngine.LOG, 10, "the generation ended")
+        wait_until(lambda: fakes.EchoEngine.LOG, 20, "the generation ended")
     [g] = fakes.EchoEngine.LOG
-    assert g.finish_reason == "cancelled" and g.completion_tokens < 100  # of 500
+    assert g.finish_reason == "cancelled" and g.completion_tokens < 400  # 8 s of them
 
 
 def test_without_mcp_there_is_no_mcp_endpoint():

@@ -37,7 +37,16 @@ _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
 class McpCallFailed(ToolError):
-    """An MCP tool call failed: an ``isError`` result, or the connection failed."""
+    """An MCP tool call failed: ``verb`` says how (``returned an error``: an ``isError``
+    result; ``failed``: the connection), ``detail`` the server's text or the cause."""
+
+    def __init__(self, verb: str, detail: str) -> None:
+        super().__init__(f"{verb}: {detail}")
+        self.verb, self.detail = verb, detail
+
+
+class _StartFailed(Exception):
+    """A server's session could not be opened (the message says why)."""
 
 
 # -- compile time ---------------------------------------------------------------------------
@@ -129,6 +138,8 @@ def _leaf(e: BaseException) -> BaseException:
 
 def _why(e: BaseException) -> str:
     e = _leaf(e)
+    if isinstance(e, _StartFailed):
+        return str(e)
     text = " ".join(str(e).split())[:300]
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
@@ -190,8 +201,8 @@ class Connection:
         for header, var in (s.get("headers_env") or {}).items():
             value = os.environ.get(var)
             if not value:
-                raise ToolError(f"MCP server '{self.name}': headers_env.{header}: the "
-                                f"environment variable {var} is not set or empty")
+                raise _StartFailed(f"headers_env.{header}: the environment variable {var} "
+                                   "is not set or empty")
             headers[header] = value
         client = httpx2.AsyncClient(headers=headers,
                                     timeout=httpx2.Timeout(30.0, read=300.0))
@@ -218,8 +229,7 @@ class Connection:
         except BaseException as e:  # noqa: BLE001 - the connection's end, however it came
             self._dead = True
             if not ready.done():
-                ready.set_exception(ToolError(f"MCP server '{self.name}' "
-                                              f"({self.where()}) failed to start: {_why(e)}"))
+                ready.set_exception(_StartFailed(_why(e)))
             if isinstance(e, asyncio.CancelledError):
                 raise
 
@@ -260,34 +270,40 @@ class Connection:
         from mcp.shared.exceptions import MCPError
         from mcp.types import CONNECTION_CLOSED
 
-        session = await self._session()
+        try:
+            session = await self._session()
+        except _StartFailed as e:
+            raise McpCallFailed("failed", f"the server did not start again: {e}") from None
         try:
             result = _wire(await session.call_tool(name, args))
         except MCPError as e:
             if e.code == CONNECTION_CLOSED:
                 self._dead = True
-                raise McpCallFailed(f"failed (MCP server '{self.name}'): the connection "
-                                    "closed (did the server exit?)") from None
-            raise McpCallFailed(f"failed (MCP server '{self.name}'): {_why(e)}") from None
+                raise McpCallFailed("failed", "the connection closed (did the server exit?)"
+                                    ) from None
+            raise McpCallFailed("failed", _why(e)) from None
         except (OSError, EOFError) as e:
             self._dead = True
-            raise McpCallFailed(f"failed (MCP server '{self.name}'): {_why(e)}") from None
+            raise McpCallFailed("failed", _why(e)) from None
         if result.get("isError"):
             text = _result_value({"content": result.get("content")})
-            raise McpCallFailed(f"returned an error (MCP server '{self.name}'): "
-                                f"{' '.join(str(text).split())[:500]}")
+            raise McpCallFailed("returned an error", " ".join(str(text).split())[:500])
         return _result_value(result)
 
-    def tools(self, timeout_s: float) -> list[dict[str, Any]]:
-        """The server's tools (listed once per connection), as wire JSON."""
+    def tools(self, timeout_s: float, name: str) -> list[dict[str, Any]]:
+        """The server's tools (listed once per connection), as wire JSON; ``name``: the
+        server's in errors."""
         if self.listed is None:
             fut = asyncio.run_coroutine_threadsafe(self._list(), self.loop)
             try:
                 self.listed = fut.result(timeout_s)
             except TimeoutError:
                 fut.cancel()
-                raise ToolError(f"MCP server '{self.name}' ({self.where()}) did not list its "
+                raise ToolError(f"MCP server '{name}' ({self.where()}) did not list its "
                                 f"tools within {timeout_s * 1000:g} ms (connect_timeout_ms)"
+                                ) from None
+            except _StartFailed as e:
+                raise ToolError(f"MCP server '{name}' ({self.where()}) failed to start: {e}"
                                 ) from None
         return self.listed
 
@@ -300,8 +316,10 @@ class Connection:
         """End the session (a stdio server is stopped) and the loop's thread."""
         async def stop() -> None:
             if self._live is not None:
-                task, ev, _ = self._live
+                task, ev, ready = self._live
                 ev.set()
+                if not ready.done():  # still starting: no need to wait for that
+                    task.cancel()
                 with contextlib.suppress(BaseException):
                     await asyncio.wait_for(task, 10)
 
@@ -321,6 +339,11 @@ def _key(spec: dict[str, Any]) -> str:
 
 
 _CONNECTIONS: Registry[Connection] = Registry("mcp servers", at_exit=True)
+
+
+def open_connections() -> list[str]:
+    """The names of the MCP servers this process holds a connection to."""
+    return sorted(c.name for _, c in _CONNECTIONS.items())
 
 
 def _acquire(spec: dict[str, Any]) -> Connection:
@@ -357,8 +380,8 @@ class McpTool:
 
 
 def _tools_of(spec: dict[str, Any], conn: Connection, timeout_ms: float) -> list[McpTool]:
-    listed = {t["name"]: t for t in conn.tools(spec.get("connect_timeout_ms",
-                                                         CONNECT_TIMEOUT_MS) / 1000)}
+    listed = {t["name"]: t for t in conn.tools(
+        spec.get("connect_timeout_ms", CONNECT_TIMEOUT_MS) / 1000, spec["name"])}
     wanted = spec.get("tools") or list(listed)
     missing = [t for t in wanted if t not in listed]
     if missing:

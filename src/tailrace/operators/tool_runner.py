@@ -79,7 +79,8 @@ class ToolRunner:
             ms = self.tools[name].get("timeout_ms", self.timeout_s * 1000)
             return None, f"round {rnd}: tool '{name}' timed out after {ms:g} ms"
         except McpCallFailed as e:
-            return None, f"round {rnd}: tool '{name}' {e}"
+            return None, (f"round {rnd}: tool '{name}' {e.verb} (MCP server "
+                          f"'{self.tools[name].get('server')}'): {e.detail}")
         except Exception as e:  # noqa: BLE001 - the tool's own failure
             return None, f"round {rnd}: tool '{name}' raised {type(e).__name__}: {e}"
 
