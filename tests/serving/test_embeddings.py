@@ -164,7 +164,7 @@ def test_models_say_what_each_pipeline_accepts(server):
     assert meta["emb"].pop("not_chat").startswith("pipeline 'emb' has no generate")
     assert meta["emb"] == {"endpoints": ["embeddings", "pipelines.runs"],
                            "input_field": "text"}
-    assert meta["echo"] == {"endpoints": ["chat.completions", "completions",
+    assert meta["echo"] == {"endpoints": ["chat.completions", "completions", "responses",
                                           "pipelines.runs"],
                             "input_field": "question", "max_tokens": 8,
                             "answering_stage": {"id": "answer", "kind": "generate"},

@@ -355,7 +355,7 @@ BAD = [
     ({"include": ["reasoning.encrypted_content"]}, 400, "unsupported_parameter", "'include'"),
     ({"background": True}, 400, "unsupported_parameter", "'background'"),
     ({"prompt": {"id": "pmpt_1"}}, 400, "unsupported_parameter", "'prompt'"),
-    ({"truncation": "auto"}, 400, "unsupported_parameter", "'truncation'"),
+    ({"truncation": "disabled"}, 400, "unsupported_parameter", "'truncation'"),
     ({"top_logprobs": 3}, 400, "unsupported_parameter", "'top_logprobs'"),
     ({"conversation": "conv_1"}, 400, "unsupported_parameter", "'conversation'"),
     ({"frequency_penalty": 1}, 400, "unsupported_parameter", "'frequency_penalty'"),
@@ -436,7 +436,7 @@ def test_what_cannot_be_honoured_is_refused_naming_it(url, extra, status, code, 
 
 def test_fields_accepted_and_ignored_by_design(client):
     r = client.responses.create(model="echo", input="ok", service_tier="auto", include=[],
-                                reasoning=None, truncation="disabled", background=False,
+                                reasoning=None, truncation="auto", background=False,
                                 top_logprobs=0, stream_options=None)
     assert r.output_text == "ok"
 

@@ -241,7 +241,7 @@ def piece_budget(plan: Plan) -> int:
 def accepts(plan: Plan, b: Binding) -> dict[str, Any]:
     """The ``metadata`` ``GET /v1/models`` lists for a pipeline (docs/serving.md,
     under "Embeddings")."""
-    endpoints = ["chat.completions", "completions"] if b.problem is None else []
+    endpoints = ["chat.completions", "completions", "responses"] if b.problem is None else []
     if embed_spec(plan) is not None:
         endpoints.append("embeddings")
     endpoints.append("pipelines.runs")

@@ -195,7 +195,7 @@ def dashboard_data(hub: Any, http: HttpMeter | None = None) -> dict[str, Any]:
 # -- tracing -------------------------------------------------------------------------------
 
 #: Routes metered by name; other paths under /v1/ count as ``/v1/{other}``.
-_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models"})
+_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/responses"})
 
 
 def route_of(path: str) -> str:

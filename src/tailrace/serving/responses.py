@@ -95,7 +95,7 @@ class ResponsesRequest:
                 "max_output_tokens": self.options.get("max_tokens"), "model": self.model,
                 "output": [], "previous_response_id": self.previous,
                 "reasoning": {"effort": None, "summary": None}, "store": self.store,
-                "truncation": "disabled", "usage": None, **self.echo}
+                "truncation": "auto", "usage": None, **self.echo}
 
 
 def _text(content: Any, where: str) -> str:
@@ -243,9 +243,10 @@ def _refuse(body: dict) -> None:
         if not (v in (None, False, 0, [], {}) or isinstance(v, dict)
                 and all(x is None for x in v.values())):
             raise unsupported(name, why)
-    if body.get("truncation") not in (None, "disabled"):
-        raise unsupported("truncation", "a conversation is never cut to fit ('disabled' "
-                          "only: one longer than the model's context is a 400)")
+    if body.get("truncation") not in (None, "auto"):
+        raise unsupported("truncation", "the answering stage drops the oldest turns of a "
+                          "conversation that does not fit its context ('auto'; send 'auto' "
+                          "or leave it out)")
     tools = body.get("tools")
     for i, t in enumerate(tools if isinstance(tools, list) else ()):
         if isinstance(t, dict) and isinstance(t.get("type"), str) and t["type"] != "function":
