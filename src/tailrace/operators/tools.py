@@ -41,7 +41,8 @@ from .llm import (
     request_options,
     stream_of,
 )
-from .mcp_tools import check_servers, open_servers
+from .mcp_config import check_servers
+from .mcp_tools import open_servers
 from .registry import (
     Answers,
     BuildContext,
