@@ -151,12 +151,20 @@ def test_the_docs_table_lists_every_request_field_the_server_knows():
 
     from tailrace.serving import openai_wire as w
 
+    from tailrace.serving import responses as rs
+
     doc = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
-    table = doc.split("## Request fields", 1)[1].split("\n## ", 1)[0]
-    listed = {f for row in table.splitlines() if row.startswith("| `")
-              for f in re.findall(r"`([a-z_]+)`", row.split("|")[1])}
+    section = doc.split("## Request fields", 1)[1].split("\n## ", 1)[0]
+    chat, responses = section.split("\n### `/v1/responses`", 1)
+
+    def listed(table: str) -> set[str]:
+        return {f for row in table.splitlines() if row.startswith("| `")
+                for f in re.findall(r"`([a-z_]+)`", row.split("|")[1])}
+
     known = w._HANDLED | w.IGNORED | w.CHAT_ONLY | w.COMPLETION_ONLY
-    assert known <= listed and listed <= known | {"messages"}
+    assert known <= listed(chat) and listed(chat) <= known | {"messages"}
+    known = rs.HANDLED | rs.IGNORED | set(rs.OFF_ONLY)
+    assert listed(responses) == known
 
 
 def test_completions_take_a_list_of_prompts_one_choice_each(url):
