@@ -22,6 +22,10 @@ from .harness import (
     on_fail,
     scripted_answer,
     stage_id,
+    tool_answer,
+    tool_spec,
+    tools_field,
+    tools_step,
     verified,
 )
 
@@ -42,12 +46,15 @@ class Observed:
     complete: bool = True  # False for interrupted runs: records may not have ended
     cancelled: set[int] = field(default_factory=set)  # lids whose caller gave up (serving)
     transient: frozenset = frozenset()  # non-user fields the caller's records may hold
+    tools: bool = False  # serving: requests offer the first tools step tools (tool_spec)
 
 
 FIELDS = frozenset({"lid", "path", "grp", "hops", "count", "items", "verdict"})
 #: what the ``escalate`` stage of step index N writes: answerN (the scripted answer),
 #: routeN (the decision: engine, tried, spent, budget, verdict, ...) and costN (per engine)
 ESCALATE_FIELD = re.compile(r"(answer|route|cost)(\d+)")
+#: what the ``tools`` stage of step index N writes: toolsN (its answer, ``tool_answer()``)
+TOOLS_FIELD = re.compile(r"tools(\d+)")
 
 
 def _foreign(x: Any, transient: frozenset) -> list[str]:
@@ -56,7 +63,7 @@ def _foreign(x: Any, transient: frozenset) -> list[str]:
     if not isinstance(x, dict):
         return []
     out = sorted(k for k in x if k not in FIELDS and k not in transient
-                 and not ESCALATE_FIELD.fullmatch(k))
+                 and not ESCALATE_FIELD.fullmatch(k) and not TOOLS_FIELD.fullmatch(k))
     req = x.get(REQUEST)
     if REQUEST in x and (REQUEST not in transient or not isinstance(req, Request)
                          or type(req.cancel.parent) is Cancel):  # e.g. a timed attempt's
@@ -81,6 +88,7 @@ def account(sc: Scenario, obs: Observed) -> list[str]:
         if foreign:
             problems.append(f"an output carries fields nobody wrote: {foreign} in {r!r:.300}")
         problems += answer_problems(sc, r, obs.cancelled)
+        problems += tools_problems(sc, r, obs)
     for e in obs.errors:
         try:
             paths = lineages(e.input)
@@ -258,6 +266,65 @@ def answer_problems(sc: Scenario, r: Any, cancelled: set[int] = frozenset()) -> 
             problems.append(f"request {r.get('lid')}: {where}: spent {route.get('spent')} "
                             f"and costs {cost} for the calls {tried}")
     return problems
+
+
+def tools_problems(sc: Scenario, r: Any, obs: Observed) -> list[str]:
+    """The answer of every ``tools`` stage an output (or a batch's member) passed: exactly
+    ``tool_answer()`` for the record it answered (the output's lineage or a prefix of
+    it: a flat_map after the stage) and the tools its request offered that stage (served:
+    the first tools step, ``tool_spec()``; else none, so text). A cancelled request's
+    answer may stop short: any beginning of it."""
+    if not isinstance(r, dict):
+        return []
+    problems: list[str] = []
+    for m in r.get("items", ()):
+        problems += tools_problems(sc, m, obs)
+    path = tuple(r.get("path", ()))
+    for k in sorted(r):
+        m = TOOLS_FIELD.fullmatch(k)
+        if m is None or not path:
+            continue
+        i = int(m.group(1))
+        sid = f"tools{i}"
+        spec = tool_spec(sc.seed, path[0]) if obs.tools and i == tools_step(sc) else None
+        answer = r[k]
+        wants = [tool_answer(sc.seed, sid, path[:j], spec) for j in range(1, len(path) + 1)]
+        if answer in wants:
+            continue
+        if path[0] in obs.cancelled and isinstance(answer, str) and \
+                any(w.startswith(answer) for w in wants):
+            continue  # its caller gave up while it was answered
+        problems.append(f"request {r.get('lid')}: {sid}, offered {offered(spec)}, "
+                        f"answered {answer!r:.200}; its script says one of {wants}")
+    return problems
+
+
+def reply_problems(sc: Scenario, answer: dict, request: Any) -> list[str]:
+    """A served request's reply (``Request.reply``) once answered, not cancelled: if it
+    offered tools and its answer passed the answering (first) tools step as the record
+    it was sent as (not fanned out: a sibling reports to the same reply), the finish is
+    ``tool_calls`` exactly when that answer is a call, else ``stop``."""
+    from tailrace.engines.tool_calls import split_calls
+
+    i = tools_step(sc)
+    if i is None or request is None or request.tools is None:
+        return []
+    text, path = answer.get(tools_field(i)), tuple(answer.get("path", ()))
+    if not path or text != tool_answer(sc.seed, tools_field(i), path[:1], request.tools):
+        return []  # another branch, fanned out before the stage, or a wrong answer
+    want = "tool_calls" if split_calls(text)[1] else "stop"
+    if request.reply.finish != want:
+        return [f"request {path[0]}: answered {text!r} by {tools_field(i)} (offered "
+                f"{offered(request.tools)}), yet its reply's finish is "
+                f"{request.reply.finish!r}, not {want!r}"]
+    return []
+
+
+def offered(spec: Any) -> str:
+    """A request's tools, in a few words."""
+    if spec is None:
+        return "no tools"
+    return f"tools {[f['name'] for f in spec.functions]}, choice {spec.choice}"
 
 
 def queue_problems(stats: Any) -> list[str]:

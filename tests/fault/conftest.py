@@ -43,11 +43,14 @@ if _chosen not in PROFILES:
 
 @pytest.fixture(autouse=True)
 def scripted_backend(monkeypatch):
-    """The escalate steps' scripted engine backend, registered for each fault test and
-    taken out after it (the process-wide backend table must not leak it to other tests)."""
+    """The escalate and tools steps' scripted engine backends, registered for each fault
+    test and taken out after it (the process-wide backend table must not leak them to
+    other tests)."""
     from tailrace.engines import BACKENDS
 
-    from .harness import SCRIPTED
+    from .harness import SCRIPTED, TOOLS
 
     monkeypatch.setitem(BACKENDS, SCRIPTED,
                         ("tests.fault.harness", "ScriptedEngine", ("generate",)))
+    monkeypatch.setitem(BACKENDS, TOOLS,
+                        ("tests.fault.harness", "ToolScriptedEngine", ("generate",)))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import functools
 import hashlib
 import json
 import os
@@ -226,6 +227,166 @@ def provider_specs() -> dict[str, dict]:
             for n, p in PROVIDERS.items()}
 
 
+# -- client tool calls (``tools``) ------------------------------------------------------------
+TOOLS = "fault-tools"
+#: the functions a served request may offer its answering ``tools`` stage
+TOOL_FUNCTIONS = tuple(
+    {"type": "function", "function": {
+        "name": name, "description": f"{name} a record",
+        "parameters": {"type": "object", "properties": {"stage": {"type": "string"},
+                                                        "path": {"type": "array"}},
+                       "required": ["stage", "path"]}}}
+    for name in ("lookup", "search"))
+#: ``tool_choice`` a request may send: auto (half), required, a function by name, none
+TOOL_CHOICES: tuple = ("auto", "auto", "required",
+                       {"type": "function", "function": {"name": "search"}}, "none")
+
+
+def tool_spec(seed: int, lid: int) -> Any:
+    """The client tools request ``lid`` offers (checked as a served request's are): one
+    or both functions, a choice by hash (naming ``search`` where it is not offered:
+    ``required``)."""
+    return _checked_tools(1 + h(seed, "tool-fns", lid) % 2,
+                          h(seed, "tool-choice", lid) % len(TOOL_CHOICES))
+
+
+@functools.cache
+def _checked_tools(n: int, choice: int) -> Any:
+    """The ``ToolSpec`` of the first ``n`` functions and ``TOOL_CHOICES[choice]``, once
+    (checking the schemas takes milliseconds)."""
+    from tailrace.engines.tool_calls import check_tools
+
+    pick = TOOL_CHOICES[choice]
+    if isinstance(pick, dict) and n < 2:
+        pick = "required"
+    return check_tools(list(TOOL_FUNCTIONS[:n]), pick, None)
+
+
+def tool_answer(seed: int, stage: str, key: tuple, spec: Any) -> str:
+    """The scripted answer of ``tools`` stage ``stage`` to the record ``key`` when its
+    request offers it ``spec`` (None: no tools): a call in the call form to an offered
+    function, arguments naming the stage and the record (always if the choice requires a
+    call, else by a hash), or plain text (no function offered, or the hash says so)."""
+    from tailrace.engines.tool_calls import format_call
+
+    fns = spec.offered if spec is not None else ()
+    if fns and (spec.must_call or h(seed, "tool-call", stage, key) % 2 == 0):
+        name = fns[h(seed, "tool-fn", stage, key) % len(fns)]["name"]
+        return format_call(name, json.dumps({"stage": stage, "path": list(key)}))
+    return f"text of {stage} on {json.dumps(list(key))}"
+
+
+def tools_step(sc: Scenario) -> int | None:
+    """The step whose stage answers a served request (``Request.answers``, its tools):
+    the scenario's first ``tools`` step; None: none (requests offer no tools)."""
+    return next((i for i, s in enumerate(sc.steps) if s.op == "tools"), None)
+
+
+def tools_field(i: int) -> str:
+    """The field the ``tools`` stage of step index ``i`` writes its answer to (its id)."""
+    return f"tools{i}"
+
+
+class ToolsBroken(Exception):
+    """The scripted tools engine got a request it should never see."""
+
+
+class ToolScriptedEngine:
+    """A chat engine that calls client tools (``fault-tools``, ``tool_calls = True``)
+    with a ``tools`` stage's faults. Its one message is a user message, the stage's
+    prompt ``"<run> <seed> <stage> <path>"`` (a served request's conversation is one user
+    message, which the answering stage replaces with its prompt: ``chat_messages``; any
+    other request is an error, ``ToolsBroken``); it answers ``tool_answer()`` for the
+    offered tools
+    (``GenerationRequest.tools``), streamed in ``PIECES`` pieces to ``on_token``, and
+    stops when ``on_token`` returns False (finish ``cancelled``, the text so far).
+
+    Faults by ``Faults.fate`` of (seed, stage, key), as the FN operators meet them: raise
+    (the whole engine call fails, as an engine's does: a batch's mates with it), or wait
+    3x the stage's timeout (``slow_s``) or ``HANG_MAX_S`` before answering; a wait ends
+    early when the test releases it or the request (or the abandoned attempt) is
+    cancelled, which it asks ``on_token`` with an empty piece every few ms."""
+
+    context_length = 4096
+    chat = True
+    tool_calls = True
+    PIECES = 3
+
+    def __init__(self, path: str, model: str, faults: Any = (), slow_s: float = 0.0) -> None:
+        self.model = model
+        self.faults = Faults(*faults)
+        self.slow_s = slow_s
+
+    def count_tokens(self, text: str) -> int:
+        return 1
+
+    def generate(self, requests: list, on_token: Any = None) -> list:
+        return [self._one(i, q, on_token) for i, q in enumerate(requests)]
+
+    def _one(self, i: int, q: Any, on_token: Any) -> Any:
+        from tailrace.engines import Generation
+
+        msgs = list(q.messages or ())
+        if q.prompt is not None or len(msgs) != 1 or msgs[0].get("role") != "user":
+            raise ToolsBroken(f"expected one user message (the prompt), got {q!r:.300}")
+        run, seed, stage, path = msgs[0]["content"].split(" ", 3)
+        key = tuple(ast.literal_eval(path))
+        probe = PROBES.get(int(run))
+        cancels = probe is not None and probe.visit(stage, {"path": key})
+        fate = self.faults.fate(int(seed), stage, key)
+        n = _attempt(int(run), stage, key) if fate != "ok" else 0
+        if fate == "always" or (fate == "first" and n == 1):
+            raise InjectedFault(f"{fate} fault at {stage} on {key} (attempt {n})")
+        going = True
+        if fate == "slow" or (fate == "slow_first" and n == 1):
+            going = self._wait(i, on_token, probe, self.slow_s)
+        elif fate == "hang":
+            going = self._wait(i, on_token, probe, HANG_MAX_S)
+        text = tool_answer(int(seed), stage, key, q.tools)
+        step = -(-len(text) // self.PIECES)
+        said = []
+        for k in range(0, len(text), step) if going else ():
+            if cancels:  # its caller cancels now: give the cancel a moment to land
+                time.sleep(0.002)
+            said.append(text[k:k + step])
+            if on_token is not None and on_token(i, said[-1]) is False:
+                going = False
+                break
+        return Generation("".join(said), 1, len(said), "stop" if going else "cancelled")
+
+    @staticmethod
+    def _wait(i: int, on_token: Any, probe: Probe | None, seconds: float) -> bool:
+        """Sleep ``seconds`` or until released (True), or until cancelled (False)."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            if probe is not None and probe.release.is_set():
+                return True
+            if on_token is not None and on_token(i, "") is False:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+def tool_engine(step: Step) -> dict:
+    """The engine spec of a ``tools`` step: its own faults and slow wait (engines with
+    equal specs are shared: they keep no state)."""
+    _register_tools()
+    t = timeout_s(step)
+    return {"backend": TOOLS, "path": __file__, "model": "tools",
+            "faults": [getattr(step.faults, k) for k in FAULT_KINDS],
+            "slow_s": 3 * t if t is not None else 0.0}
+
+
+def _register_tools() -> None:
+    """Registers ``fault-tools`` in this process, as ``_register_scripted`` does."""
+    from tailrace.engines import BACKENDS
+
+    BACKENDS.setdefault(TOOLS, (__name__, "ToolScriptedEngine", ("generate",)))
+
+
 # -- scenarios ------------------------------------------------------------------------------
 FAULT_KINDS = ("always", "first", "slow", "slow_first", "hang")
 
@@ -273,7 +434,11 @@ class Step:
         verifier, a blocking check inside the blocking batch operator, ``EscalateCheck``;
         what each record must come to: ``escalated()``. Never on a stream of batches,
         and local and service targets only: the scripted backend is registered in this
-        process alone, so a Ray actor could not open it).
+        process alone, so a Ray actor could not open it) | tools (a ``generate`` stage
+        on a chat engine that calls client tools, ``ToolScriptedEngine``, with the
+        stage's faults; it writes ``tool_answer()`` to field ``tools<index>``; a served
+        request offers the first tools step its tools, ``tool_spec()``. Never on a stream
+        of batches; local and service targets only, as escalate).
     contract: the contract keywords, as sorted (key, value) pairs.
     """
 
@@ -353,7 +518,7 @@ class Scenario:
 
 PIPELINE = "fault"
 FN_OPS = ("map", "amap", "filter", "flat_map", "branch", "bmap", "cmap", "stateful", "verify",
-          "escalate")
+          "escalate", "tools")
 
 
 class ConcurrentMap(tr.Operator):
@@ -416,13 +581,16 @@ class Probe:
         self.interrupted = False
         self._lock = threading.Lock()
 
-    def visit(self, stage: str, x: Any) -> None:
+    def visit(self, stage: str, x: Any) -> bool:
+        """Count a call at ``stage`` on ``x``; cancel or interrupt as the scenario says
+        there. True: a record's caller was told to cancel now."""
         self.calls += 1
         try:
             paths = lineages(x) if not isinstance(x, list) else \
                 [p for r in x for p in lineages(r)]
         except ValueError:
-            return
+            return False
+        told = False
         for p in paths:
             with self._lock:
                 cancel = (stage, p[0]) in self._cancel
@@ -432,8 +600,10 @@ class Probe:
                     self.interrupted = True
             if cancel and self.on_cancel is not None:
                 self.on_cancel(p[0])
+                told = True
             if stop:  # Ctrl-C, as a terminal sends it (the run is on the main thread)
                 os.kill(os.getpid(), signal.SIGINT)
+        return told
 
 
 PROBES: dict[int, Probe] = {}
@@ -605,8 +775,10 @@ class StatefulFn(Fn):
 def build(sc: Scenario, ledger: Ledger, run: int, *, data: list | None,
           sink: Any) -> tr.Pipeline:
     """The scenario's pipeline; ``data``/``sink`` None leave them to be bound (serving)."""
-    escalates = any(step.op == "escalate" for step in sc.steps)
-    p = tr.Pipeline(PIPELINE, **({"engines": provider_specs()} if escalates else {}))
+    engines = provider_specs() if any(s.op == "escalate" for s in sc.steps) else {}
+    engines.update({stage_id(i, s): tool_engine(s) for i, s in enumerate(sc.steps)
+                    if s.op == "tools"})
+    p = tr.Pipeline(PIPELINE, **({"engines": engines} if engines else {}))
     streams = [p.source(data, id="src")]
     for i, step in enumerate(sc.steps):
         sid = stage_id(i, step)
@@ -646,6 +818,9 @@ def build(sc: Scenario, ledger: Ledger, run: int, *, data: list | None,
                           max_tokens=ESCALATE_MAX_TOKENS, output=answer, route=route,
                           cost=cost, **({"budget": e.budget} if e.budget is not None else {}),
                           **c)
+        elif step.op == "tools":
+            out = s.apply("generate", id=sid, engine=sid, output=tools_field(i),
+                          prompt=f"{run} {sc.seed} {sid} " + "{path}", **c)
         elif step.op == "select":
             out = s.apply("select", id=sid, drop=["scratch"], **c)
         elif step.op == "batch":

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from .harness import FN_OPS, Admission, Faults, Scenario, Step
 
 OPS = ("map", "amap", "filter", "flat_map", "branch", "merge", "batch", "bmap", "cmap",
-       "stateful", "select", "verify", "escalate")
+       "stateful", "select", "verify", "escalate", "tools")
 SYNC_FN_OPS = ("map", "filter", "flat_map", "branch", "bmap", "cmap", "stateful")
 
 
@@ -59,15 +59,16 @@ def scenarios(draw, target: str = "local", policy: str | None = None, interrupt:
     steps: list[Step] = []
     fans = 0
     served = target in ("service", "ray-service")
-    # no escalate on Ray: its scripted providers are registered in this process only
+    # no escalate or tools on Ray: their scripted engines are registered in this process
+    # only
     ops = [o for o in OPS if not (served and o == "batch")
-           and not (target.startswith("ray") and o == "escalate")]
+           and not (target.startswith("ray") and o in ("escalate", "tools"))]
     for _ in range(draw(st.integers(0, max_steps))):
         at = draw(st.integers(0, len(batched) - 1))
         op = draw(st.sampled_from(ops))
         if op == "merge" and len(batched) < 2:
             op = "map"
-        if op in ("stateful", "verify", "escalate") and batched[at]:
+        if op in ("stateful", "verify", "escalate", "tools") and batched[at]:
             op = "select"
         if op == "flat_map":
             fans += 1
