@@ -569,11 +569,11 @@ def with_urgency(sc: Scenario, records: list[dict]) -> list[tuple[dict, Request]
         own = sc.urgency[i] if i < len(sc.urgency) else None
         u = ({k: v for k, v in zip(("priority", "deadline_ms"), own, strict=True)
               if v is not None} if own is not None else None)
-        # options: {} as the OpenAI wire always sends; with None the answering stage
-        # reports no reply (finish, usage) at all: test_regressions.py,
-        # test_a_request_without_options_gets_its_reply (xfail, a bug in src)
+        # options: {} (as the OpenAI wire sends) for odd records, None (a Python caller)
+        # for even ones: the answering stage reports its reply either way
         chat: dict[str, Any] = {} if t is None else {
-            "tools": tool_spec(sc.seed, r["lid"]), "answers": tools_field(t), "options": {},
+            "tools": tool_spec(sc.seed, r["lid"]), "answers": tools_field(t),
+            "options": {} if i % 2 else None,
             "messages": [{"role": "user", "content": f"question {r['lid']}"}]}
         out.append((r, Request(asked=u or None, **chat)))
     return out

@@ -323,9 +323,7 @@ def test_an_escalate_verifier_that_raises_fails_its_own_record_only():
     run_local(sc).check(sc)
 
 
-# -- known defects in src, found by the tools step (issue 27); strict: a fix turns them red
-@pytest.mark.xfail(strict=True, reason="src bug: generate reports a request's reply only "
-                   "when the request has options (llm.answering is None for options=None)")
+# -- defects in src found by the tools step (issue 27), fixed
 def test_a_request_without_options_gets_its_reply():
     """``PipelineService.submit``: "after the answer its reply holds what the answering
     stage reported". A request that names its answering stage (``answers``) and offers
@@ -363,9 +361,6 @@ def test_a_request_without_options_gets_its_reply():
         [("tool_calls", True)] * 2
 
 
-@pytest.mark.xfail(strict=True, reason="src bug: a lone request submitted from another "
-                   "thread, borrowing the idle service loop, is put into a channel without "
-                   "waking that loop (PipelineService.submit, borrowed path)")
 def test_a_lone_request_from_another_thread_reaches_a_blocking_first_stage():
     """``PipelineService`` on a thread of its own, one request at a time from a caller's
     loop (``await svc.submit(...)``, nothing else ready there): the caller takes the idle

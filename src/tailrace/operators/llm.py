@@ -191,6 +191,13 @@ def answering(record: Any, out: str) -> dict | None:
     return req.options_for(out) if req is not None else None
 
 
+def answers(record: Any, out: str) -> bool:
+    """Whether the stage writing ``out`` answers the record's served request (and so
+    reports its reply), with or without options."""
+    req = request_of(record)
+    return req is not None and req.answers == out
+
+
 def stream_of(record: Any, out: str) -> Any:
     """The request's token sink if the stage writing ``out`` streams to it
     (``Request.sink_for``); else None."""
@@ -385,7 +392,7 @@ def _build_generate(params: dict, ctx: BuildContext) -> OpRuntime:
                 spent[0] += cost
             if usage is not None:
                 r[usage] = dict(counts) if cost is None else {**counts, "cost": cost}
-            if answering(r, out) is not None:  # it answers a served request
+            if answers(r, out):  # it answers a served request
                 cached = g.extra.get("cached_tokens")
                 if cached:  # prompt tokens whose KV the engine reused (prefix cache)
                     counts["cached_tokens"] = cached

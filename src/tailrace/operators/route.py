@@ -31,6 +31,7 @@ from .llm import (
     PROMPT_PARAMS,
     TEMPERATURE,
     answering,
+    answers,
     cancel_of,
     cancelled,
     chat_messages,
@@ -294,7 +295,7 @@ def _build_route(params: dict, ctx: BuildContext) -> OpRuntime:
 
     def result(row: list, g: Any) -> dict:
         r = {**row[0], out: g.text, route_f: row[1], cost_f: row[2]}
-        if answering(r, out) is not None:  # it answers a served request
+        if answers(r, out):  # it answers a served request
             spent = [c["cost"] for c in row[2].values() if "cost" in c]
             report(r, out, g.finish_reason, {k: sum(c[k] for c in row[2].values())
                                              for k in ("prompt_tokens", "completion_tokens")},

@@ -30,6 +30,7 @@ from .llm import (
     PROMPT_PARAMS,
     TEMPERATURE,
     answering,
+    answers,
     cancel_of,
     cancelled,
     chat_messages,
@@ -325,7 +326,7 @@ def _conversations(params: dict, ctx: BuildContext, runner: ToolRunner) -> Any:
                 errors.append((conv.record, conv.error))
             else:
                 r = {**conv.record, out: conv.answer, calls_field: conv.calls}
-                if answering(r, out) is not None:  # it answers a served request
+                if answers(r, out):  # it answers a served request
                     report(r, out, conv.finish, {"prompt_tokens": conv.usage[0],
                                                  "completion_tokens": conv.usage[1]})
                 result.append(r)

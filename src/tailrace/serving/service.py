@@ -427,6 +427,10 @@ class PipelineService:
                 taken = self._feed.offer(rec, True)
             finally:
                 hold.release()  # type: ignore[union-attr]
+            if taken and not fut.done():
+                # it went into a channel (a first stage that is not an inline chain to the
+                # sink), waking its worker from this thread: wake the loop from select too
+                self._loop.call_soon_threadsafe(_nothing)
             if not taken:
                 with self._lock:
                     if self._state == "running":  # else stopping: ``stop`` answers it
@@ -636,3 +640,7 @@ def _check_servable(plan: Plan) -> None:
     if not open_sinks:
         raise PlanError(f"pipeline '{plan.name}' cannot be served: no sink without a target "
                         "receives its outputs; end it with .sink() (YAML pipelines do)")
+
+
+def _nothing() -> None:
+    """A callback that only wakes a loop waiting in ``select``."""
