@@ -288,6 +288,12 @@ def parse_messages(messages: Any) -> tuple[str, tuple[dict[str, Any], ...]]:
             raise WireError(f"messages[{i}].role: '{role}' is not supported (system, "
                             "developer, user, assistant and tool messages are)",
                             code="unsupported_role")
+        content = m.get("content")
+        if len(m) == 2 and type(content) is str and role != "tool":  # the common case
+            conv.append({"role": role, "content": content})
+            if role == "user":
+                text = content
+            continue
         extra = sorted(set(m) - _MESSAGE_KEYS)
         if extra:
             raise WireError(f"messages[{i}].{extra[0]} is not supported (no audio or "
@@ -343,7 +349,8 @@ def parse_chat(body: dict) -> WireRequest:
     model, stream, include_usage = _common(body, True)
     text, conv = parse_messages(body.get("messages"))
     tools = check_tool_fields(body.get("tools"), body.get("tool_choice"),
-                              body.get("parallel_tool_calls"))
+                              body.get("parallel_tool_calls")) \
+        if "tools" in body or "tool_choice" in body or "parallel_tool_calls" in body else None
     options = _options(body, True)
     if tools is not None and tools.offered and "response_format" in options:
         raise _unsupported("response_format", "not together with 'tools' (send one)")
