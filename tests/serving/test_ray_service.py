@@ -195,6 +195,45 @@ def test_the_openai_client_through_a_ray_hosted_pipeline(monkeypatch):
             assert text == "four five"
 
 
+def test_client_tools_through_a_ray_hosted_pipeline(monkeypatch):
+    """Client tools on Ray: the request (with its tools) crosses to the Ray-hosted
+    pipeline, whose generate stage passes them through the openai backend to a local
+    server over the scripted tool engine; the call comes back plain and streamed."""
+    fakes.register_tools(monkeypatch)
+    up = tr.Pipeline("up", engines={"llm": {"backend": "tools", "model": "tools",
+                                            "path": fakes.__file__}})
+    (up.source(fields=["question"])
+     .apply("generate", id="answer", engine="llm", input="question", output="answer",
+            max_tokens=64)
+     .sink())
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    ask = [{"role": "user", "content": "weather?"}]
+    with running(ServingHub([PipelineService(up)])) as upstream:
+        p = tr.Pipeline("agent", engines={"llm": {"backend": "openai", "model": "up",
+                                                  "base_url": upstream + "/v1"}})
+        (p.source(fields=["question"])
+         .apply("generate", id="answer", engine="llm", input="question", output="answer",
+                max_tokens=64)
+         .sink())
+        with running(ServingHub([PipelineService(p, runtime="ray")])) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+            r = client.chat.completions.create(model="agent", messages=ask, tools=tools)
+            (call,) = r.choices[0].message.tool_calls
+            assert r.choices[0].finish_reason == "tool_calls"
+            assert (call.function.name, call.function.arguments) == (
+                "get_weather", '{"city": "Paris"}')
+            with client.chat.completions.stream(model="agent", messages=ask,
+                                                tools=tools) as s:
+                streamed = s.get_final_completion().choices[0]
+            assert streamed.finish_reason == "tool_calls"
+            assert streamed.message.tool_calls[0].function.arguments == '{"city": "Paris"}'
+            done = client.chat.completions.create(model="agent", tools=tools, messages=[
+                *ask, r.choices[0].message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": "sunny"}])
+            assert done.choices[0].message.content == "The tool said: sunny"
+
+
 # -- tailrace serve --runtime ray ------------------------------------------------------------
 @pytest.mark.slow
 def test_serve_runtime_ray_answers_then_drains_on_ctrl_c(pipe, ray_session):
