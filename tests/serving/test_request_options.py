@@ -150,7 +150,6 @@ def test_the_docs_table_lists_every_request_field_the_server_knows():
     from pathlib import Path
 
     from tailrace.serving import openai_wire as w
-
     from tailrace.serving import responses as rs
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
