@@ -11,27 +11,24 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 
 import httpx
 import httpx2
 import pytest
-import uvicorn
 from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 
 import tailrace as tr
 from tailrace.cli.main import main
-from tailrace.cli.serve import draining_server
 from tailrace.serving import PipelineService, ServingHub, create_app
 from tests.conftest import wait_until
 from tests.serving import fakes
 from tests.serving.conftest import ROOT
+from tests.serving.server import running
 
 KEY, ADMIN = "sk-alpha-000000", "sk-admin-11111"
 #: ``tailrace serve`` with the echo engine registered (a process of its own knows no fakes)
@@ -159,23 +156,8 @@ def test_the_key_is_required_and_a_call_runs_as_its_tenant(served):
 @contextlib.contextmanager
 def serving_mcp(hub: ServingHub) -> Iterator[str]:
     """``hub`` served with ``/mcp`` on a free loopback port, in a thread: its /mcp URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(16)
-    server = draining_server(uvicorn.Config(create_app(hub, mcp=True), log_level="warning",
-                                            lifespan="on"), hub, 5.0)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        wait_until(lambda: server.started, 30, "uvicorn started")
-        for s in hub.services.values():
-            assert s.wait_ready(30), s.failure
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}/mcp"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        hub.stop()
-        sock.close()
+    with running(hub, drain_s=5.0, mcp=True) as url:
+        yield url + "/mcp"
 
 
 def test_a_caller_that_leaves_cancels_its_work(monkeypatch):
