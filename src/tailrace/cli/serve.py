@@ -91,6 +91,10 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--mcp", action="store_true",
                    help="also serve each pipeline as an MCP tool (streamable HTTP) at /mcp, "
                         "behind the same API keys (docs/mcp.md)")
+    s.add_argument("--trace-out", metavar="FILE",
+                   help="write a request trace: one JSON line per served request as it ends "
+                        "(arrival, tokens, latency, outcome), flushed every second and when "
+                        "the server stops (docs/cli.md)")
 
 
 def build_gate(policy: str, plans: list[Any], max_in_flight: int,
@@ -99,23 +103,11 @@ def build_gate(policy: str, plans: list[Any], max_in_flight: int,
     ``plans`` (their ``slo:`` and model stages' ``max_tokens``), admitting ``max_in_flight``
     at once (fcfs, slo); ``cluster``: the name of a Ray ``ClusterGate`` to admit through
     instead. ``tailrace run --admission`` uses it too."""
-    from ..control import PipelineSLO, make_policy
+    from ..control import make_policy
     from ..control.gate import AdmissionGate
-    from ..serving.binding import output_tokens
+    from ..serving.binding import admission_setup
 
-    slos: dict[str, Any] = {}
-    max_tokens: dict[str, int] = {}
-    for plan in plans:
-        p = plan.pipeline
-        if p.slo:
-            try:
-                slos[p.name] = PipelineSLO.from_config(p.name, p.slo)
-            except ValueError as e:
-                raise TailraceError(f"{p.source_file}: {e}") from None
-        max_tokens[p.name] = output_tokens(plan) or 64
-    options: dict[str, Any] = {"slos": slos} if slos else {}
-    if policy != "simultaneous":
-        options["max_in_flight"] = max_in_flight
+    options, max_tokens = admission_setup(policy, plans, max_in_flight)
     try:
         if cluster is not None:
             from ..runtime.ray.gate import ClusterGate
@@ -198,6 +190,10 @@ def serve(args: argparse.Namespace) -> int:
         ("--app-name", args.app_name != "tailrace")) if given]
     if cluster_only and args.runtime != "ray":
         raise TailraceError(f"{cluster_only[0]} is an option of serving on Ray: add --runtime ray")
+    if args.trace_out and args.runtime == "ray":
+        raise TailraceError("--trace-out is not available with --runtime ray: the pipelines "
+                            "are served from a Ray actor; serve with --runtime local to "
+                            "record a trace")
     if args.mcp and args.runtime == "ray":
         raise TailraceError("--mcp is not available with --runtime ray: the Ray Serve "
                             "ingress replicas do not mount /mcp; serve with --runtime local "
@@ -232,11 +228,21 @@ def serve(args: argparse.Namespace) -> int:
         return serve_on_cluster(args, plans, api_key=api_key, tenants=tenants,
                                 responses=responses)
     gate = build_gate(args.admission, plans, args.max_in_flight) if args.admission else None
-    hub = ServingHub([PipelineService(p, admission=gate) for p in plans], gate=gate,
-                     api_key=api_key, max_body_bytes=args.max_body_bytes,
-                     metrics_public=args.metrics_public, tenants=tenants,
-                     responses=responses)
-    sock = _listen(args.host, args.port)
+    trace = None
+    if args.trace_out:  # the trace's zero: the server's start
+        from ..runtime.trace_out import TraceWriter
+
+        trace = TraceWriter.open(args.trace_out)
+    try:
+        hub = ServingHub([PipelineService(p, admission=gate, trace=trace) for p in plans],
+                         gate=gate, api_key=api_key, max_body_bytes=args.max_body_bytes,
+                         metrics_public=args.metrics_public, tenants=tenants,
+                         responses=responses)
+        sock = _listen(args.host, args.port)
+    except BaseException:
+        if trace is not None:
+            trace.close()
+        raise
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     server = draining_server(uvicorn.Config(create_app(hub, mcp=args.mcp), log_level="warning",
@@ -270,6 +276,8 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         hub.stop()
         sock.close()
+        if trace is not None:  # after the drain: every answered request has its line
+            trace.close()
     return _ended(failed, interrupted)
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..compiler import Plan
 from ..engines.structured import check_enforceable
-from ..errors import EngineError
+from ..errors import EngineError, TailraceError
 from ..request import Reply
 from .embeddings import embed_spec
 from .errors import ServiceError
@@ -32,6 +32,30 @@ def output_tokens(plan: Plan) -> int:
     (``Answers.output_tokens``); tenants' reservations and the admission cost model
     use it."""
     return sum(o.op.answers.output_tokens(o.params) for o in answering_ops(plan))
+
+
+def admission_setup(policy: str, plans: list[Plan],
+                    max_in_flight: int) -> tuple[dict[str, Any], dict[str, int]]:
+    """The options of an admission ``policy`` for ``plans`` (their ``slo:``; a limit of
+    ``max_in_flight`` for the policies that take one) and each pipeline's predicted
+    output tokens (the gate's ``max_tokens``); ``tailrace serve``, ``run`` and
+    ``simulate`` build their policies from it. TailraceError for a bad ``slo:``."""
+    from ..control import PipelineSLO
+
+    slos: dict[str, Any] = {}
+    max_tokens: dict[str, int] = {}
+    for plan in plans:
+        p = plan.pipeline
+        if p.slo:
+            try:
+                slos[p.name] = PipelineSLO.from_config(p.name, p.slo)
+            except ValueError as e:
+                raise TailraceError(f"{p.source_file}: {e}") from None
+        max_tokens[p.name] = output_tokens(plan) or 64
+    options: dict[str, Any] = {"slos": slos} if slos else {}
+    if policy != "simultaneous":
+        options["max_in_flight"] = max_in_flight
+    return options, max_tokens
 
 
 @dataclass(frozen=True)

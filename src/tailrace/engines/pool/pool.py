@@ -72,7 +72,8 @@ class EnginePool:
                  max_batch_tokens: int | None = None, max_retries: int = 2,
                  health_timeout_s: float = 60.0, max_in_flight: int | None = None,
                  isolation: str = "process", max_restarts: int = 3,
-                 affinity_slack: int | None = None, clock: Callable[[], float] = time.monotonic):
+                 affinity_slack: int | None = None, clock: Callable[[], float] = time.monotonic,
+                 transport: Callable[..., Any] | None = None):
         """Configure the pool (nothing starts until ``start``).
 
         name:             the engine's name in the pipeline (used in every message).
@@ -96,7 +97,11 @@ class EnginePool:
         affinity_slack:   ``prefix_affinity`` only: the most predicted tokens a replica
                           holding a request's prefix (or session) may have outstanding
                           beyond the least-loaded one and still get it (default 2048).
-        clock:            seconds, monotonic; tests may inject their own.
+        clock:            seconds, monotonic; tests and the simulator inject their own.
+        transport:        makes a replica's transport, called as ``transport(spec, kind,
+                          deliver, label, endpoint, max_in_flight)`` (default: a process
+                          or thread replica by ``isolation``); the simulator gives its
+                          virtual replicas (``tailrace.simulate``).
         """
         where = f"engine pool '{name}'"
         if (replicas is None) == (endpoints is None):
@@ -145,6 +150,7 @@ class EnginePool:
         self._replicas = [ReplicaState(i, (self.endpoints or [None] * count)[i], in_flight)
                           for i in range(count)]
         self._clock = clock
+        self._transport = transport
         # What the loop thread takes in. No maxsize (a full queue would block a replica's
         # reader, or ``stop``, behind the loop): each producer is bounded, so it holds at
         # most callers + incarnations * (max_in_flight + 3) + 1 entries: one per caller
@@ -236,25 +242,33 @@ class EnginePool:
         on_token: called as ``on_token(index, piece)`` as text is produced, on a pool
                   thread (keep it quick); a retried request does not repeat pieces.
         """
+        return self.submit_generate(requests, Call(len(requests), on_token)).wait()
+
+    def submit_generate(self, requests: Sequence[GenerationRequest], call: Call) -> Call:
+        """Queue ``requests`` as ``call`` (``Call(len(requests), on_token)``) and return
+        it without waiting: ``generate`` is this and ``call.wait()``; a driver of its own
+        (the simulator) learns of the end from ``call`` itself."""
         self._check_kind("generate")
-        call = Call(len(requests), on_token)
         affine = isinstance(self._policy, PrefixAffinity)
         self._submit(call, [Item(call, i, r, predicted_tokens(r),
                                  affinity_of(r) if affine else None)
                             for i, r in enumerate(requests)])
-        return call.wait()
+        return call
 
     def embed(self, texts: Sequence[str]) -> Any:
         """Embed ``texts`` (batched with other callers'): float32 array, one row each."""
         import numpy as np
 
-        self._check_kind("embed")
-        call = Call(len(texts), None)
-        self._submit(call, [Item(call, i, t, approx_tokens(t)) for i, t in enumerate(texts)])
-        rows = call.wait()
+        rows = self.submit_embed(texts, Call(len(texts), None)).wait()
         if not rows:
             return np.zeros((0, self.dim or 0), dtype=np.float32)
         return np.stack(rows).astype(np.float32, copy=False)
+
+    def submit_embed(self, texts: Sequence[str], call: Call) -> Call:
+        """Queue ``texts`` as ``call`` and return it without waiting (``submit_generate``)."""
+        self._check_kind("embed")
+        self._submit(call, [Item(call, i, t, approx_tokens(t)) for i, t in enumerate(texts)])
+        return call
 
     def count_tokens(self, text: str) -> int:
         """Tokens ``text`` takes in the replicas' model, counted in this process
@@ -298,20 +312,54 @@ class EnginePool:
                 except queue.Empty:
                     ev = None
                 with self._lock:
-                    while ev is not None:
-                        if ev is _STOP:
-                            return
-                        self._handle(ev)
-                        ev = None if self._events.empty() else self._events.get()
-                    now = self._clock()
-                    self._maintain(now)
-                    self._dispatch(now)
+                    if not self._turn(ev, maintain=True):
+                        return
                     self._lock.notify_all()
         except Exception as e:  # a bug here must not leave callers waiting forever
             with self._lock:
                 self._broken = f"loop failed: {type(e).__name__}: {e}"
                 self._fail_everything(f"engine pool '{self.name}' {self._broken}")
             raise
+
+    def _turn(self, ev: Any, *, maintain: bool) -> bool:
+        """One turn of the loop (under the lock): ``ev`` and every event queued behind it,
+        replica upkeep (restarts, liveness) if ``maintain``, then dispatch; False once
+        the pool was told to stop."""
+        while ev is not None:
+            if ev is _STOP:
+                return False
+            self._handle(ev)
+            ev = None if self._events.empty() else self._events.get()
+        now = self._clock()
+        if maintain:
+            self._maintain(now)
+        self._dispatch(now)
+        return True
+
+    # -- driven from outside (the simulator): no loop thread -------------------------------
+
+    def start_driven(self) -> EnginePool:
+        """Start every replica's transport and return at once, with no loop thread: the
+        caller drives the pool with ``turn`` on its own (virtual) clock, as the simulator
+        does (``tailrace.simulate``); replicas are used once they say ``Ready``."""
+        with self._lock:
+            if self._started or self._stopped:
+                raise EngineError(f"engine pool '{self.name}' was already started")
+            self._started = self._running = True
+            now = self._clock()
+            for r in self._replicas:
+                r.first_try = now
+                self._spawn(r, now)
+        return self
+
+    def turn(self, *, maintain: bool = True) -> float | None:
+        """A driven pool's loop, one turn: what callers and replicas sent since the last
+        turn, replica upkeep if ``maintain``, dispatch. Returns when the batcher wants the
+        next turn at the latest (clock seconds), None if nothing waits to be batched."""
+        with self._lock:
+            ev = None if self._events.empty() else self._events.get()
+            self._turn(ev, maintain=maintain)
+            return None if self._held else self._batcher.next_deadline()
 
     def _wait_s(self) -> float:
         with self._lock:
@@ -368,7 +416,7 @@ class EnginePool:
         while self._held:
             if not self._route(self._held.popleft(), front=True):
                 return
-        while self._batcher.ready(now) and any(x.can_take(0) for x in self._loads()):
+        while self._batcher.ready(now) and any(r.can_take() for r in self._replicas):
             batch = Batch(next(self._batch_ids), self._batcher.take(now))
             if len({id(i.call) for i in batch.items}) > 1:
                 self._shared_batches += 1
@@ -525,7 +573,10 @@ class EnginePool:
             else:
                 self._events.put((rid, inc, msg))
 
-        if self._isolation == "process":
+        if self._transport is not None:
+            r.transport = self._transport(self.spec, self.kind, deliver, label, r.endpoint,
+                                          r.max_in_flight)
+        elif self._isolation == "process":
             r.transport = ProcessReplica(self.spec, self.kind, deliver, label, r.max_in_flight)
         else:
             r.transport = ThreadReplica(self.spec, self.kind, deliver, label, r.endpoint,

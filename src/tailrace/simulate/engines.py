@@ -1,0 +1,278 @@
+"""Virtual engine replicas: the transports a real ``EnginePool`` drives in a simulation.
+
+The pool (``engines/pool/pool.py``) batches, dispatches, retries and restarts exactly as
+it does for real; only its replicas are virtual (``EnginePool(transport=...)``). Two kinds,
+by the engine's profile:
+
+- ``ContinuousReplica``: a continuously batching generation engine (llama.cpp). Its
+  decode loop is the real one's, step for step: arrivals go to the real ``Scheduler``
+  (``engines/llama_cpp/scheduler.py``), which starts, preempts and resumes sequences and
+  allots prompt chunks; each sequence starts in the stream the real ``PrefixCache``
+  picks, so prefix hits are the cache's own. Only the step itself is virtual: it lasts
+  ``model(const=1, decoding=D, prefill=P)`` seconds and then advances each sequence as
+  the real decoder does (a prompt's last chunk yields the first token).
+- ``CallReplica``: any other engine: one call at a time, each lasting
+  ``model(items=n, tokens=t)`` seconds.
+
+A replica can be killed (its in-flight work is lost, the pool retries it elsewhere and
+restarts it after the real back-off) and slowed (every duration times a factor).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from ..engines.base import Generation, GenerationRequest
+from ..engines.call import Call
+from ..engines.llama_cpp.prefix_cache import PrefixCache
+from ..engines.llama_cpp.scheduler import Job, Scheduler, Seq, State
+from ..engines.pool.messages import (
+    BatchResult,
+    Cancel,
+    EmbedBatch,
+    Exited,
+    GenerateBatch,
+    Ready,
+    Shutdown,
+)
+from .events import Loop
+from .profile import EngineProfile
+
+_PIDS = itertools.count(1_000_000)
+
+
+@dataclass(slots=True)
+class Shape:
+    """What the simulator knows of one generation request: its prompt's token ids (a
+    shared prefix then its own) and how many tokens it will generate."""
+
+    tokens: Any  # numpy int32
+    output: int
+
+
+class Shapes:
+    """Request -> ``Shape``, by identity: the pool hands replicas the very request
+    objects it was given (thread transports do not copy)."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, Shape] = {}
+
+    def put(self, req: GenerationRequest, shape: Shape) -> None:
+        self._by_id[id(req)] = shape
+
+    def get(self, req: GenerationRequest) -> Shape:
+        return self._by_id[id(req)]
+
+    def drop(self, req: GenerationRequest) -> None:
+        self._by_id.pop(id(req), None)
+
+
+class Replica:
+    """The transport protocol of ``engines/pool/replicas.py``, on the virtual clock."""
+
+    def __init__(self, loop: Loop, profile: EngineProfile, deliver: Any, node: int,
+                 slow: dict[int, float], kind: str, rng: Any = None):
+        self.loop, self.profile, self.deliver, self.node = loop, profile, deliver, node
+        self.rng = rng if rng is not None else random.Random(0)
+        self._slow = slow  # node -> factor (shared: a node slowed later slows it too)
+        self.kind = kind
+        self.dead = self.stopped = False
+        self.busy_s = 0.0  # virtual seconds spent running steps or calls
+
+    def factor(self) -> float:
+        return self._slow.get(self.node, 1.0)
+
+    def start(self) -> None:
+        self.loop.after(self.profile.start_s, self._ready)
+
+    def _ready(self) -> None:
+        if not self.dead and not self.stopped:
+            self.deliver(Ready(next(_PIDS), "simulated", None, None, True))
+
+    def alive(self) -> bool:
+        return not self.dead
+
+    def kill(self) -> None:
+        """The replica's process dies now: what it runs is lost (the pool hears
+        ``Exited``, as from a real process's reader thread)."""
+        if self.dead:
+            return
+        self.dead = True
+        self.deliver(Exited(-9))
+
+    def request_stop(self) -> None:
+        self.stopped = True
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+class CallReplica(Replica):
+    """An engine that runs one call at a time (an embedder, a plain server)."""
+
+    def __init__(self, *args: Any, shapes: Shapes) -> None:
+        super().__init__(*args)
+        self._shapes = shapes
+        self._queue: deque[Any] = deque()
+        self._running = False
+
+    def send(self, msg: Any) -> None:
+        if self.dead or self.stopped or isinstance(msg, Shutdown | Cancel):
+            return
+        self._queue.append(msg)
+        if not self._running:
+            self._next()
+
+    def _next(self) -> None:
+        if not self._queue or self.dead:
+            self._running = False
+            return
+        self._running = True
+        msg = self._queue.popleft()
+        if isinstance(msg, EmbedBatch):
+            n, tokens = len(msg.texts), sum(len(t) // 4 + 1 for t in msg.texts)
+        else:
+            n = len(msg.requests)
+            tokens = sum(len(self._shapes.get(r).tokens) for r in msg.requests)
+        dt = self.profile.model.draw(self.rng, items=n, tokens=tokens) * self.factor()
+        self.busy_s += dt
+        self.loop.after(dt, self._done, msg)
+
+    def _done(self, msg: Any) -> None:
+        if self.dead:
+            return
+        if isinstance(msg, EmbedBatch):
+            outputs: Any = [None] * len(msg.texts)
+        else:
+            outputs = []
+            for r in msg.requests:
+                s = self._shapes.get(r)
+                outputs.append(Generation("", len(s.tokens), s.output, "length"))
+        self.deliver(BatchResult(msg.batch_id, outputs))
+        self._next()
+
+
+class ContinuousReplica(Replica):
+    """A continuously batching generation engine: the real scheduler and prefix cache,
+    virtual decode steps."""
+
+    def __init__(self, *args: Any, shapes: Shapes) -> None:
+        super().__init__(*args)
+        p = self.profile
+        self._shapes = shapes
+        streams = p.n_seq_max  # + cache_sequences: not profiled; the engine's default
+        self.scheduler = Scheduler(p.n_seq_max, streams, p.chunk, max(p.n_batch, p.n_seq_max))
+        self.cache = PrefixCache(streams, p.chunk, lambda *_: True)
+        self._inbox: list[Job] = []
+        self._batches: dict[int, tuple[int, Call]] = {}  # id(call) -> (batch id, call)
+        self._stepping = False
+        self.steps = 0
+
+    def send(self, msg: Any) -> None:
+        if self.dead or self.stopped or isinstance(msg, Shutdown):
+            return
+        if isinstance(msg, Cancel):  # not simulated: callers never leave mid-call here
+            return
+        assert isinstance(msg, GenerateBatch)
+        call = Call(len(msg.requests))
+        self._batches[id(call)] = (msg.batch_id, call)
+        for i, r in enumerate(msg.requests):
+            self._inbox.append(Job(call, i, r, self._shapes.get(r).tokens))
+        if not self._stepping:
+            self._stepping = True
+            self.loop.after(0.0, self._step)
+
+    def _start(self, job: Job) -> Seq:
+        slot, hit = self.cache.take(job.prompt)
+        return Seq(job, slot, hit)
+
+    def _step(self) -> None:
+        """The decode loop's iteration: arrivals in, the scheduler's choice, one step."""
+        if self.dead:
+            return
+        sched = self.scheduler
+        for job in self._inbox:
+            sched.add(job)
+        self._inbox.clear()
+        if sched.idle():
+            self._stepping = False
+            return
+        sched.schedule(self._start)
+        if not sched.active:
+            self._stepping = False
+            return
+        allot = sched.prefill()
+        decoding = sum(1 for s in sched.active if s.state is State.DECODING)
+        dt = self.profile.model.draw(self.rng, decoding=decoding,
+                                     prefill=sum(allot.values())) * self.factor()
+        self.busy_s += dt
+        self.steps += 1
+        self.loop.after(dt, self._stepped, list(sched.active), allot)
+
+    def _stepped(self, active: list[Seq], allot: dict[Seq, int]) -> None:
+        if self.dead:
+            return
+        for s in active:  # as the real decoder's batch fill and sampling
+            if s.state is State.DECODING:
+                self._token(s)
+            elif s in allot:
+                s.feed(allot[s])
+                if s.state is State.DECODING:  # the prompt's last chunk: the first token
+                    self._token(s)
+        self.scheduler.retire()
+        self._step()
+
+    def _token(self, s: Seq) -> None:
+        s.n_gen += 1
+        job = s.job
+        if s.n_gen >= self._shapes.get(job.request).output:
+            self.cache.release(s.slot, s.prompt, s.fed)
+            s.state = State.DONE
+            job.call.complete(job.index, Generation("", s.n_prompt, s.n_gen, "length",
+                                                    {"cached_tokens": s.cached}))
+            if job.call.done.is_set():
+                batch_id, call = self._batches.pop(id(job.call))
+                self.deliver(BatchResult(batch_id, call.results))
+
+
+def step_features(profile: EngineProfile, shapes: list[tuple[int, int]]) -> dict[str, float]:
+    """What one call of requests shaped ``(prompt tokens, output tokens)``, alone on an
+    idle engine, adds up to in the step model's drivers (``const`` steps, ``decoding``
+    tokens, ``prefill`` tokens), replayed on the real scheduler without a cache hit:
+    ``tailrace profile`` fits the step model to measured calls with these."""
+    import numpy as np
+
+    loop = Loop()
+    probe = EngineProfile(profile.kind, _Counter(), profile.n_seq_max, profile.chunk,
+                          profile.n_batch, 0.0)
+    store = Shapes()
+    reqs = []
+    for k, (p, o) in enumerate(shapes):
+        r = GenerationRequest(prompt=str(k), max_tokens=o)
+        store.put(r, Shape(np.arange(k * 100_000, k * 100_000 + max(p, 1), dtype=np.int32),
+                           max(o, 1)))
+        reqs.append(r)
+    rep = ContinuousReplica(loop, probe, lambda msg: None, 0, {}, "generate", shapes=store)
+    rep.send(GenerateBatch(0, tuple(reqs)))
+    loop.run()
+    return dict(probe.model.totals)
+
+
+class _Counter:
+    """A step model that costs nothing and counts its drivers (``step_features``)."""
+
+    def __init__(self) -> None:
+        self.totals = {"const": 0.0, "decoding": 0.0, "prefill": 0.0}
+
+    def draw(self, rng: Any, **x: float) -> float:
+        return self(**x)
+
+    def __call__(self, **x: float) -> float:
+        self.totals["const"] += 1
+        for k, v in x.items():
+            self.totals[k] += v
+        return 0.0
