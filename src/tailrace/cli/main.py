@@ -103,8 +103,10 @@ def _parser() -> argparse.ArgumentParser:
 
     from .route_fit import add_parser as add_route
     from .serve import add_parser as add_serve
+    from .simulate import add_parser as add_simulate
 
     add_serve(sub)
+    add_simulate(sub)
     for command in sub.choices.values():
         command.add_argument("--debug", action="store_true", help="show tracebacks")
     add_route(sub)  # its --debug is on its verbs
@@ -121,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
             from .serve import serve
 
             return serve(args)
+        if args.command == "simulate":
+            from .simulate import simulate
+
+            return simulate(args)
         if args.command == "route":
             from .route_fit import route
 

@@ -108,12 +108,15 @@ class StageProfile:
     """One stage: its own service time per call (``service``, drivers ``records`` and
     ``tokens``); for a stage calling an engine, that engine's name and the requests it
     sends: prompt tokens as a model of the record's (``prompt_tokens``, drivers
-    ``tokens``) and the output tokens measured (``output_tokens``, a mean)."""
+    ``tokens``), the output tokens measured (``output_tokens``, a mean) and the leading
+    prompt tokens all its requests share (``shared_tokens``)."""
 
     service: LinearModel
     engine: str | None = None
     prompt_tokens: LinearModel | None = None
     output_tokens: float = 0.0
+    shared_tokens: int = 0  # leading prompt tokens every request of the stage shares
+    # (its system prompt and template's head): what a prefix cache can reuse
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,7 @@ class Profile:
                 out["engine"] = s.engine
                 out["prompt_tokens"] = (s.prompt_tokens or LinearModel({})).to_dict()
                 out["output_tokens"] = s.output_tokens
+                out["shared_tokens"] = s.shared_tokens
             return out
 
         return {"version": VERSION, "pipeline": self.pipeline, "machine": self.machine,
@@ -215,10 +219,13 @@ def parse_profile(raw: Any, where: str = "profile") -> Profile:
         out = s.get("output_tokens", 0.0)
         if isinstance(out, bool) or not isinstance(out, int | float) or out < 0:
             raise ProfileError(f"{w}.output_tokens: must be a number >= 0, got {out!r}")
+        shared = s.get("shared_tokens", 0)
+        if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+            raise ProfileError(f"{w}.shared_tokens: must be an integer >= 0, got {shared!r}")
         out_stages[sid] = StageProfile(
             _model(s["service"], f"{w}.service", STAGE_DRIVERS), engine,
             _model(s["prompt_tokens"], f"{w}.prompt_tokens", TOKEN_DRIVERS)
-            if engine is not None and "prompt_tokens" in s else None, float(out))
+            if engine is not None and "prompt_tokens" in s else None, float(out), shared)
     out_engines = {}
     for name, e in engines.items():
         w = f"{where}: engines.{name}"

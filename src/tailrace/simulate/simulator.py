@@ -48,8 +48,8 @@ class Config:
     nodes:        machines; every node runs each stage's replicas and each engine's
                   ``replicas`` (per node).
     replicas:     engine name -> replicas per node (default: the spec's ``replicas``, 1).
-    admission:    the admission policy; ``admission_options`` its options
-                  (``max_in_flight`` default 8 for fcfs/slo, as ``tailrace run``).
+    admission:    the admission policy, with ``max_in_flight`` (fcfs, slo; default 8 as
+                  ``tailrace run``) and any other options in ``admission_options``.
     dispatch:     the pools' dispatch policy (default: the spec's, ``least_work``).
     hop_ms:       one network hop (a stage to another node's stage, a call to an engine
                   and back): ``hop_ms`` x (1 + U(-jitter, jitter)); default 0 on one
@@ -62,6 +62,7 @@ class Config:
     nodes: int = 1
     replicas: dict[str, int] = field(default_factory=dict)
     admission: str = "simultaneous"
+    max_in_flight: int = 8
     admission_options: dict[str, Any] = field(default_factory=dict)
     dispatch: str | None = None
     hop_ms: float | None = None
@@ -179,11 +180,9 @@ class SimStage:
                                 queue_bound=self.bound)
         self._timer = False
         op = next((o for o in stage.ops if o.params.get("engine")), None)
-        self.shared = 0  # the prompt tokens every request of this stage shares
         self.kind = pool.pool.kind if pool is not None else None
         self.max_tokens = int(op.params.get("max_tokens") or 0) if op is not None else 0
-        if prof.prompt_tokens is not None:
-            self.shared = int(prof.prompt_tokens.coef.get("const", 0.0))
+        self.shared = prof.shared_tokens
 
     # -- input ----------------------------------------------------------------------
     def offer(self, rec: SimRecord) -> bool:
@@ -333,7 +332,8 @@ class Simulation:
         for prof in profiles:
             self._engines.update(prof.engines)
         by_name = {p.pipeline: p for p in profiles}
-        options, self.max_tokens = admission_setup(config.admission, list(plans), 8)
+        options, self.max_tokens = admission_setup(config.admission, list(plans),
+                                                   config.max_in_flight)
         options.update(config.admission_options)
         self.policy = make_policy(config.admission, clock=self.loop.now, **options)
         self.policy.on_reject = self._rejected
@@ -388,7 +388,7 @@ class Simulation:
                 if prof.prompt_tokens is not None else rec.prompt_tokens, 1)
         out = rec.output_tokens or max(int(round(prof.output_tokens)), 1)
         shared = min(stage.shared, n)
-        base = (rec.id + 1) * 1_000_003
+        base = rec.id % (1 << 30)  # at any position, two records' own tokens differ
         tokens = np.concatenate([np.arange(shared, dtype=np.int32) - (1 << 30),
                                  (np.arange(n - shared, dtype=np.int32) + base)])
         text = "s" * (4 * shared) + f"{rec.id:x} ".ljust(4 * (n - shared) or 1, ".")

@@ -355,11 +355,15 @@ class EnginePool:
     def turn(self, *, maintain: bool = True) -> float | None:
         """A driven pool's loop, one turn: what callers and replicas sent since the last
         turn, replica upkeep if ``maintain``, dispatch. Returns when the batcher wants the
-        next turn at the latest (clock seconds), None if nothing waits to be batched."""
+        next turn at the latest (clock seconds); None if nothing waits to be batched or
+        it waits for a replica (whose next message calls for a turn)."""
         with self._lock:
             ev = None if self._events.empty() else self._events.get()
             self._turn(ev, maintain=maintain)
-            return None if self._held else self._batcher.next_deadline()
+            deadline = self._batcher.next_deadline()
+            if deadline is None or self._held or self._batcher.ready(self._clock()):
+                return None  # nothing waits, or it waits for a replica: its message turns
+            return deadline
 
     def _wait_s(self) -> float:
         with self._lock:
