@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--input", "-i", default="-", help="input JSONL file (default: stdin)")
     r.add_argument("--output", "-o", default="-", help="output JSONL file (default: stdout)")
     r.add_argument("--metrics-json", metavar="FILE", help="write the run's stats as JSON")
+    r.add_argument("--trace-out", metavar="FILE",
+                   help="write a request trace: one JSON line per input record as it ends "
+                        "(arrival, tokens, latency, outcome; docs/cli.md)")
     r.add_argument("--runtime", default="local", choices=["local", "ray"],
                    help="executor: local (one process) or ray (stage replicas as Ray actors)")
     r.add_argument("--address", metavar="ADDR",
@@ -248,6 +251,10 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.address and args.runtime != "ray":
         raise TailraceError("--address names a Ray cluster: add --runtime ray")
+    if args.trace_out and args.runtime == "ray":
+        raise TailraceError("--trace-out is not available with --runtime ray (records a "
+                            "stage drops are not reported to the driver); run with "
+                            "--runtime local to record a trace")
     plan = load_plan(args)
     writer = JsonlWriter(args.output)
     reader = JsonlReader(args.input, writer.write_error)
@@ -264,15 +271,27 @@ def _run(args: argparse.Namespace) -> int:
         from .serve import build_gate
 
         gate = build_gate(args.admission, [plan], args.max_in_flight)
+    trace = None
+    if args.trace_out:  # the trace's zero: the run's start
+        from ..runtime.trace_out import TraceWriter
+
+        try:
+            trace = TraceWriter.open(args.trace_out)
+        except TailraceError:
+            writer.close()
+            raise
     try:
         result: Any = run_plan(plan, input=reader, output=writer.write, errors=on_error,
                                runtime=args.runtime, admission=gate,
+                               trace=trace,
                                **({"address": args.address} if args.address else {}))
     except RunInterrupted as e:
         interrupted = True
         result = e.result
     finally:
         writer.close()
+        if trace is not None:
+            trace.close()
     if args.metrics_json:
         with open(args.metrics_json, "w", encoding="utf-8") as f:
             json.dump(result.stats.to_dict(), f, indent=2)

@@ -40,7 +40,7 @@ def run(pipeline: Pipeline | Plan, *, runtime: str = "local",
         input: Iterable[Any] | None = None, output: list | Callable | None = None,
         errors: list | Callable[[ErrorRecord], None] | None = None,
         fuse: bool = True, admission: Any = None, address: str | None = None,
-        placement: dict | None = None, runs: Any = None) -> RunResult:
+        placement: dict | None = None, runs: Any = None, trace: Any = None) -> RunResult:
     """Compile (if needed) and run a pipeline to completion.
 
     input:   records for a source declared without data (YAML pipelines' ``source``).
@@ -58,6 +58,9 @@ def run(pipeline: Pipeline | Plan, *, runtime: str = "local",
              resources, strategy: pack|spread}}`` (``docs/ray.md``).
     runs:    runtime="ray" only: a ``tailrace.runtime.ray.ActiveRuns`` that lists the run
              (its stage actors) while it runs.
+    trace:   runtime="local" only: a ``tailrace.runtime.trace_out.TraceWriter`` that gets
+             one line per record of ``input=`` (dicts) as it ends (``RunTrace``); the
+             caller closes it.
     Raises ``PlanError`` for an invalid pipeline and ``RunInterrupted`` (with the
     partial ``.result``) on Ctrl-C.
     """
@@ -67,6 +70,9 @@ def run(pipeline: Pipeline | Plan, *, runtime: str = "local",
         raise PlanError("address= and placement= apply to runtime='ray' only")
     if runtime != "ray" and runs is not None:
         raise PlanError("runs= lists Ray runs; it applies to runtime='ray' only")
+    if runtime == "ray" and trace is not None:
+        raise PlanError("trace= applies to runtime='local' only: on Ray a record a stage "
+                        "drops is not reported to the driver, so its line would be wrong")
     plan = pipeline if isinstance(pipeline, Plan) else compile_pipeline(pipeline, fuse=fuse)
     from .local import LocalRun
 
@@ -74,6 +80,12 @@ def run(pipeline: Pipeline | Plan, *, runtime: str = "local",
     error_list: list[ErrorRecord] = []
     errs = error_list if errors is None else errors
     on_error: Callable[[ErrorRecord], None] = errs.append if isinstance(errs, list) else errs
+    follow = None
+    if trace is not None:
+        from .trace_out import RunTrace
+
+        follow = RunTrace(trace, plan)
+        inputs, outputs, on_error = follow.bind(inputs, outputs, on_error)
     if runtime == "ray":  # imports Ray only now
         from .ray import RayInterrupted, run_on_ray
 
@@ -86,15 +98,20 @@ def run(pipeline: Pipeline | Plan, *, runtime: str = "local",
                                  RunResult(plan, e.stats, error_list, collected)) from None
         return RunResult(plan, stats, error_list, collected)
     lr = LocalRun(plan, inputs=inputs, outputs=outputs, on_error=on_error,
-                  admission=admission)
+                  admission=admission, on_drop=follow.drop if follow is not None else None)
     t0 = perf_counter()
+    interrupted = True
     try:
         asyncio.run(lr.execute())
+        interrupted = False
     except (KeyboardInterrupt, asyncio.CancelledError):
         result = RunResult(plan, local_stats(lr, perf_counter() - t0, True), error_list, collected)
         raise RunInterrupted("run interrupted", result) from None
     except BaseExceptionGroup as eg:  # a bug or a fatal error inside the runtime
         raise eg.exceptions[0] from None
+    finally:
+        if follow is not None:
+            follow.finish(interrupted)
     return RunResult(plan, local_stats(lr, perf_counter() - t0, False), error_list, collected)
 
 

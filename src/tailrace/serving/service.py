@@ -26,13 +26,14 @@ from typing import Any
 from ..api.pipeline import Pipeline
 from ..api.records import ErrorRecord
 from ..compiler import Plan, compile_pipeline
-from ..control.gate import settle
+from ..control.gate import approx_prompt_tokens, settle
 from ..errors import PlanError
 from ..observability import RunStats
 from ..observability.tracing import STATE as TRACING
 from ..observability.tracing import current_trace
 from ..request import REQUEST, Cancel, Request, request_of, strip
 from ..runtime.ingress import Feed
+from ..runtime.trace_out import answer_budget, asked_tokens, output_tokens
 from .errors import (
     CallerGone,
     RecordDropped,
@@ -136,12 +137,15 @@ class PipelineService:
                       strategy}}``.
     runs:             with "ray": the caller's ``runtime.ray.ActiveRuns`` that lists the
                       run (its stage actors) while it runs, or None.
+    trace:            a ``runtime.trace_out.TraceWriter`` that gets one line per submitted
+                      record as its ``submit`` ends (ok, error, or rejected: a 429), or
+                      None; its owner closes it after stopping the service.
     """
 
     def __init__(self, plan_or_pipeline: Pipeline | Plan, *, admission: Any = None,
                  max_pending: int = 1024, timeout_s: float = 300.0, runtime: str = "local",
                  address: str | None = None, placement: dict | None = None,
-                 runs: Any = None) -> None:
+                 runs: Any = None, trace: Any = None) -> None:
         plan = (plan_or_pipeline if isinstance(plan_or_pipeline, Plan)
                 else compile_pipeline(plan_or_pipeline))
         _check_servable(plan)
@@ -170,6 +174,9 @@ class PipelineService:
         self.address = address
         self.placement = placement
         self.runs = runs
+        self.trace = trace
+        # the answering stage's output budget and usage field, for the trace's lines
+        self._budget = answer_budget(plan) if trace is not None else (None, None)
         self.unrouted = 0  # outputs/error records with no waiting caller (late, extra)
         self.spend: dict[str, float] = {}  # tenant ("" none) -> what its answers cost
         self._ids = itertools.count(1)
@@ -382,6 +389,8 @@ class PipelineService:
         if not isinstance(record, dict):
             raise ServiceError(f"pipeline '{self.name}': a record must be a JSON object, got "
                                f"{type(record).__name__}", status=400, code="invalid_record")
+        trace = self.trace
+        arrived = perf_counter() if trace is not None else 0.0
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         if REQUEST in record:
@@ -402,10 +411,12 @@ class PipelineService:
         rec = {**record, REQUEST: req}
         with self._lock:
             if self._state != "running":
-                raise ServiceUnavailable(self._why_unavailable())
+                raise self._refused(trace, arrived, record, req,
+                                    ServiceUnavailable(self._why_unavailable()))
             if len(self._waiting) >= self.max_pending or self._queued >= self.max_pending:
-                raise ServiceOverloaded(f"pipeline '{self.name}': {self.max_pending} requests "
-                                        "already waiting; retry later")
+                raise self._refused(trace, arrived, record, req, ServiceOverloaded(
+                    f"pipeline '{self.name}': {self.max_pending} requests already waiting; "
+                    "retry later"))
             self._waiting[rid] = _Waiter(loop, fut)
             assert self._loop is not None and self._queue is not None
             alone = len(self._waiting) == 1 and _nothing_else_ready(loop)
@@ -451,6 +462,34 @@ class PipelineService:
                     cancel.set()
             with self._lock:
                 self._waiting.pop(rid, None)
+            if trace is not None:
+                self._traced(trace, arrived, record, req, fut, None)
+
+    def _refused(self, trace: Any, arrived: float, record: dict, req: Request,
+                 exc: ServiceError) -> ServiceError:
+        """``exc``, the refusal of a request, after its trace line (tracing on)."""
+        if trace is not None:
+            self._traced(trace, arrived, record, req, None, exc)
+        return exc
+
+    def _traced(self, trace: Any, arrived: float, record: dict, req: Request,
+                fut: asyncio.Future | None, exc: BaseException | None) -> None:
+        """The trace's line of a request whose ``submit`` ends now: answered by ``fut``
+        (not done or cancelled: the caller gave up) or refused with ``exc``."""
+        if fut is not None:
+            exc = (asyncio.CancelledError() if not fut.done() or fut.cancelled()
+                   else fut.exception())
+        max_tokens, usage_field = self._budget
+        out = None
+        if exc is None:
+            assert fut is not None
+            outcome, out = "ok", output_tokens(req, fut.result(), usage_field)
+        elif getattr(exc, "status", None) == 429:  # admission (or too many waiting)
+            outcome = "rejected"
+        else:
+            outcome = "error"
+        trace.record(arrived, self.name, approx_prompt_tokens(record),
+                     asked_tokens(req, max_tokens), out, outcome)
 
     def _expired(self, fut: asyncio.Future, req: Request, cancel: Any) -> None:
         """``submit``'s timer: no answer within ``timeout_s``; the work is stopped."""
