@@ -37,8 +37,12 @@ ALLOWED: dict[str, set[str]] = {
     "runtime": BASE | {"compiler", "operators", "control", "engines", "observability"},
     "serving": BASE | {"runtime", "compiler", "operators", "control", "engines", "stores",
                        "observability"},
+    # the capacity simulator drives the real control, engine pools and compiled plans,
+    # and builds its admission policy as serving does (binding.admission_setup)
+    "simulate": BASE | {"serving", "compiler", "operators", "control", "engines",
+                        "observability"},
     "cli": BASE | {"serving", "runtime", "compiler", "operators", "control", "engines",
-                   "stores", "observability", "routing"},
+                   "stores", "observability", "routing", "simulate"},
     "demo": BASE,
 }
 

@@ -24,7 +24,7 @@ import itertools
 import random
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from ..engines.base import Generation, GenerationRequest
 from ..engines.call import Call
@@ -247,7 +247,8 @@ def step_features(profile: EngineProfile, shapes: list[tuple[int, int]]) -> dict
     import numpy as np
 
     loop = Loop()
-    probe = EngineProfile(profile.kind, _Counter(), profile.n_seq_max, profile.chunk,
+    counter = _Counter()
+    probe = EngineProfile(profile.kind, cast(Any, counter), profile.n_seq_max, profile.chunk,
                           profile.n_batch, 0.0)
     store = Shapes()
     reqs = []
@@ -259,7 +260,7 @@ def step_features(profile: EngineProfile, shapes: list[tuple[int, int]]) -> dict
     rep = ContinuousReplica(loop, probe, lambda msg: None, 0, {}, "generate", shapes=store)
     rep.send(GenerateBatch(0, tuple(reqs)))
     loop.run()
-    return dict(probe.model.totals)
+    return dict(counter.totals)
 
 
 class _Counter:

@@ -98,7 +98,7 @@ def render(sim: Simulation, summary: dict[str, Any]) -> str:
              ""]
     head = ("pipeline", "requests", "ok", "err", "rejected", "p50", "p95", "p99", "req/s",
             "SLO met")
-    rows = [head]
+    rows: list[tuple[str, ...]] = [head]
     for p in summary["pipelines"].values():
         met = ("-" if p["slo_attainment"] is None
                else f"{100 * p['slo_attainment']:.1f}% of {p['slo_p99_ms']:g}ms")

@@ -339,11 +339,11 @@ class Simulation:
         self.policy.on_reject = self._rejected
         self.pipelines: dict[str, SimPipeline] = {}
         for plan in plans:
-            prof = by_name.get(plan.name) or (profiles[0] if len(profiles) == 1 else None)
-            if prof is None:
+            found = by_name.get(plan.name) or (profiles[0] if len(profiles) == 1 else None)
+            if found is None:
                 raise ProfileError(f"no profile for pipeline {plan.name!r}; profiles given "
                                    f"for: {', '.join(by_name) or 'none'}")
-            self.pipelines[plan.name] = SimPipeline(self, plan, prof)
+            self.pipelines[plan.name] = SimPipeline(self, plan, found)
         self._waiting: dict[str, SimRecord] = {}
         self._polling = False
         self._ids = 0
