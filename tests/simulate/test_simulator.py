@@ -205,3 +205,13 @@ def test_more_nodes_raise_throughput_and_a_slow_node_lowers_it():
     slowed = p99(Config(seed=6, nodes=4, slow=[(0.0, 0, 4.0), (0.0, 1, 4.0)]))
     assert four < one / 5
     assert slowed > four * 1.5
+
+
+def test_the_pools_dispatch_view_stays_current_through_kills_and_restarts():
+    sim = run_rag(Config(seed=7, kills=[(5.0, "llm", 0), (9.0, "llm", 1), (9.5, "llm", 0)]),
+                  rate=8.0, n=300)
+    pool = sim.pools["llm"].pool
+    assert all(r[3] == "ok" for r in sim.results)
+    assert pool._load_of == [r.load() for r in pool._replicas]
+    assert pool._free == sum(x.can_take(0) for x in pool._load_of)
+    assert sum(r.restarts for r in pool.statistics().replicas) == 3

@@ -19,7 +19,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from operator import itemgetter
+from typing import NamedTuple, Protocol
 
 from ..base import GenerationRequest
 from ..tokens import approx_tokens
@@ -33,9 +34,9 @@ MIN_PREFIX_TOKENS = 64
 MAX_SESSIONS = 65_536
 
 
-@dataclass(frozen=True)
-class ReplicaLoad:
-    """What a dispatch policy sees of one replica."""
+class ReplicaLoad(NamedTuple):
+    """What a dispatch policy sees of one replica (a named tuple: the pool builds one per
+    replica for every batch it routes, so it must be cheap to make)."""
 
     id: int  # the replica's id in its pool
     healthy: bool = True  # the replica is up and accepts work
@@ -140,6 +141,10 @@ class PrefixIndex:
                     del self._count[k]
 
 
+#: (outstanding work, calls in flight, id) of a ``ReplicaLoad``: least work first
+_LEAST = itemgetter(2, 3, 0)
+
+
 class DispatchPolicy(Protocol):
     """Chooses a replica for a call of ``cost`` predicted tokens, or None if none can take it.
 
@@ -175,10 +180,10 @@ class LeastOutstandingWork:
     def choose(self, loads: Sequence[ReplicaLoad], cost: int,
                affinity: Affinity | None = None) -> int | None:
         """The id of the least-loaded replica that can take ``cost``; None if none can."""
-        ok = [load for load in loads if load.can_take(cost)]
-        if not ok:
-            return None
-        return min(ok, key=lambda x: (x.outstanding_work, x.in_flight, x.id)).id
+        # ``can_take`` and the key inlined: this runs over every replica for every batch
+        best = min((x for x in loads if x.healthy and x.in_flight < x.max_concurrency),
+                   key=_LEAST, default=None)
+        return None if best is None else best.id
 
 
 class RoundRobin:

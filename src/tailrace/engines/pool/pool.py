@@ -20,7 +20,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
 from ...errors import ContextOverflow, EngineError
@@ -149,6 +148,10 @@ class EnginePool:
             in_flight = 4 * (n_seq if isinstance(n_seq, int) and n_seq > 0 else 8)
         self._replicas = [ReplicaState(i, (self.endpoints or [None] * count)[i], in_flight)
                           for i in range(count)]
+        # each replica's ``load()``, kept current by ``_touch`` wherever its state changes:
+        # dispatch reads every replica's load for every batch it routes
+        self._load_of: list[Any] = [r.load() for r in self._replicas]
+        self._free = 0  # replicas that can take a call now (``can_take(0)``)
         self._clock = clock
         self._transport = transport
         # What the loop thread takes in. No maxsize (a full queue would block a replica's
@@ -226,6 +229,7 @@ class EnginePool:
             self._fail_everything(f"engine pool '{self.name}' was stopped")
             for r in self._replicas:
                 r.transport, r.healthy = None, False
+                self._touch(r)
 
     def __enter__(self) -> EnginePool:
         return self.start()
@@ -396,6 +400,7 @@ class EnginePool:
             self._lost(r, msg.error, started=False)
         elif isinstance(msg, Exited):
             self._lost(r, f"its process exited with code {msg.exitcode}", started=r.healthy)
+        self._touch(r)
 
     def _maintain(self, now: float) -> None:
         running = self._running
@@ -420,7 +425,7 @@ class EnginePool:
         while self._held:
             if not self._route(self._held.popleft(), front=True):
                 return
-        while self._batcher.ready(now) and any(r.can_take() for r in self._replicas):
+        while self._free and self._batcher.ready(now):
             batch = Batch(next(self._batch_ids), self._batcher.take(now))
             if len({id(i.call) for i in batch.items}) > 1:
                 self._shared_batches += 1
@@ -430,7 +435,15 @@ class EnginePool:
     # -- steps the loop takes ---------------------------------------------------------------
 
     def _loads(self, exclude: set[int] | frozenset[int] = frozenset()) -> list[Any]:
-        return [r.load() for r in self._replicas if r.id not in exclude]
+        if not exclude:
+            return self._load_of
+        return [x for x in self._load_of if x.id not in exclude]
+
+    def _touch(self, r: ReplicaState) -> None:
+        """``r``'s state changed: refresh the load dispatch sees."""
+        old, new = self._load_of[r.id], r.load()
+        self._load_of[r.id] = new
+        self._free += new.can_take(0) - old.can_take(0)
 
     def _route(self, batch: Batch, *, front: bool) -> bool:
         """Send ``batch`` (to replicas it has not failed on, while one is healthy); False
@@ -458,7 +471,7 @@ class EnginePool:
             groups.setdefault(rid, []).append(item)
             # later requests see this one's work; joining a call takes no more in-flight slot
             x = by_id[rid]
-            by_id[rid] = replace(x, outstanding_work=x.outstanding_work + item.tokens,
+            by_id[rid] = x._replace(outstanding_work=x.outstanding_work + item.tokens,
                                  in_flight=self._replicas[rid].load().in_flight)
         self._send_groups(batch, groups)
         return True
@@ -479,6 +492,7 @@ class EnginePool:
         batch.tried.add(rid)
         r.in_flight[batch.id] = batch
         r.outstanding += batch.tokens
+        self._touch(r)
         for item in batch.items:
             item.streamed.restart()
         payload = tuple(i.payload for i in batch.items)
@@ -535,8 +549,9 @@ class EnginePool:
             r.failed_starts += 1
         if self._running and r.failed_starts > self.max_restarts:
             r.down = True
-            return
-        r.restart_at = self._clock() + min(0.1 * 2 ** r.failed_starts, 2.0)
+        else:
+            r.restart_at = self._clock() + min(0.1 * 2 ** r.failed_starts, 2.0)
+        self._touch(r)
 
     def _retry(self, batch: Batch, reason: str) -> None:
         if batch.attempts > self.max_retries:
@@ -559,6 +574,7 @@ class EnginePool:
         self._held.clear()
         for r in self._replicas:
             r.in_flight, r.outstanding = {}, 0
+            self._touch(r)
         while not self._events.empty():
             ev = self._events.get()
             if isinstance(ev, list):
@@ -593,6 +609,7 @@ class EnginePool:
             r.failed_starts += 1
             r.last_error = f"could not start: {type(e).__name__}: {e}"
             r.restart_at = now + min(0.1 * 2 ** r.failed_starts, 2.0)
+        self._touch(r)
 
 
 def _cached_prompts(spec: dict[str, Any]) -> int:

@@ -98,11 +98,6 @@ class ReplicaState:
         self.first_try = self.spawned_at = self.restart_at = 0.0
         self.last_error: str | None = None
 
-    def can_take(self) -> bool:
-        """``load().can_take(0)`` without building the snapshot (asked every turn)."""
-        return (self.healthy and not self.down and self.transport is not None
-                and len(self.in_flight) < self.max_in_flight)
-
     def load(self) -> ReplicaLoad:
         up = self.healthy and not self.down and self.transport is not None
         return ReplicaLoad(self.id, up, self.outstanding, len(self.in_flight), self.max_in_flight)
