@@ -168,6 +168,7 @@ class ContinuousReplica(Replica):
         self.scheduler = Scheduler(p.n_seq_max, streams, p.chunk, max(p.n_batch, p.n_seq_max))
         self.cache = PrefixCache(streams, p.chunk, lambda *_: True)
         self._inbox: list[Job] = []
+        self._output: dict[int, int] = {}  # id(job) -> tokens it generates
         self._batches: dict[int, tuple[int, Call]] = {}  # id(call) -> (batch id, call)
         self._stepping = False
         self.steps = 0
@@ -181,7 +182,12 @@ class ContinuousReplica(Replica):
         call = Call(len(msg.requests))
         self._batches[id(call)] = (msg.batch_id, call)
         for i, r in enumerate(msg.requests):
-            self._inbox.append(Job(call, i, r, self._shapes.get(r).tokens))
+            shape = self._shapes.get(r)
+            if not self.profile.ranks:  # a first-come-first-served engine: no rank
+                r = _FIFO_REQUEST
+            job = Job(call, i, r, shape.tokens)
+            self._output[id(job)] = shape.output
+            self._inbox.append(job)
         if not self._stepping:
             self._stepping = True
             self.loop.after(0.0, self._step)
@@ -229,7 +235,8 @@ class ContinuousReplica(Replica):
     def _token(self, s: Seq) -> None:
         s.n_gen += 1
         job = s.job
-        if s.n_gen >= self._shapes.get(job.request).output:
+        if s.n_gen >= self._output[id(job)]:
+            del self._output[id(job)]
             self.cache.release(s.slot, s.prompt, s.fed)
             s.state = State.DONE
             job.call.complete(job.index, Generation("", s.n_prompt, s.n_gen, "length",
@@ -237,6 +244,9 @@ class ContinuousReplica(Replica):
             if job.call.done.is_set():
                 batch_id, call = self._batches.pop(id(job.call))
                 self.deliver(BatchResult(batch_id, call.results))
+
+
+_FIFO_REQUEST = GenerationRequest(prompt="")  # class 0, no deadline: arrival order
 
 
 def step_features(profile: EngineProfile, shapes: list[tuple[int, int]]) -> dict[str, float]:

@@ -130,6 +130,9 @@ class EngineProfile:
     chunk: int = 16
     n_batch: int = 512
     start_s: float = 1.0  # seconds a replica takes to start (restarts after a kill)
+    ranks: bool = True  # continuous: the engine starts the most urgent request first
+    # (llama.cpp's scheduler ranks by class and deadline); False: first come, first
+    # served (a remote server, which ignores a request's priority)
 
 
 @dataclass(frozen=True)
@@ -160,7 +163,8 @@ class Profile:
                 "stages": {k: stage(s) for k, s in self.stages.items()},
                 "engines": {k: {"kind": e.kind, "model": e.model.to_dict(),
                                 "n_seq_max": e.n_seq_max, "chunk": e.chunk,
-                                "n_batch": e.n_batch, "start_s": e.start_s}
+                                "n_batch": e.n_batch, "start_s": e.start_s,
+                                "ranks": e.ranks}
                             for k, e in self.engines.items()}}
 
     def save(self, path: str | Path) -> None:
@@ -235,10 +239,13 @@ def parse_profile(raw: Any, where: str = "profile") -> Profile:
         start = e.get("start_s", 1.0)
         if isinstance(start, bool) or not isinstance(start, int | float) or start < 0:
             raise ProfileError(f"{w}.start_s: must be a number >= 0, got {start!r}")
+        ranks = e.get("ranks", True)
+        if not isinstance(ranks, bool):
+            raise ProfileError(f"{w}.ranks: must be true or false, got {ranks!r}")
         out_engines[name] = EngineProfile(
             e["kind"], _model(e.get("model"), f"{w}.model", drivers),
             _count(e, "n_seq_max", w, 8), _count(e, "chunk", w, 16),
-            _count(e, "n_batch", w, 512), float(start))
+            _count(e, "n_batch", w, 512), float(start), ranks)
     tokens = raw.get("input_tokens", 0.0)
     if isinstance(tokens, bool) or not isinstance(tokens, int | float) or tokens < 0:
         raise ProfileError(f"{where}: input_tokens must be a number >= 0, got {tokens!r}")
