@@ -36,6 +36,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,6 +71,49 @@ def trace(w: Workload, duration: float, seed: int) -> list[float]:
         if t >= duration:
             return out
         out.append(t)
+
+
+@dataclass
+class LatencySetup:
+    """The contention workload on the latency-model server (bench/latency_server.py)."""
+
+    server: object
+    engine: dict
+    capacity: int
+    replicas: int
+    cost: CostModel
+    workloads: list[Workload]
+
+
+def latency_setup(load: float) -> LatencySetup:
+    """Start the latency-model server and the two workloads at ``load`` x capacity (the
+    default engine of this benchmark; bench/simulate.py replays the same)."""
+    from latency_server import LatencyConfig, start_server
+
+    cfg = LatencyConfig(prefill_tps=4000, decode_tps=40, batch_slowdown=0.05, max_seqs=8)
+    server = start_server(cfg)
+    engine = {"backend": "openai", "base_url": server.url, "model": "latency-model",
+              "concurrency": 64, "timeout_s": 600, "retries": 0}
+    # service seconds per request at full batch: prefill + tokens / (tps / slowdown)
+    per_tok = (1 / cfg.decode_tps) * (1 + cfg.batch_slowdown * (cfg.max_seqs - 1))
+    cost = CostModel(prefill_tps=cfg.prefill_tps, decode_tps=1 / per_tok, overhead_s=0.01)
+    interactive = Workload("interactive", 0, 240, 32, 2000, "interactive", 4)
+    batch = Workload("batch", 0, 1600, 128, 60000, "batch", 1)
+    workloads = offered([interactive, batch], cfg.max_seqs, load, lambda w: (
+        w.prompt_words * 1.25 / cost.prefill_tps + w.max_tokens * per_tok))
+    return LatencySetup(server, engine, cfg.max_seqs, 32, cost, workloads)
+
+
+def offered(workloads: list[Workload], capacity: int, load: float,
+            service: Callable[[Workload], float]) -> list[Workload]:
+    """The two workloads with their rates: interactive takes 20% of ``capacity``
+    (concurrent sequences), batch brings the total to ``load``; ``service``: seconds one
+    request of a kind takes at full batch."""
+    interactive, batch = workloads
+    i_rate = 0.2 * capacity / service(interactive)
+    b_rate = (load - 0.2) * capacity / service(batch)
+    return [Workload(**{**interactive.__dict__, "rate": i_rate}),
+            Workload(**{**batch.__dict__, "rate": b_rate})]
 
 
 def pipeline(w: Workload, engine: dict, replicas: int) -> tr.Pipeline:
@@ -248,18 +292,10 @@ def main() -> None:
 
     server = None
     if args.engine == "latency":
-        from latency_server import LatencyConfig, start_server
-
-        cfg = LatencyConfig(prefill_tps=4000, decode_tps=40, batch_slowdown=0.05, max_seqs=8)
-        server = start_server(cfg)
-        engine = {"backend": "openai", "base_url": server.url, "model": "latency-model",
-                  "concurrency": 64, "timeout_s": 600, "retries": 0}
-        capacity, replicas = cfg.max_seqs, 32
-        # service seconds per request at full batch: prefill + tokens / (tps / slowdown)
-        per_tok = (1 / cfg.decode_tps) * (1 + cfg.batch_slowdown * (cfg.max_seqs - 1))
-        cost = CostModel(prefill_tps=cfg.prefill_tps, decode_tps=1 / per_tok, overhead_s=0.01)
-        interactive = Workload("interactive", 0, 240, 32, 2000, "interactive", 4)
-        batch = Workload("batch", 0, 1600, 128, 60000, "batch", 1)
+        lat = latency_setup(args.load)
+        server, engine, cost = lat.server, lat.engine, lat.cost
+        capacity, replicas = lat.capacity, lat.replicas
+        interactive, batch = lat.workloads
     else:
         # A pool of 2 llama.cpp replica processes (1 thread each: this machine has 2 cores),
         # shared by both pipelines through the pipeline spec's `replicas:`. Real prompts:
@@ -293,17 +329,11 @@ def main() -> None:
               f" (interactive) and {measured['batch']:.2f}s (batch) each; cost model "
               f"prefill {cost.prefill_tps:.0f} tok/s, decode {cost.decode_tps:.1f} tok/s")
 
-    # Offered load: interactive takes 20% of capacity; batch brings the total to --load.
-    def service(w: Workload) -> float:
-        if args.engine == "llama":
-            return measured[w.name]
-        return w.prompt_words * 1.25 / cost.prefill_tps + w.max_tokens * per_tok
-
-    i_rate = 0.2 * capacity / service(interactive)
-    b_rate = (args.load - 0.2) * capacity / service(batch)
-    interactive = Workload(**{**interactive.__dict__, "rate": i_rate})
-    batch = Workload(**{**batch.__dict__, "rate": b_rate})
+    if args.engine == "llama":
+        interactive, batch = offered([interactive, batch], capacity, args.load,
+                                     lambda w: measured[w.name])
     workloads = [interactive, batch]
+    i_rate, b_rate = interactive.rate, batch.rate
     runs: dict[str, list[dict]] = {}
     for seed in args.seeds:
         traces = {w.name: trace(w, args.duration, seed) for w in workloads}

@@ -344,6 +344,18 @@ class Simulation:
                 raise ProfileError(f"no profile for pipeline {plan.name!r}; profiles given "
                                    f"for: {', '.join(by_name) or 'none'}")
             self.pipelines[plan.name] = SimPipeline(self, plan, found)
+        for _, engine, rid in config.kills:
+            d = self.pools.get(engine)
+            if d is None:
+                raise ValueError(f"--kill: no engine {engine!r}; engines: "
+                                 f"{', '.join(self.pools) or 'none'}")
+            if not 0 <= rid < len(d.replicas):
+                raise ValueError(f"--kill: engine {engine!r} has replicas "
+                                 f"0..{len(d.replicas) - 1}")
+        for _, node, factor in config.slow:
+            if not 0 <= node < config.nodes or not factor > 0:
+                raise ValueError(f"--slow: node must be in 0..{config.nodes - 1} and the "
+                                 f"factor > 0, got node {node}, factor {factor}")
         self._waiting: dict[str, SimRecord] = {}
         self._polling = False
         self._ids = 0
@@ -504,12 +516,7 @@ class Simulation:
             self.loop.after(MAINTAIN_S, self._maintain)
 
     def _kill(self, engine: str, rid: int) -> None:
-        d = self.pools.get(engine)
-        if d is None:
-            raise ValueError(f"--kill: no engine {engine!r}; engines: {', '.join(self.pools)}")
-        if not 0 <= rid < len(d.replicas):
-            raise ValueError(f"--kill: engine {engine!r} has replicas 0..{len(d.replicas) - 1}")
-        d.replicas[rid].kill()
+        self.pools[engine].replicas[rid].kill()  # (checked in __init__)
 
     def stage_meters(self) -> list[StageMeter]:
         return [st.meter for p in self.pipelines.values() for st in p.stages]
