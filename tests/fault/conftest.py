@@ -21,9 +21,9 @@ PROFILES = ("ci", "chaos")
 #: examples per test, per target; the serving test runs once per admission policy
 EXAMPLES = {
     "ci": {"local": 800, "interrupt": 50, "service": 250, "ray": 25, "ray-service": 12,
-           "cluster": 4},
+           "cluster": 4, "pools": 60},
     "chaos": {"local": 7_000, "interrupt": 600, "service": 2_500, "ray": 300,
-              "ray-service": 150, "cluster": 40},
+              "ray-service": 150, "cluster": 40, "pools": 1_000},
 }
 
 _common = dict(deadline=None, print_blob=True,

@@ -385,8 +385,10 @@ class Simulation:
                 options.pop("affinity_slack", None)
         if "replicas" not in spec and "endpoints" not in spec:
             # no pool in a real run: the stage calls the engine itself, which takes every
-            # call at once (llama.cpp queues them in its scheduler)
+            # call at once (llama.cpp queues them in its scheduler) and never merges two
+            # callers' calls into one (so none waits for another's requests to finish)
             options.setdefault("max_in_flight", 1024 if eprof.kind == "continuous" else 1)
+            options.setdefault("max_batch_size", 1)
         driver = PoolDriver(self, name, base, eprof, per_node * self.config.nodes, options)
         self.pools[name] = driver
         return driver
