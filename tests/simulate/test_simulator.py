@@ -215,3 +215,30 @@ def test_the_pools_dispatch_view_stays_current_through_kills_and_restarts():
     assert pool._load_of == [r.load() for r in pool._replicas]
     assert pool._free == sum(x.can_take(0) for x in pool._load_of)
     assert sum(r.restarts for r in pool.statistics().replicas) == 3
+
+
+def test_the_sequences_model_shares_the_decode_among_its_slots():
+    """Two slots, three requests of 100 prompt and 10 output tokens: two prefill side by
+    side (0.11 s) and decode sharing the server (0.025 s a token), the third then alone;
+    the same figure ``sequence_features`` gives the profile's fit for a call of two."""
+    import numpy as np
+
+    from tailrace.engines.base import GenerationRequest
+    from tailrace.engines.pool.messages import BatchResult, GenerateBatch
+    from tailrace.simulate.engines import SequenceReplica, Shape, Shapes, sequence_features
+    from tailrace.simulate.events import Loop
+
+    loop, shapes, ends = Loop(), Shapes(), {}
+    model = LinearModel({"const": 0.01, "prefill": 0.001, "tokens": 0.02, "crowd": 0.005})
+    rep = SequenceReplica(loop, EngineProfile("sequences", model, n_seq_max=2, start_s=0),
+                          lambda m: ends.setdefault(m.batch_id, (loop.now(), m)), 0, {},
+                          "generate", shapes=shapes)
+    for b in range(3):
+        req = GenerationRequest(prompt=str(b), max_tokens=10)
+        shapes.put(req, Shape(np.zeros(100, dtype=np.int32), 10))
+        rep.send(GenerateBatch(b, (req,)))
+    loop.run()
+    assert [round(ends[b][0], 9) for b in range(3)] == [0.36, 0.36, 0.67]
+    assert all(isinstance(m, BatchResult) and m.outputs[0].completion_tokens == 10
+               for _, m in ends.values())
+    assert model(**sequence_features([(100, 10), (100, 10)])) == pytest.approx(0.36)

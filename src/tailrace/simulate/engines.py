@@ -246,7 +246,101 @@ class ContinuousReplica(Replica):
                 self.deliver(BatchResult(batch_id, call.results))
 
 
+class SequenceReplica(Replica):
+    """A remote server that runs each request as its own sequence (the ``sequences``
+    model): a request waits first come, first served for one of ``n_seq_max`` slots;
+    holding one, its prompt takes ``const + prefill x P`` seconds without delaying the
+    others, then each of its tokens ``tokens + crowd x (active - 1)`` seconds, where
+    ``active`` is the slots held meanwhile (the sequences share the server's decode).
+    Tokens advance continuously between changes of ``active`` (processor sharing)."""
+
+    def __init__(self, *args: Any, shapes: Shapes) -> None:
+        super().__init__(*args)
+        self._shapes = shapes
+        self._waiting: deque[tuple[Any, int, int, int]] = deque()  # call, index, P, O
+        self._active: list[list[Any]] = []  # [call, index, P, O, tokens left or None]
+        self._calls: dict[int, int] = {}  # id(call) -> batch id
+        self._t = 0.0
+        self._version = 0
+
+    def send(self, msg: Any) -> None:
+        if self.dead or self.stopped or isinstance(msg, Shutdown | Cancel):
+            return
+        call = Call(len(msg.requests))
+        self._calls[id(call)] = msg.batch_id
+        for i, r in enumerate(msg.requests):
+            shape = self._shapes.get(r)
+            self._waiting.append((call, i, len(shape.tokens), shape.output))
+        self._advance()
+        self._admit()
+        self._reschedule()
+
+    def _per_token(self) -> float:
+        c = self.profile.model.coef
+        return (c.get("tokens", 0.0) + c.get("crowd", 0.0) * (len(self._active) - 1)) \
+            * self.factor()
+
+    def _advance(self) -> None:
+        now = self.loop.now()
+        dt, self._t = now - self._t, now
+        if dt > 0 and self._active:
+            per = self._per_token()
+            done = dt / per if per > 0 else float("inf")
+            for s in self._active:
+                if s[4] is not None:
+                    s[4] -= done
+            self.busy_s += dt
+
+    def _admit(self) -> None:
+        c = self.profile.model.coef
+        while self._waiting and len(self._active) < self.profile.n_seq_max:
+            call, i, p, o = self._waiting.popleft()
+            seq = [call, i, p, o, None]
+            self._active.append(seq)
+            mean = (c.get("const", 0.0) + c.get("prefill", 0.0) * p) * self.factor()
+            k = self.profile.model.cv
+            dt = mean if k <= 0 or mean <= 0 else self.rng.gammavariate(1 / k / k, mean * k * k)
+            self.loop.after(dt, self._prefilled, seq)
+
+    def _prefilled(self, seq: list[Any]) -> None:
+        if self.dead:
+            return
+        self._advance()
+        seq[4] = float(seq[3])
+        self._reschedule()
+
+    def _reschedule(self) -> None:
+        self._version += 1
+        left = [s[4] for s in self._active if s[4] is not None]
+        if left:
+            self.loop.after(max(min(left), 0.0) * self._per_token(), self._finish,
+                            self._version)
+
+    def _finish(self, version: int) -> None:
+        if version != self._version or self.dead:
+            return
+        self._advance()
+        done = [s for s in self._active if s[4] is not None and s[4] <= 1e-9]
+        self._active = [s for s in self._active if not (s[4] is not None and s[4] <= 1e-9)]
+        for call, i, p, o, _ in done:
+            call.complete(i, Generation("", p, o, "length"))
+            if call.done.is_set():
+                self.deliver(BatchResult(self._calls.pop(id(call)), call.results))
+        self._admit()
+        self._reschedule()
+
+
 _FIFO_REQUEST = GenerationRequest(prompt="")  # class 0, no deadline: arrival order
+
+
+def sequence_features(shapes: list[tuple[int, int]]) -> dict[str, float]:
+    """The ``sequences`` model's drivers for one call of requests shaped ``(prompt
+    tokens, output tokens)`` alone on an idle server (all within its slots, in step):
+    its longest request's prefill and tokens, and the crowd those tokens shared."""
+    n = len(shapes)
+    p, o = max(shapes, key=lambda x: x[1])
+    return {"const": 1.0, "prefill": float(p), "tokens": float(o),
+            "crowd": float(o * (n - 1))}
 
 
 def step_features(profile: EngineProfile, shapes: list[tuple[int, int]]) -> dict[str, float]:

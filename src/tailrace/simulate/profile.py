@@ -13,6 +13,10 @@ absolute percentage error over the samples) kept beside it:
 - a continuously batching generation engine (llama.cpp): one decode step, drivers
   ``const``, ``decoding`` (sequences decoding a token) and ``prefill`` (prompt tokens
   fed), for its real scheduler (``engines/llama_cpp/scheduler.py``) to be replayed with;
+- a remote server that runs each request as its own sequence (``sequences``: an
+  OpenAI-compatible server): one request's prompt (``const``, ``prefill`` per token,
+  not delaying the others) and each token (``tokens``, plus ``crowd`` per other
+  sequence holding a slot);
 - any other engine (an embedder, a server that takes one call at a time): one call,
   drivers ``const``, ``items`` and ``tokens``.
 
@@ -35,7 +39,12 @@ VERSION = 1
 STAGE_DRIVERS = ("const", "records", "tokens")
 STEP_DRIVERS = ("const", "decoding", "prefill")
 CALL_DRIVERS = ("const", "items", "tokens")
+SEQUENCE_DRIVERS = ("const", "prefill", "tokens", "crowd")
 TOKEN_DRIVERS = ("const", "tokens")
+
+
+#: engine kind -> the drivers of its model
+KINDS = {"continuous": STEP_DRIVERS, "calls": CALL_DRIVERS, "sequences": SEQUENCE_DRIVERS}
 
 
 class ProfileError(TailraceError):
@@ -53,11 +62,12 @@ class LinearModel:
     cv: float = 0.0  # spread of a measurement around the model: std / mean (0: none)
 
     def __call__(self, **x: float) -> float:
+        """The model at drivers ``x`` (``const`` defaults to 1: the intercept once)."""
         c = self.coef
-        total = c.get("const", 0.0)
+        total = c.get("const", 0.0) * x.get("const", 1.0)
         for k, v in x.items():
             w = c.get(k)
-            if w:
+            if w and k != "const":
                 total += w * v
         return total
 
@@ -122,7 +132,8 @@ class StageProfile:
 @dataclass(frozen=True)
 class EngineProfile:
     """One engine: ``kind`` ``continuous`` (a step model for its scheduler, with
-    ``n_seq_max``, ``chunk`` and ``n_batch``) or ``calls`` (a model per call)."""
+    ``n_seq_max``, ``chunk`` and ``n_batch``), ``sequences`` (a server's per-sequence
+    model, ``n_seq_max`` slots) or ``calls`` (a model per call)."""
 
     kind: str
     model: LinearModel
@@ -233,9 +244,9 @@ def parse_profile(raw: Any, where: str = "profile") -> Profile:
     out_engines = {}
     for name, e in engines.items():
         w = f"{where}: engines.{name}"
-        if not isinstance(e, dict) or e.get("kind") not in ("continuous", "calls"):
-            raise ProfileError(f"{w}.kind: must be 'continuous' or 'calls'")
-        drivers = STEP_DRIVERS if e["kind"] == "continuous" else CALL_DRIVERS
+        if not isinstance(e, dict) or e.get("kind") not in KINDS:
+            raise ProfileError(f"{w}.kind: must be one of {', '.join(KINDS)}")
+        drivers = KINDS[e["kind"]]
         start = e.get("start_s", 1.0)
         if isinstance(start, bool) or not isinstance(start, int | float) or start < 0:
             raise ProfileError(f"{w}.start_s: must be a number >= 0, got {start!r}")

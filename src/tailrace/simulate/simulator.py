@@ -32,7 +32,14 @@ from ..engines.opener import split_pool
 from ..engines.pool import EnginePool
 from ..observability.stats import StageMeter
 from ..serving.binding import admission_setup
-from .engines import CallReplica, ContinuousReplica, Replica, Shape, Shapes
+from .engines import (
+    CallReplica,
+    ContinuousReplica,
+    Replica,
+    SequenceReplica,
+    Shape,
+    Shapes,
+)
 from .events import Loop
 from .profile import EngineProfile, LinearModel, Profile, ProfileError, StageProfile
 from .workload import Arrival
@@ -120,7 +127,8 @@ class PoolDriver:
         self.sim, self.name, self.profile = sim, name, profile
         self.replicas: list[Replica] = []
         self._due = math.inf  # the earliest turn already scheduled
-        cls = ContinuousReplica if profile.kind == "continuous" else CallReplica
+        cls = {"continuous": ContinuousReplica, "sequences": SequenceReplica}.get(
+            profile.kind, CallReplica)
 
         def transport(spec: dict, kind: str, deliver: Any, label: str, endpoint: Any,
                       max_in_flight: int) -> Replica:
@@ -387,7 +395,7 @@ class Simulation:
             # no pool in a real run: the stage calls the engine itself, which takes every
             # call at once (llama.cpp queues them in its scheduler) and never merges two
             # callers' calls into one (so none waits for another's requests to finish)
-            options.setdefault("max_in_flight", 1024 if eprof.kind == "continuous" else 1)
+            options.setdefault("max_in_flight", 1 if eprof.kind == "calls" else 1024)
             options.setdefault("max_batch_size", 1)
         driver = PoolDriver(self, name, base, eprof, per_node * self.config.nodes, options)
         self.pools[name] = driver
