@@ -1,4 +1,4 @@
-"""The ``tailrace`` command line: run, plan, demo, ingest, eval, serve, route fit.
+"""The ``tailrace`` command line: run, plan, demo, ingest, eval, serve, route fit, profile.
 
 Bad input (unreadable file, invalid YAML, unknown operator, cycle, bad JSONL line)
 prints one line naming the file:line or stage and the fix, and exits with status 2;
@@ -104,12 +104,14 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--llm", help="override the generation model (e.g. gemma3-270m)")
     e.add_argument("--json", metavar="FILE", help="also write the report as JSON")
 
+    from .profile import add_parser as add_profile
     from .route_fit import add_parser as add_route
     from .serve import add_parser as add_serve
     from .simulate import add_parser as add_simulate
 
     add_serve(sub)
     add_simulate(sub)
+    add_profile(sub)
     for command in sub.choices.values():
         command.add_argument("--debug", action="store_true", help="show tracebacks")
     add_route(sub)  # its --debug is on its verbs
@@ -134,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
             from .route_fit import route
 
             return route(args)
+        if args.command == "profile":
+            from .profile import profile
+
+            return profile(args)
         if args.command == "demo":
             from .demo import demo
 

@@ -84,18 +84,19 @@ def _leaves(q: dict) -> Iterator[dict]:
             yield sub
 
 
-def read_fanoutqa(titles: set[str], limit: int | None = None) -> list[EvalQuestion]:
-    """Leaf sub-questions of the FanOutQA dev set whose evidence page is in ``titles``."""
+def read_fanoutqa(titles: set[str] | None, limit: int | None = None) -> list[EvalQuestion]:
+    """Leaf sub-questions of the FanOutQA dev set whose evidence page is in ``titles``
+    (None: every one, e.g. as a sample input to profile a pipeline with)."""
     path = _data_file(*FANOUTQA_PACKAGE)
     out: list[EvalQuestion] = []
     for q in json.loads(path.read_text("utf-8")):
         for sub in _leaves(q):
             ev = (sub.get("evidence") or {}).get("title")
-            if ev not in titles:
+            if titles is not None and ev not in titles:
                 continue
             ans = sub.get("answer")
             answers = tuple(str(a) for a in ans) if isinstance(ans, list) else (str(ans),)
-            out.append(EvalQuestion(sub["id"], sub["question"], answers, ev))
+            out.append(EvalQuestion(sub["id"], sub["question"], answers, str(ev or "")))
     return out[:limit] if limit is not None else out
 
 
