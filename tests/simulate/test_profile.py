@@ -101,6 +101,15 @@ def test_fit_relative_recovers_coefficients_and_weighs_small_rows():
     assert all(v >= 0 for v in weighed.coef.values()) and weighed.samples == 5
 
 
+def test_fit_relative_spread_is_not_blown_up_by_one_busy_row():
+    rows = [{"records": r, "tokens": 10.0 * r} for r in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)]
+    secs = [0.001 * r * (1.1 if r % 2 else 0.9) for r in range(1, 11)]
+    secs[4] *= 20  # one row measured while something else ran
+    m = fit_relative(rows, secs, STAGE_DRIVERS)
+    assert 0.05 < m.cv < 0.5  # the others' +-10%; std(measured / predicted) would be ~5
+    assert LinearModel.fit(rows, secs, STAGE_DRIVERS).cv > 1
+
+
 # -- the file ---------------------------------------------------------------------------------
 
 def sample_profile() -> Profile:
