@@ -243,6 +243,9 @@ def fidelity_rag(args: argparse.Namespace) -> dict[str, list[float]]:
 
 # -- scale ---------------------------------------------------------------------------------
 
+args_steps = 6  # bisection steps of ``sustained`` (--steps)
+
+
 def sustained(plans: list, profiles: list, config: Config, name: str, budget_s: float,
               per_node_guess: float, requests: int) -> tuple[float, float]:
     """The highest Poisson rate (requests/s) at which p99 stays within ``budget_s`` with
@@ -257,7 +260,7 @@ def sustained(plans: list, profiles: list, config: Config, name: str, budget_s: 
     while (p := p99_at(hi)) is not None and p <= budget_s:
         lo, hi = hi, hi * 2
     best_p = float("nan")
-    for _ in range(7):
+    for _ in range(args_steps):
         mid = (lo + hi) / 2
         p = p99_at(mid)
         if p is not None and p <= budget_s:
@@ -282,7 +285,7 @@ def scale(args: argparse.Namespace) -> None:
         for nodes in args.nodes:
             cfg = Config(nodes=nodes, dispatch=dispatch, seed=1)
             rate, p99 = sustained([plan], [prof], cfg, "wiki-qa", budget,
-                                  guess or 1.0, max(args.scale_requests, 50 * nodes))
+                                  guess or 1.0, max(args.scale_requests, 20 * nodes))
             guess = rate / nodes if rate else guess
             base.setdefault(dispatch, rate)
             ratio = rate / base[dispatch] if base[dispatch] else float("nan")
@@ -368,8 +371,11 @@ def main() -> None:
     ap.add_argument("--speed-points", type=lambda s: tuple(int(x) for x in s.split("x")),
                     nargs="+", default=[(1, 100_000), (1024, 100_000)],
                     help="NODESxREQUESTS, e.g. 1024x1000000")
+    ap.add_argument("--steps", type=int, default=6, help="scale: bisection steps")
     ap.add_argument("--json", help="scale: write the rows as JSON")
     args = ap.parse_args()
+    global args_steps
+    args_steps = args.steps
     todo = ["fidelity", "fidelity-rag", "scale", "speed"] if args.what == "all" else [args.what]
     for what in todo:
         if what in ("fidelity", "fidelity-rag"):

@@ -9,7 +9,8 @@ by the engine's profile:
   (``engines/llama_cpp/scheduler.py``), which starts, preempts and resumes sequences and
   allots prompt chunks; each sequence starts in the stream the real ``PrefixCache``
   picks, so prefix hits are the cache's own. Only the step itself is virtual: it lasts
-  ``model(const=1, decoding=D, prefill=P)`` seconds and then advances each sequence as
+  ``model(const=1, decoding=D, prefill=P, starts=S)`` seconds (S: sequences started
+  in it: a request's own set-up) and then advances each sequence as
   the real decoder does (a prompt's last chunk yields the first token).
 - ``CallReplica``: any other engine: one call at a time, each lasting
   ``model(items=n, tokens=t)`` seconds.
@@ -171,6 +172,7 @@ class ContinuousReplica(Replica):
         self._output: dict[int, int] = {}  # id(job) -> tokens it generates
         self._batches: dict[int, tuple[int, Call]] = {}  # id(call) -> (batch id, call)
         self._stepping = False
+        self._started = 0  # sequences started in the step being planned
         self.steps = 0
 
     def send(self, msg: Any) -> None:
@@ -194,6 +196,7 @@ class ContinuousReplica(Replica):
 
     def _start(self, job: Job) -> Seq:
         slot, hit = self.cache.take(job.prompt)
+        self._started += 1
         return Seq(job, slot, hit)
 
     def _step(self) -> None:
@@ -207,14 +210,15 @@ class ContinuousReplica(Replica):
         if sched.idle():
             self._stepping = False
             return
+        self._started = 0
         sched.schedule(self._start)
         if not sched.active:
             self._stepping = False
             return
         allot = sched.prefill()
         decoding = sum(1 for s in sched.active if s.state is State.DECODING)
-        dt = self.profile.model.draw(self.rng, decoding=decoding,
-                                     prefill=sum(allot.values())) * self.factor()
+        dt = self.profile.model.draw(self.rng, decoding=decoding, prefill=sum(allot.values()),
+                                     starts=self._started) * self.factor()
         self.busy_s += dt
         self.steps += 1
         self.loop.after(dt, self._stepped, list(sched.active), allot)
@@ -371,7 +375,7 @@ class _Counter:
     """A step model that costs nothing and counts its drivers (``step_features``)."""
 
     def __init__(self) -> None:
-        self.totals = {"const": 0.0, "decoding": 0.0, "prefill": 0.0}
+        self.totals = {"const": 0.0, "decoding": 0.0, "prefill": 0.0, "starts": 0.0}
 
     def draw(self, rng: Any, **x: float) -> float:
         return self(**x)

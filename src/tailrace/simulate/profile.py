@@ -11,8 +11,10 @@ absolute percentage error over the samples) kept beside it:
   call, plus the shape of the requests it sends (``prompt_tokens`` as a model of the
   record's prompt tokens, ``output_tokens`` measured);
 - a continuously batching generation engine (llama.cpp): one decode step, drivers
-  ``const``, ``decoding`` (sequences decoding a token) and ``prefill`` (prompt tokens
-  fed), for its real scheduler (``engines/llama_cpp/scheduler.py``) to be replayed with;
+  ``const``, ``decoding`` (sequences decoding a token), ``prefill`` (prompt tokens
+  fed) and ``starts`` (sequences started in it: each request's own set-up, sampler and
+  template), for its real scheduler (``engines/llama_cpp/scheduler.py``) to be
+  replayed with;
 - a remote server that runs each request as its own sequence (``sequences``: an
   OpenAI-compatible server): one request's prompt (``const``, ``prefill`` per token,
   not delaying the others) and each token (``tokens``, plus ``crowd`` per other
@@ -37,7 +39,7 @@ from ..errors import TailraceError
 
 VERSION = 1
 STAGE_DRIVERS = ("const", "records", "tokens")
-STEP_DRIVERS = ("const", "decoding", "prefill")
+STEP_DRIVERS = ("const", "decoding", "prefill", "starts")
 CALL_DRIVERS = ("const", "items", "tokens")
 SEQUENCE_DRIVERS = ("const", "prefill", "tokens", "crowd")
 TOKEN_DRIVERS = ("const", "tokens")
