@@ -242,3 +242,13 @@ def test_the_sequences_model_shares_the_decode_among_its_slots():
     assert all(isinstance(m, BatchResult) and m.outputs[0].completion_tokens == 10
                for _, m in ends.values())
     assert model(**sequence_features([(100, 10), (100, 10)])) == pytest.approx(0.36)
+
+
+def test_a_fits_absurd_spread_is_drawn_as_at_most_exponential():
+    import random
+
+    m = LinearModel({"const": 0.001}, cv=477.0)
+    rng = random.Random(1)
+    xs = [m.draw(rng) for _ in range(20_000)]
+    assert statistics.fmean(xs) == pytest.approx(0.001, rel=0.05)
+    assert max(xs) < 0.02  # exponential's tail, not a gamma of shape 4e-6's seconds

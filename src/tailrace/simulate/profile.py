@@ -43,6 +43,7 @@ STEP_DRIVERS = ("const", "decoding", "prefill", "starts")
 CALL_DRIVERS = ("const", "items", "tokens")
 SEQUENCE_DRIVERS = ("const", "prefill", "tokens", "crowd")
 TOKEN_DRIVERS = ("const", "tokens")
+MAX_CV = 1.0  # the widest spread a duration is drawn with (exponential)
 
 
 #: engine kind -> the drivers of its model
@@ -75,11 +76,13 @@ class LinearModel:
 
     def draw(self, rng: Any, **x: float) -> float:
         """One duration: the model's mean, spread by ``cv`` (a gamma draw: ``cv`` 1 is
-        exponential, 0 exact)."""
+        exponential, 0 exact; a cv above ``MAX_CV`` counts as ``MAX_CV``: a fit's spread
+        that wide is a model of nearly nothing, whose draws would be 0 or seconds)."""
         mean = self(**x)
         if self.cv <= 0 or mean <= 0:
             return mean
-        k = 1.0 / (self.cv * self.cv)
+        cv = min(self.cv, MAX_CV)
+        k = 1.0 / (cv * cv)
         return rng.gammavariate(k, mean / k)
 
     def to_dict(self) -> dict[str, Any]:
