@@ -244,11 +244,8 @@ def fidelity_rag(args: argparse.Namespace) -> dict[str, list[float]]:
 
 # -- scale ---------------------------------------------------------------------------------
 
-args_steps = 6  # bisection steps of ``sustained`` (--steps)
-
-
 def sustained(plans: list, profiles: list, config: Config, name: str, budget_s: float,
-              per_node_guess: float, requests: int) -> tuple[float, float]:
+              per_node_guess: float, requests: int, steps: int = 6) -> tuple[float, float]:
     """The highest Poisson rate (requests/s) at which p99 stays within ``budget_s`` with
     every request answered, searched by bisection; and the p99 there."""
     def p99_at(rate: float) -> float | None:
@@ -261,7 +258,7 @@ def sustained(plans: list, profiles: list, config: Config, name: str, budget_s: 
     while (p := p99_at(hi)) is not None and p <= budget_s:
         lo, hi = hi, hi * 2
     best_p = float("nan")
-    for _ in range(args_steps):
+    for _ in range(steps):
         mid = (lo + hi) / 2
         p = p99_at(mid)
         if p is not None and p <= budget_s:
@@ -289,7 +286,8 @@ def scale(args: argparse.Namespace) -> None:
         for nodes in args.nodes:
             cfg = Config(nodes=nodes, dispatch=dispatch, seed=1)
             rate, p99 = sustained([plan], [prof], cfg, "wiki-qa", budget,
-                                  guess or 1.0, max(args.scale_requests, 20 * nodes))
+                                  guess or 1.0, max(args.scale_requests, 20 * nodes),
+                                  args.steps)
             guess = rate / nodes if rate else guess
             base.setdefault(dispatch, rate)
             ratio = rate / base[dispatch] if base[dispatch] else float("nan")
@@ -379,8 +377,6 @@ def main() -> None:
                     help="scale: only the contention part")
     ap.add_argument("--json", help="scale: write the rows as JSON")
     args = ap.parse_args()
-    global args_steps
-    args_steps = args.steps
     todo = ["fidelity", "fidelity-rag", "scale", "speed"] if args.what == "all" else [args.what]
     for what in todo:
         if what in ("fidelity", "fidelity-rag"):

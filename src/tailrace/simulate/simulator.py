@@ -41,7 +41,7 @@ from .engines import (
     Shapes,
 )
 from .events import Loop
-from .profile import EngineProfile, LinearModel, Profile, ProfileError, StageProfile
+from .profile import EngineProfile, Profile, ProfileError, StageProfile
 from .workload import Arrival
 
 MAINTAIN_S = 0.25  # the pool loop's upkeep period (``pool._TICK_S``)
@@ -247,13 +247,21 @@ class SimStage:
         self.sim.loop.after(hop, self._call, recs, ended)
 
     def _call(self, recs: list[SimRecord], ended: Callable[[SimCall], None]) -> None:
-        call = SimCall(len(recs), ended)
         pool = self.pool
         assert pool is not None
         if self.kind == "embed":
-            pool.pool.submit_embed(["x" * (4 * r.prompt_tokens) for r in recs], call)
+            pool.pool.submit_embed(["x" * (4 * r.prompt_tokens) for r in recs],
+                                   SimCall(len(recs), ended))
         else:
-            pool.pool.submit_generate([self.sim.request(self, r) for r in recs], call)
+            reqs = [self.sim.request(self, r) for r in recs]
+
+            def forget(call: SimCall) -> None:
+                if call.error is None:  # all answered: no replica reads their shapes again
+                    for req in reqs:  # (a failed call's others may still be in flight)
+                        self.sim.shapes.drop(req)
+                ended(call)
+
+            pool.pool.submit_generate(reqs, SimCall(len(recs), forget))
         pool.poke()
 
     def _done(self, recs: list[SimRecord], start: float, failed: bool) -> None:
@@ -294,7 +302,6 @@ class SimPipeline:
         self.sim, self.plan, self.name = sim, plan, plan.name
         self.stages: list[SimStage] = []
         self.input_tokens = round(profile.input_tokens)
-        self.output_tokens = 0
         by_index: dict[int, SimStage] = {}
         consumers = plan.consumers()
         for i, s in enumerate(plan.stages):
@@ -309,8 +316,6 @@ class SimPipeline:
             st = SimStage(sim, self, s, prof, pool)
             by_index[i] = st
             self.stages.append(st)
-            if pool is not None and pool.pool.kind == "generate":
-                self.output_tokens = max(self.output_tokens, round(prof.output_tokens))
         first = plan.first_stages()
         self.first = [by_index[i] for i in sorted(first)]
         for i, ports in consumers.items():
@@ -370,6 +375,7 @@ class Simulation:
         self.live = 0  # records arrived and not ended
         self.results: list[tuple[str, float, float, str]] = []  # pipeline, arrival, end, outcome
         self.tickets_out = 0
+        self._pending = 0  # requests ``run`` was given
 
     # -- engines ----------------------------------------------------------------------
     def pool_for(self, plan: Plan, stage: PlanStage, prof: StageProfile,
@@ -531,7 +537,3 @@ class Simulation:
     def stage_meters(self) -> list[StageMeter]:
         return [st.meter for p in self.pipelines.values() for st in p.stages]
 
-
-def unit_model(seconds: float) -> LinearModel:
-    """A model of ``seconds`` per call whatever drives it (tests, toy plans)."""
-    return LinearModel({"const": seconds})
