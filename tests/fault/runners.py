@@ -25,6 +25,7 @@ from typing import Any
 import tailrace as tr
 from tailrace.errors import RunInterrupted
 from tailrace.request import REQUEST, Request
+from tailrace.runtime.trace_out import TraceWriter
 
 from .account import Observed, account, drop_problems, queue_problems, reply_problems
 from .harness import (
@@ -292,12 +293,20 @@ def run_local(sc: Scenario, *, here: bool = False) -> Report:
     outputs: list = []
     errors: list = []
     gate = CountingGate(sc.admission.gate()) if sc.admission is not None else None
+    # every other scenario also records a trace (``--trace-out``): a line per record
+    trace_path = os.path.join(tmp, "trace.jsonl") if sc.seed % 2 == 0 else None
+    trace = TraceWriter.open(trace_path) if trace_path is not None else None
     try:
         with LeakWatch() as leaks:
-            p = build(sc, ledger, run, data=inputs(sc.n), sink=outputs.append)
+            if trace is None:
+                p = build(sc, ledger, run, data=inputs(sc.n), sink=outputs.append)
+                bound: dict[str, Any] = {}
+            else:  # a trace follows records bound at run time (as ``tailrace run``'s)
+                p = build(sc, ledger, run, data=None, sink=None)
+                bound = {"input": inputs(sc.n), "output": outputs.append, "trace": trace}
 
             def call() -> Any:
-                return tr.run(p, fuse=sc.fuse, errors=errors.append, admission=gate)
+                return tr.run(p, fuse=sc.fuse, errors=errors.append, admission=gate, **bound)
 
             def progress() -> tuple:
                 return probe.calls, len(outputs), len(errors)
@@ -337,12 +346,40 @@ def run_local(sc: Scenario, *, here: bool = False) -> Report:
                 report.problems += drop_problems(sc, obs, stats)
             if gate is not None:
                 report.problems += gate.balance()
+            if trace is not None:
+                trace.close()
+                report.problems += trace_problems(sc, trace_path, errors,
+                                                  complete=not report.interrupted)
             report.problems += leaks.problems(tasks=not report.interrupted)
     finally:
         if gate is not None:
             gate.close()
+        if trace is not None:
+            trace.close()
         _teardown(run, probe, tmp)
     return report
+
+
+def trace_problems(sc: Scenario, path: str, errors: list, *, complete: bool) -> list[str]:
+    """A run's trace has one line per input record (when it ran to its end), each well
+    formed, and as many ``rejected`` lines as admission turned records away."""
+    with open(path) as f:
+        lines = [json.loads(x) for x in f if x.strip()]
+    out = []
+    if complete and len(lines) != sc.n:
+        out.append(f"trace: {len(lines)} lines for {sc.n} input records")
+    keys = {"t", "pipeline", "prompt_tokens", "max_tokens", "output_tokens", "latency_s",
+            "outcome"}
+    bad = [x for x in lines if set(x) != keys or x["outcome"] not in ("ok", "error",
+                                                                       "rejected")]
+    if bad:
+        out.append(f"trace: malformed line {bad[0]}")
+    if complete:
+        rejected = sum(1 for e in errors if getattr(e, "stage", None) == "admission")
+        if sum(x["outcome"] == "rejected" for x in lines) != rejected:
+            out.append(f"trace: {sum(x['outcome'] == 'rejected' for x in lines)} rejected "
+                       f"lines, {rejected} admission rejections")
+    return out
 
 
 def run_in_child(sc: Scenario, timeout: float = 30.0) -> Report:

@@ -116,3 +116,24 @@ def test_trace_is_refused_where_it_cannot_follow_the_records(tmp_path):
         assert "trace= follows records that are dicts" in res.errors[0].message
     assert out == []
     assert [r["outcome"] for r in read(tmp_path / "t.jsonl")] == ["ok"]
+
+
+def test_records_grouped_by_batch_stages_reach_the_output_without_the_traces_requests(
+        tmp_path):
+    """The fault suite's find: a batch of batches carried each member's request (a
+    runtime object) into the output."""
+    import tailrace as tr
+    from tailrace.runtime.trace_out import TraceWriter
+
+    p = tr.Pipeline("nested")
+    (p.source(None, id="src").batch(2, 0, id="b1", output="items")
+     .batch(2, 0, id="b2", output="items").sink(None))
+    out: list = []
+    w = TraceWriter.open(str(tmp_path / "t.jsonl"))
+    tr.run(p, input=[{"a": i} for i in range(5)], output=out.append, trace=w)
+    w.close()
+    members = [m for group in out for batch in group["items"] for m in batch["items"]]
+    assert sorted(m["a"] for m in members) == list(range(5))
+    assert all(set(m) == {"a"} for m in members)
+    assert all(set(group) == {"items"} for group in out)
+    assert len((tmp_path / "t.jsonl").read_text().splitlines()) == 5

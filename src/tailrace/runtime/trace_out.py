@@ -187,6 +187,18 @@ def output_tokens(req: Request | None, record: Any, usage_field: str | None) -> 
     return n if type(n) is int else None
 
 
+def bare(record: Any) -> Any:
+    """``record`` without the requests the trace gave the input records, also those of
+    the records ``batch`` stages grouped into it (a list, or a list in a field, at any
+    depth: a batch of batches)."""
+    if type(record) is list:
+        return [bare(x) for x in record]
+    record = strip(record)
+    if type(record) is dict and any(type(v) is list for v in record.values()):
+        return {k: bare(v) if type(v) is list else v for k, v in record.items()}
+    return record
+
+
 class RunTrace:
     """Follows the input records of one batch run to their ends for ``writer``.
 
@@ -264,7 +276,7 @@ class RunTrace:
         ended = self._ended
 
         def out(record: Any) -> None:
-            put(strip(record))
+            put(bare(record))
             ended(record, "ok")
 
         return out
