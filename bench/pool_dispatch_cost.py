@@ -2,8 +2,8 @@
 
 Measured: the pool's own work to route one batch, as ``EnginePool._route`` does it for
 ``least_work``: every replica's load as dispatch sees it (``EnginePool._loads``), the
-policy's choice over them, and the chosen replica's bookkeeping (``_touch`` where the
-tree has it). No engine runs. Median [min - max] of 5 runs. Compare two trees by
+policy's choice over them (``LoadTable.least`` where the tree has it, else a scan), and
+the chosen replica's bookkeeping (``_touch`` where the tree has it). No engine runs. Median [min - max] of 5 runs. Compare two trees by
 running it with each on ``PYTHONPATH``:
 
     python bench/pool_dispatch_cost.py [--replicas 4 64 1024]
@@ -24,6 +24,7 @@ from tailrace.engines.pool.state import ReplicaState
 def per_batch_us(replicas: int, batches: int) -> float:
     """The pool's own work to route one batch: each replica's load as dispatch sees it
     (``EnginePool._loads``) and the least-work choice over them."""
+    from tailrace.engines.pool import dispatch as dispatch_mod
     from tailrace.engines.pool import pool as pool_mod
 
     states = [ReplicaState(i, None, 4) for i in range(replicas)]
@@ -31,7 +32,9 @@ def per_batch_us(replicas: int, batches: int) -> float:
         r.healthy, r.transport = True, object()
     holder = pool_mod.EnginePool.__new__(pool_mod.EnginePool)
     holder._replicas = states
-    if hasattr(pool_mod.EnginePool, "_touch"):  # kept current where state changes
+    if hasattr(dispatch_mod, "LoadTable"):  # kept current, least work at hand
+        holder._load_of = dispatch_mod.LoadTable([r.load() for r in states])
+    elif hasattr(pool_mod.EnginePool, "_touch"):  # kept current where state changes
         holder._load_of = [r.load() for r in states]
         holder._free = replicas
     policy = LeastOutstandingWork()

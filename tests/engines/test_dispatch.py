@@ -8,6 +8,7 @@ import pytest
 
 from tailrace.engines.base import GenerationRequest
 from tailrace.engines.pool.dispatch import (
+    LoadTable,
     Affinity,
     LeastOutstandingWork,
     PrefixAffinity,
@@ -200,3 +201,23 @@ def test_least_work_balances_skewed_sizes_better_than_round_robin(seed):
     assert lw_makespan < rr_makespan
     assert lw_p99 < rr_p99
 
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_load_table_chooses_what_a_scan_chooses_through_any_changes(seed):
+    """The pool's ``LoadTable`` (a heap with stale entries) against the scan over plain
+    loads, after each of many random changes: health, calls in flight, work, ties."""
+    rng = random.Random(seed)
+    n = rng.choice([1, 3, 40])
+    loads = [ReplicaLoad(i, healthy=rng.random() < 0.8, max_concurrency=rng.randint(1, 3))
+             for i in range(n)]
+    table, policy = LoadTable(loads), LeastOutstandingWork()
+    for _ in range(600):
+        x = loads[rng.randrange(n)]
+        x = x._replace(healthy=rng.random() < 0.9, in_flight=rng.randint(0, x.max_concurrency),
+                       outstanding_work=rng.choice([0, 5, 5, 17, rng.randrange(100)]))
+        loads[x.id] = x
+        table.set(x)
+        assert policy.choose(table, 1) == policy.choose(list(loads), 1)
+        assert table.free == sum(y.can_take(0) for y in loads)
+        assert list(table) == loads and len(table._heap) <= 2 * n + 65

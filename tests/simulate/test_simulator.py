@@ -18,6 +18,7 @@ from tailrace.compiler.plan import compile_pipeline
 from tailrace.control import policies
 from tailrace.engines.llama_cpp import prefix_cache, scheduler
 from tailrace.engines.pool import batching, dispatch
+from tailrace.simulate import engines
 from tailrace.simulate import (
     Config,
     EngineProfile,
@@ -105,14 +106,14 @@ def rag(replicas: int = 2, p99: int = 3000):
     return compile_pipeline(loads_pipeline(RAG.format(replicas=replicas, p99=p99)))
 
 
-def rag_profile(step_s: float = 0.01) -> Profile:
+def rag_profile(step_s: float = 0.01, cv: float = 0.05) -> Profile:
     return Profile(
         "rag",
         {"answer": StageProfile(LinearModel({"const": 0.0002}), "llm",
                                 LinearModel({"const": 40.0, "tokens": 1.0}), 20.0, 24),
          "sink": StageProfile(LinearModel({}))},
         {"llm": EngineProfile("continuous", LinearModel({"const": step_s, "decoding": 0.001,
-                                                          "prefill": 0.0001}, cv=0.05),
+                                                          "prefill": 0.0001}, cv=cv),
                               n_seq_max=4, chunk=16, start_s=0.5)},
         input_tokens=10)
 
@@ -213,8 +214,31 @@ def test_the_pools_dispatch_view_stays_current_through_kills_and_restarts():
     pool = sim.pools["llm"].pool
     assert all(r[3] == "ok" for r in sim.results)
     assert pool._load_of == [r.load() for r in pool._replicas]
-    assert pool._free == sum(x.can_take(0) for x in pool._load_of)
+    assert pool._load_of.free == sum(x.can_take(0) for x in pool._load_of)
+    assert pool._policy.choose(pool._load_of, 0) == pool._policy.choose(list(pool._load_of), 0)
     assert sum(r.restarts for r in pool.statistics().replicas) == 3
+
+
+def test_decode_runs_planned_as_one_event_end_as_step_by_step(monkeypatch):
+    """A replica plans a run of decode-only steps as one event, cut when a request
+    arrives or its node slows: with exact durations (cv 0) every request ends when it
+    ends stepping one event a step, through arrivals mid-run, a slowed node and a kill."""
+    def run() -> tuple[list, int, float]:
+        slow = [(t / 10, t % 2, 1.0 + t % 3) for t in range(50, 150, 7)]
+        config = Config(seed=3, nodes=2, slow=slow, kills=[(11.1, "llm", 0)])
+        sim = Simulation([rag()], [rag_profile(cv=0.0)], config)
+        sim.run(poisson({"rag": 5.0}, 300, seed=3))
+        reps = [r for d in sim.pools.values() for r in d.replicas]
+        return (sorted(sim.results), sim.loop.events,
+                sum(getattr(r, "steps", 0) for r in reps))
+
+    planned, events, steps = run()
+    monkeypatch.setattr(engines.ContinuousReplica, "_settled", lambda self: False)
+    stepped, events_stepped, steps_stepped = run()
+    assert [r[3] for r in planned] == [r[3] for r in stepped]
+    assert all(a[0] == b[0] and abs(a[2] - b[2]) < 1e-9 for a, b in zip(planned, stepped))
+    assert steps == steps_stepped  # the same decode steps, counted once each
+    assert events < 0.6 * events_stepped  # in far fewer events
 
 
 def test_the_sequences_model_shares_the_decode_among_its_slots():

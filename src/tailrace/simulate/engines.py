@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, cast
@@ -96,6 +97,10 @@ class Replica:
 
     def alive(self) -> bool:
         return not self.dead
+
+    def cut(self) -> None:
+        """Something changed that durations already drawn did not know (its node's
+        speed): replicas that plan ahead plan again from the step in progress."""
 
     def kill(self) -> None:
         """The replica's process dies now: what it runs is lost (the pool hears
@@ -174,6 +179,10 @@ class ContinuousReplica(Replica):
         self._stepping = False
         self._started = 0  # sequences started in the step being planned
         self.steps = 0
+        # a run of decode-only steps planned as one event (``_run``): (its start, each
+        # step's end from then, its sequences, its generation); ``_gen`` voids a cut one
+        self._planned: tuple[float, list[float], list[Seq], int] | None = None
+        self._gen = 0
 
     def send(self, msg: Any) -> None:
         if self.dead or self.stopped or isinstance(msg, Shutdown):
@@ -190,6 +199,8 @@ class ContinuousReplica(Replica):
             job = Job(call, i, r, shape.tokens)
             self._output[id(job)] = shape.output
             self._inbox.append(job)
+        if self._planned is not None:
+            self.cut()
         if not self._stepping:
             self._stepping = True
             self.loop.after(0.0, self._step)
@@ -200,7 +211,8 @@ class ContinuousReplica(Replica):
         return Seq(job, slot, hit)
 
     def _step(self) -> None:
-        """The decode loop's iteration: arrivals in, the scheduler's choice, one step."""
+        """The decode loop's iteration: arrivals in, the scheduler's choice, one step (or
+        a run of steps that only decode: see ``_run``)."""
         if self.dead:
             return
         sched = self.scheduler
@@ -217,11 +229,69 @@ class ContinuousReplica(Replica):
             return
         allot = sched.prefill()
         decoding = sum(1 for s in sched.active if s.state is State.DECODING)
+        if not allot and decoding == len(sched.active) and self._settled():
+            self._run(decoding)
+            return
         dt = self.profile.model.draw(self.rng, decoding=decoding, prefill=sum(allot.values()),
                                      starts=self._started) * self.factor()
         self.busy_s += dt
         self.steps += 1
         self.loop.after(dt, self._stepped, list(sched.active), allot)
+
+    def _settled(self) -> bool:
+        """Whether the scheduler's next steps would choose as this one did until a
+        sequence ends or a request arrives: nothing paused, and nothing waiting or
+        every slot and stream taken (so nothing can start or preempt)."""
+        sched = self.scheduler
+        n = len(sched.active)
+        return not sched.paused and (not sched.waiting or (
+            n >= sched.n_active and n >= sched.n_streams))
+
+    def _run(self, decoding: int) -> None:
+        """Every active sequence decodes, and would until the first of them ends: the
+        steps up to then are drawn at once (each its own duration, as one by one) and
+        take one event, not one each. An arrival or a slowed node cuts the run at the
+        end of the step in progress (``cut``): the loop takes arrivals only there."""
+        active = list(self.scheduler.active)
+        output = self._output
+        k = min(output[id(s.job)] - s.n_gen for s in active)
+        model, rng, f = self.profile.model, self.rng, self.factor()
+        ends, t = [], 0.0
+        for j in range(k):
+            t += model.draw(rng, decoding=decoding, prefill=0,
+                            starts=self._started if j == 0 else 0) * f
+            ends.append(t)
+        self.busy_s += t
+        self.steps += k
+        self._gen += 1
+        self._planned = (self.loop.now(), ends, active, self._gen)
+        self.loop.after(t, self._advanced, self._gen, active, k)
+
+    def cut(self) -> None:
+        """End the planned run of steps with the step in progress now (something
+        arrived, or the node's speed changed): the steps after it are planned again."""
+        plan, self._planned = self._planned, None
+        if plan is None or self.dead:
+            return
+        start, ends, active, gen = plan
+        i = bisect_left(ends, self.loop.now() - start)  # the step in progress ends at ends[i]
+        if i >= len(ends) - 1 or gen != self._gen:
+            return
+        self.busy_s -= ends[-1] - ends[i]
+        self.steps -= len(ends) - 1 - i
+        self._gen += 1
+        self.loop.at(start + ends[i], self._advanced, self._gen, active, i + 1)
+
+    def _advanced(self, gen: int, active: list[Seq], n: int) -> None:
+        """``n`` decode steps of ``active`` are done (none of them ended before the last)."""
+        if self.dead or gen != self._gen:
+            return
+        self._planned = None
+        for s in active:
+            s.n_gen += n - 1
+            self._token(s)
+        self.scheduler.retire()
+        self._step()
 
     def _stepped(self, active: list[Seq], allot: dict[Seq, int]) -> None:
         if self.dead:

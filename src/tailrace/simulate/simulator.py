@@ -507,6 +507,13 @@ class Simulation:
             self.policy.release(rec.ticket, now - rec.ticket.admitted_at)
             self._admit(self.policy.poll())
 
+    def _slow_node(self, node: int, factor: float) -> None:
+        self.slow[node] = factor
+        for driver in self.pools.values():
+            for rep in driver.replicas:
+                if rep.node == node:
+                    rep.cut()
+
     # -- the run --------------------------------------------------------------------------
     def run(self, arrivals: Sequence[Arrival]) -> None:
         """Simulate ``arrivals`` until every request has ended."""
@@ -516,7 +523,7 @@ class Simulation:
         for t, engine, rid in self.config.kills:
             loop.at(t, self._kill, engine, rid)
         for t, node, factor in self.config.slow:
-            loop.at(t, self.slow.__setitem__, node, factor)
+            loop.at(t, self._slow_node, node, factor)
         self._pending = len(arrivals)
         if self.pools:
             loop.after(MAINTAIN_S, self._maintain)

@@ -17,10 +17,11 @@ memory of the prompts it sent where: still a pure function of what it is given.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from heapq import heapify, heappop, heappush
 from operator import itemgetter
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, overload
 
 from ..base import GenerationRequest
 from ..tokens import approx_tokens
@@ -145,6 +146,80 @@ class PrefixIndex:
 _LEAST = itemgetter(2, 3, 0)
 
 
+class LoadTable(Sequence[ReplicaLoad]):
+    """Every replica's load, by id (a read-only sequence, as dispatch policies take), with
+    the least-work replica that can take a call kept at hand: ``least()`` costs O(log n)
+    where a scan over a thousand replicas costs a millisecond per batch.
+
+    ``set(load)`` replaces replica ``load.id``'s load. The heap holds each replica that can
+    take a call under its current key, besides stale entries, which ``least()`` drops as
+    they surface and which a rebuild clears once they outnumber the replicas.
+
+    >>> t = LoadTable([ReplicaLoad(0, outstanding_work=9), ReplicaLoad(1)])
+    >>> t.least().id
+    1
+    >>> t.set(ReplicaLoad(1, in_flight=1))   # full (max_concurrency 1)
+    >>> t.least().id, t.free
+    (0, 1)
+    """
+
+    def __init__(self, loads: Sequence[ReplicaLoad] = ()) -> None:
+        self._loads = list(loads)
+        assert all(x.id == i for i, x in enumerate(self._loads)), "loads must be by id"
+        self.free = 0  # replicas that can take a call now
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        self._heap = [_LEAST(x) for x in self._loads
+                      if x.healthy and x.in_flight < x.max_concurrency]
+        heapify(self._heap)
+        self.free = len(self._heap)
+
+    def set(self, load: ReplicaLoad) -> None:
+        """Replica ``load.id``'s load is now ``load``."""
+        old = self._loads[load.id]
+        self._loads[load.id] = load
+        took = old.healthy and old.in_flight < old.max_concurrency
+        takes = load.healthy and load.in_flight < load.max_concurrency
+        self.free += takes - took
+        if takes and (not took or _LEAST(load) != _LEAST(old)):  # else its entry stands
+            heappush(self._heap, _LEAST(load))
+            if len(self._heap) > 2 * len(self._loads) + 64:
+                self._rebuild()
+
+    def least(self) -> ReplicaLoad | None:
+        """The replica ``LeastOutstandingWork`` would choose by a scan; None if none can
+        take a call."""
+        heap, loads = self._heap, self._loads
+        while heap:
+            key = heap[0]
+            x = loads[key[2]]
+            if x.healthy and x.in_flight < x.max_concurrency and _LEAST(x) == key:
+                return x
+            heappop(heap)
+        return None
+
+    @overload
+    def __getitem__(self, i: int) -> ReplicaLoad: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[ReplicaLoad]: ...
+
+    def __getitem__(self, i: int | slice) -> ReplicaLoad | Sequence[ReplicaLoad]:
+        return self._loads[i]
+
+    def __len__(self) -> int:
+        return len(self._loads)
+
+    def __iter__(self) -> Iterator[ReplicaLoad]:
+        return iter(self._loads)
+
+    def __eq__(self, other: object) -> bool:
+        return self._loads == (other._loads if isinstance(other, LoadTable) else other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 class DispatchPolicy(Protocol):
     """Chooses a replica for a call of ``cost`` predicted tokens, or None if none can take it.
 
@@ -180,6 +255,9 @@ class LeastOutstandingWork:
     def choose(self, loads: Sequence[ReplicaLoad], cost: int,
                affinity: Affinity | None = None) -> int | None:
         """The id of the least-loaded replica that can take ``cost``; None if none can."""
+        if isinstance(loads, LoadTable):  # the pool's own table: no scan
+            best = loads.least()
+            return None if best is None else best.id
         # ``can_take`` and the key inlined: this runs over every replica for every batch
         best = min((x for x in loads if x.healthy and x.in_flight < x.max_concurrency),
                    key=_LEAST, default=None)

@@ -29,7 +29,7 @@ from ..call import Call
 from ..models import backend, batches_continuously
 from ..tokens import approx_tokens, token_counter
 from .batching import Batcher
-from .dispatch import PrefixAffinity, affinity_of, make_dispatch
+from .dispatch import LoadTable, PrefixAffinity, ReplicaLoad, affinity_of, make_dispatch
 from .messages import (
     BatchResult,
     EmbedBatch,
@@ -148,10 +148,9 @@ class EnginePool:
             in_flight = 4 * (n_seq if isinstance(n_seq, int) and n_seq > 0 else 8)
         self._replicas = [ReplicaState(i, (self.endpoints or [None] * count)[i], in_flight)
                           for i in range(count)]
-        # each replica's ``load()``, kept current by ``_touch`` wherever its state changes:
-        # dispatch reads every replica's load for every batch it routes
-        self._load_of: list[Any] = [r.load() for r in self._replicas]
-        self._free = 0  # replicas that can take a call now (``can_take(0)``)
+        # each replica's ``load()``, kept current by ``_touch`` wherever its state changes;
+        # ``least_work`` finds its replica in the table without a scan
+        self._load_of = LoadTable([r.load() for r in self._replicas])
         self._clock = clock
         self._transport = transport
         # What the loop thread takes in. No maxsize (a full queue would block a replica's
@@ -425,7 +424,7 @@ class EnginePool:
         while self._held:
             if not self._route(self._held.popleft(), front=True):
                 return
-        while self._free and self._batcher.ready(now):
+        while self._load_of.free and self._batcher.ready(now):
             batch = Batch(next(self._batch_ids), self._batcher.take(now))
             if len({id(i.call) for i in batch.items}) > 1:
                 self._shared_batches += 1
@@ -434,16 +433,14 @@ class EnginePool:
 
     # -- steps the loop takes ---------------------------------------------------------------
 
-    def _loads(self, exclude: set[int] | frozenset[int] = frozenset()) -> list[Any]:
+    def _loads(self, exclude: set[int] | frozenset[int] = frozenset()) -> Sequence[ReplicaLoad]:
         if not exclude:
             return self._load_of
         return [x for x in self._load_of if x.id not in exclude]
 
     def _touch(self, r: ReplicaState) -> None:
         """``r``'s state changed: refresh the load dispatch sees."""
-        old, new = self._load_of[r.id], r.load()
-        self._load_of[r.id] = new
-        self._free += new.can_take(0) - old.can_take(0)
+        self._load_of.set(r.load())
 
     def _route(self, batch: Batch, *, front: bool) -> bool:
         """Send ``batch`` (to replicas it has not failed on, while one is healthy); False
