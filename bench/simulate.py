@@ -13,6 +13,8 @@ real under each admission policy, then simulates the SAME arrival traces with a 
 measured on the same server (`tailrace profile`'s code: the engine's step model fitted to
 calls alone, the stages from runs of the pipelines), and prints each pipeline's p50, p99
 and throughput both ways with the relative error, per seed and as median [min - max].
+Each real trace is simulated ``--replays`` times (the same arrivals, other seeds for the
+durations drawn): the simulated figure is their median, printed with their [min - max].
 
 **fidelity-rag** runs the bundled wiki-qa pipeline (ONNX embedder, faiss, SmolLM2 on
 llama.cpp, 2 threads) on this 2-core machine with paced Poisson arrivals through
@@ -90,8 +92,32 @@ def sim_figures(sim: Simulation) -> dict[str, dict[str, float]]:
     return figures(lat, max(ends))
 
 
-def error_table(real: dict, simulated: dict, errs: dict[str, list[float]]) -> None:
-    print(f"  {'pipeline':<12} {'figure':<6} {'real':>9} {'simulated':>10} {'error':>8}")
+def replayed(run: Any, replays: int, seed: int) -> tuple[dict, dict, float]:
+    """Figures of ``replays`` simulations of one arrival trace (``run(seed)`` -> a finished
+    ``Simulation``; seeds differ, arrivals do not): the median of each figure, its
+    [min, max] over the replays, and the wall seconds of one replay. One replay's p99 of
+    a few hundred requests moves by several percent with the draws alone; the median
+    is the simulator's answer for that trace."""
+    runs, wall = [], 0.0
+    for j in range(replays):
+        t0 = time.perf_counter()
+        runs.append(sim_figures(run(seed * 1000 + j)))
+        wall += time.perf_counter() - t0
+    med: dict = {}
+    band: dict = {}
+    for name in runs[0]:
+        med[name], band[name] = {}, {}
+        for fig in runs[0][name]:
+            xs = [r[name][fig] for r in runs if name in r]
+            med[name][fig] = statistics.median(xs)
+            band[name][fig] = (min(xs), max(xs))
+    return med, band, wall / replays
+
+
+def error_table(real: dict, simulated: dict, errs: dict[str, list[float]],
+                band: dict | None = None) -> None:
+    print(f"  {'pipeline':<12} {'figure':<6} {'real':>9} {'simulated':>10} {'error':>8}"
+          + ("   replays' [min - max]" if band else ""))
     for name, r in real.items():
         s = simulated.get(name, {})
         for fig in ("p50", "p99", "rps"):
@@ -99,8 +125,9 @@ def error_table(real: dict, simulated: dict, errs: dict[str, list[float]]) -> No
             err = (sv - rv) / rv if rv else float("nan")
             errs.setdefault(f"{name} {fig}", []).append(abs(err))
             unit = "/s" if fig == "rps" else "s"
+            lo, hi = (band or {}).get(name, {}).get(fig, (None, None))
             print(f"  {name:<12} {fig:<6} {rv:>8.3f}{unit:<1} {sv:>9.3f}{unit:<1} "
-                  f"{err:>+8.1%}")
+                  f"{err:>+8.1%}" + (f"   [{lo:.3f} - {hi:.3f}]" if lo is not None else ""))
 
 
 # -- fidelity: the contention workload on the latency-model server ------------------------
@@ -146,10 +173,13 @@ def fidelity(args: argparse.Namespace) -> dict[str, list[float]]:
                         {"text": (w.texts or (" ".join(["word"] * w.prompt_words),))[0]}),
                         w.max_tokens) for w in lat.workloads for t in traces[w.name]),
                     key=lambda a: a.t)
-                sim = simulate(plans, profiles, policy, lat, seed, arrivals)
+                med, band, wall = replayed(
+                    lambda s, policy=policy, arrivals=arrivals: simulate(
+                        plans, profiles, policy, lat, s, arrivals), args.replays, seed)
                 print(f"\nseed {seed}, admission {policy}: {len(arrivals)} requests "
-                      f"(real run {span:.1f}s; simulated in {sim.wall:.2f}s)")
-                error_table(real_figs, sim_figures(sim), errs)
+                      f"(real run {span:.1f}s; simulated in {wall:.2f}s, median of "
+                      f"{args.replays} replays)")
+                error_table(real_figs, med, errs, band)
         return errs
     finally:
         lat.server.stop()
@@ -233,12 +263,15 @@ def fidelity_rag(args: argparse.Namespace) -> dict[str, list[float]]:
         lat = [a.latency_s for a in recorded if a.outcome == "ok" and a.latency_s is not None]
         span = max(a.t + (a.latency_s or 0) for a in recorded) - min(a.t for a in recorded)
         real_figs = figures({"wiki-qa": lat}, span)
-        sim = Simulation([plan], [prof], Config(seed=seed))
-        t0 = time.perf_counter()
-        sim.run(recorded)
+        def replay(s: int, recorded: list = recorded) -> Simulation:
+            sim = Simulation([plan], [prof], Config(seed=s))
+            sim.run(recorded)
+            return sim
+
+        med, band, wall = replayed(replay, args.replays, seed)
         print(f"\nseed {seed}: {len(recorded)} requests at {args.rag_rate}/s "
-              f"(simulated in {time.perf_counter() - t0:.2f}s)")
-        error_table(real_figs, sim_figures(sim), errs)
+              f"(simulated in {wall:.2f}s, median of {args.replays} replays)")
+        error_table(real_figs, med, errs, band)
     return errs
 
 
@@ -360,6 +393,8 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=30.0,
                     help="fidelity: seconds of arrivals per run")
     ap.add_argument("--load", type=float, default=1.5, help="fidelity: offered load")
+    ap.add_argument("--replays", type=int, default=9,
+                    help="fidelity: simulations of each real trace (their median is compared)")
     ap.add_argument("--policies", nargs="+", default=["simultaneous", "slo"])
     ap.add_argument("--rag-rate", type=float, default=2.0, help="fidelity-rag: requests/s")
     ap.add_argument("--rag-requests", type=int, default=200)

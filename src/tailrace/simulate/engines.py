@@ -42,9 +42,11 @@ from ..engines.pool.messages import (
     Shutdown,
 )
 from .events import Loop
-from .profile import EngineProfile
+from .profile import EngineProfile, LinearModel
 
 _PIDS = itertools.count(1_000_000)
+#: the most steps planned as one event (those drawn past a cut are wasted)
+MAX_RUN = 256
 
 
 @dataclass(slots=True)
@@ -179,9 +181,9 @@ class ContinuousReplica(Replica):
         self._stepping = False
         self._started = 0  # sequences started in the step being planned
         self.steps = 0
-        # a run of decode-only steps planned as one event (``_run``): (its start, each
-        # step's end from then, its sequences, its generation); ``_gen`` voids a cut one
-        self._planned: tuple[float, list[float], list[Seq], int] | None = None
+        # a run of steps planned as one event (``_run``): (its start, each step's end
+        # from then and prompt chunks, its generation); ``_gen`` voids a cut run's event
+        self._planned: tuple[float, list[float], list[dict[Seq, int]], int] | None = None
         self._gen = 0
 
     def send(self, msg: Any) -> None:
@@ -212,7 +214,7 @@ class ContinuousReplica(Replica):
 
     def _step(self) -> None:
         """The decode loop's iteration: arrivals in, the scheduler's choice, one step (or
-        a run of steps that only decode: see ``_run``)."""
+        the run of steps it would take before anything changes: see ``_run``)."""
         if self.dead:
             return
         sched = self.scheduler
@@ -227,11 +229,11 @@ class ContinuousReplica(Replica):
         if not sched.active:
             self._stepping = False
             return
+        if self._settled():
+            self._run()
+            return
         allot = sched.prefill()
         decoding = sum(1 for s in sched.active if s.state is State.DECODING)
-        if not allot and decoding == len(sched.active) and self._settled():
-            self._run(decoding)
-            return
         dt = self.profile.model.draw(self.rng, decoding=decoding, prefill=sum(allot.values()),
                                      starts=self._started) * self.factor()
         self.busy_s += dt
@@ -239,33 +241,63 @@ class ContinuousReplica(Replica):
         self.loop.after(dt, self._stepped, list(sched.active), allot)
 
     def _settled(self) -> bool:
-        """Whether the scheduler's next steps would choose as this one did until a
-        sequence ends or a request arrives: nothing paused, and nothing waiting or
-        every slot and stream taken (so nothing can start or preempt)."""
+        """Whether the scheduler's next steps would start, resume or preempt nothing until
+        a sequence ends or a request arrives: nothing paused, and nothing waiting or every
+        slot and stream taken."""
         sched = self.scheduler
         n = len(sched.active)
         return not sched.paused and (not sched.waiting or (
             n >= sched.n_active and n >= sched.n_streams))
 
-    def _run(self, decoding: int) -> None:
-        """Every active sequence decodes, and would until the first of them ends: the
-        steps up to then are drawn at once (each its own duration, as one by one) and
-        take one event, not one each. An arrival or a slowed node cuts the run at the
-        end of the step in progress (``cut``): the loop takes arrivals only there."""
-        active = list(self.scheduler.active)
-        output = self._output
-        k = min(output[id(s.job)] - s.n_gen for s in active)
+    def _run(self) -> None:
+        """The steps the loop takes until the first sequence ends, while nothing arrives
+        and nothing can start: each step's prompt chunks and tokens are the scheduler's
+        (tried on the sequences, then undone), its duration drawn as one by one, and the
+        run takes one event, not one a step. An arrival or a slowed node cuts it at the end
+        of the step in progress (``cut``): the real loop takes arrivals only there."""
+        sched, output = self.scheduler, self._output
+        active = list(sched.active)
+        saved = [(s.fed, s.pos, s.state, s.n_gen) for s in active]
         model, rng, f = self.profile.model, self.rng, self.factor()
-        ends, t = [], 0.0
-        for j in range(k):
-            t += model.draw(rng, decoding=decoding, prefill=0,
-                            starts=self._started if j == 0 else 0) * f
+        # the model's mean inlined (this runs once a virtual step); other models (the
+        # driver counter of ``step_features``) are called
+        inline = isinstance(model, LinearModel)
+        c = model.coef if inline else {}
+        c0, cd, cp, cs = (c.get(k, 0.0) for k in ("const", "decoding", "prefill", "starts"))
+        ends: list[float] = []
+        allots: list[dict[Seq, int]] = []
+        t, starts, ended = 0.0, self._started, False
+        prefilling = sum(1 for s in active if s.state is State.PREFILLING)
+        while not ended and len(ends) < MAX_RUN:
+            allot = sched.prefill() if prefilling else {}
+            decoding = 0
+            for s in active:
+                if s.state is State.DECODING:
+                    decoding += 1
+                elif s in allot:
+                    s.feed(allot[s])
+                    if s.state is not State.DECODING:
+                        continue  # no token yet
+                    prefilling -= 1
+                else:
+                    continue
+                s.n_gen += 1
+                ended = ended or s.n_gen >= output[id(s.job)]
+            prefill = sum(allot.values()) if allot else 0
+            if inline:
+                t += model.spread(rng, c0 + cd * decoding + cp * prefill + cs * starts) * f
+            else:
+                t += model.draw(rng, decoding=decoding, prefill=prefill, starts=starts) * f
+            starts = 0
             ends.append(t)
+            allots.append(allot)
+        for s, (fed, pos, state, n_gen) in zip(active, saved, strict=True):
+            s.fed, s.pos, s.state, s.n_gen = fed, pos, state, n_gen
         self.busy_s += t
-        self.steps += k
+        self.steps += len(ends)
         self._gen += 1
-        self._planned = (self.loop.now(), ends, active, self._gen)
-        self.loop.after(t, self._advanced, self._gen, active, k)
+        self._planned = (self.loop.now(), ends, allots, self._gen)
+        self.loop.after(t, self._advanced, self._gen, allots)
 
     def cut(self) -> None:
         """End the planned run of steps with the step in progress now (something
@@ -273,29 +305,35 @@ class ContinuousReplica(Replica):
         plan, self._planned = self._planned, None
         if plan is None or self.dead:
             return
-        start, ends, active, gen = plan
+        start, ends, allots, gen = plan
         i = bisect_left(ends, self.loop.now() - start)  # the step in progress ends at ends[i]
         if i >= len(ends) - 1 or gen != self._gen:
             return
         self.busy_s -= ends[-1] - ends[i]
         self.steps -= len(ends) - 1 - i
         self._gen += 1
-        self.loop.at(start + ends[i], self._advanced, self._gen, active, i + 1)
+        self.loop.at(start + ends[i], self._advanced, self._gen, allots[:i + 1])
 
-    def _advanced(self, gen: int, active: list[Seq], n: int) -> None:
-        """``n`` decode steps of ``active`` are done (none of them ended before the last)."""
+    def _advanced(self, gen: int, allots: list[dict[Seq, int]]) -> None:
+        """The planned run's steps are done (the scheduler's prompt chunks for each in
+        ``allots``): take them, as the loop would have."""
         if self.dead or gen != self._gen:
             return
         self._planned = None
-        for s in active:
-            s.n_gen += n - 1
-            self._token(s)
-        self.scheduler.retire()
+        sched = self.scheduler
+        for allot in allots:
+            self._apply(sched.active, allot)
+        sched.retire()
         self._step()
 
     def _stepped(self, active: list[Seq], allot: dict[Seq, int]) -> None:
         if self.dead:
             return
+        self._apply(active, allot)
+        self.scheduler.retire()
+        self._step()
+
+    def _apply(self, active: list[Seq], allot: dict[Seq, int]) -> None:
         for s in active:  # as the real decoder's batch fill and sampling
             if s.state is State.DECODING:
                 self._token(s)
@@ -303,8 +341,6 @@ class ContinuousReplica(Replica):
                 s.feed(allot[s])
                 if s.state is State.DECODING:  # the prompt's last chunk: the first token
                     self._token(s)
-        self.scheduler.retire()
-        self._step()
 
     def _token(self, s: Seq) -> None:
         s.n_gen += 1

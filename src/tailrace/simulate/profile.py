@@ -78,7 +78,11 @@ class LinearModel:
         """One duration: the model's mean, spread by ``cv`` (a gamma draw: ``cv`` 1 is
         exponential, 0 exact; a cv above ``MAX_CV`` counts as ``MAX_CV``: a fit's spread
         that wide is a model of nearly nothing, whose draws would be 0 or seconds)."""
-        mean = self(**x)
+        return self.spread(rng, self(**x))
+
+    def spread(self, rng: Any, mean: float) -> float:
+        """A duration of mean ``mean`` drawn as ``draw`` does (for hot loops that compute
+        the mean themselves)."""
         if self.cv <= 0 or mean <= 0:
             return mean
         cv = min(self.cv, MAX_CV)
