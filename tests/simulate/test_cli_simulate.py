@@ -117,6 +117,8 @@ def test_a_kill_and_a_slow_node_are_simulated(files, capsys):
     (["--replicas", "gpu=2"], "--replicas: no engine 'gpu'"),
     (["--find", "replicas"], "--find needs --slo p99_ms=MS"),
     (["--nodes", "0"], "--nodes and --max-in-flight must be >= 1"),
+    (["--runtime", "ray", "--find", "nodes", "--slo", "p99_ms=900"],
+     "--find nodes with --runtime ray: a Ray run's engines are one actor each"),
 ])
 def test_bad_options_are_one_clear_line(files, capsys, extra, message):
     _, yaml, prof = files

@@ -20,6 +20,7 @@ from tailrace.engines.llama_cpp import prefix_cache, scheduler
 from tailrace.engines.pool import batching, dispatch
 from tailrace.simulate import engines
 from tailrace.simulate import (
+    ProfileError,
     Config,
     EngineProfile,
     LinearModel,
@@ -239,6 +240,37 @@ def test_decode_runs_planned_as_one_event_end_as_step_by_step(monkeypatch):
     assert all(a[0] == b[0] and abs(a[2] - b[2]) < 1e-9 for a, b in zip(planned, stepped))
     assert steps == steps_stepped  # the same decode steps, counted once each
     assert events < 0.6 * events_stepped  # in far fewer events
+
+
+def test_the_ray_topology_places_each_replica_once_and_pays_a_hop_per_actor():
+    """``runtime: ray``: three nodes still hold one engine actor (the spec's replicas) and
+    the stage's replicas once; a lone request pays one hop into its stage and two per
+    engine call, exactly, on top of what it costs locally."""
+    def lone(**kw: object) -> tuple[float, Simulation]:
+        sim = Simulation([rag(replicas=2)], [rag_profile(cv=0.0)],
+                         Config(jitter=0.0, seed=1, **kw))  # type: ignore[arg-type]
+        sim.run(poisson({"rag": 1.0}, 1, seed=1))
+        (_, a, e, outcome), = sim.results
+        assert outcome == "ok"
+        return e - a, sim
+
+    local, _ = lone()
+    on_ray, sim = lone(runtime="ray", nodes=3, hop_ms=5.0)
+    assert len(sim.pools["llm"].replicas) == 2  # not 2 per node
+    stage = sim.pipelines["rag"].stages[0]
+    assert stage.workers == 4 * max(stage.stage.execution.in_flight, 1)
+    assert on_ray - local == pytest.approx(3 * 0.005, abs=1e-9)
+    _, spread = lone(nodes=3)  # the local topology: 2 replicas on each of 3 nodes
+    assert len(spread.pools["llm"].replicas) == 6
+
+
+def test_a_runtime_it_does_not_know_and_a_serve_deployment_are_refused():
+    with pytest.raises(ValueError, match="runtime must be local or ray, got 'k8s'"):
+        Simulation([rag()], [rag_profile()], Config(runtime="k8s"))
+    plan = compile_pipeline(loads_pipeline(RAG.format(replicas=1, p99=3000).replace(
+        "replicas: 1}", "cluster: {replicas: 2}}")))
+    with pytest.raises(ProfileError, match="engine 'llm': cluster: .* is not simulated"):
+        Simulation([plan], [rag_profile()], Config(runtime="ray"))
 
 
 def test_the_sequences_model_shares_the_decode_among_its_slots():

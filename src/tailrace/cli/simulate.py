@@ -41,7 +41,10 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--dispatch", choices=["least_work", "prefix_affinity", "round_robin"],
                    help="engine pools' dispatch policy (default: the spec's)")
     s.add_argument("--hop-ms", type=float, metavar="MS",
-                   help="one network hop (default 0 on one node, 1.0 on several)")
+                   help="one network hop (default 0 on one node, 1.0 on several or on Ray)")
+    s.add_argument("--runtime", choices=["local", "ray"], default="local",
+                   help="the topology: local (every node runs the plan; default) or ray "
+                        "(--runtime ray's: stage actors, one shared actor per engine)")
     s.add_argument("--kill", action="append", default=[], metavar="T:ENGINE:REPLICA",
                    help="kill an engine replica at T seconds (repeatable)")
     s.add_argument("--slow", action="append", default=[], metavar="T:NODE:FACTOR",
@@ -114,7 +117,7 @@ def simulate(args: argparse.Namespace) -> int:
         raise TailraceError("--nodes and --max-in-flight must be >= 1")
     base = Config(nodes=args.nodes, replicas=_replicas(args.replicas, engines),
                   admission=args.admission, max_in_flight=args.max_in_flight,
-                  dispatch=args.dispatch, hop_ms=args.hop_ms,
+                  dispatch=args.dispatch, hop_ms=args.hop_ms, runtime=args.runtime,
                   kills=_triples(args.kill, "--kill", (float, str, int)),
                   slow=_triples(args.slow, "--slow", (float, int, float)), seed=args.seed)
 
@@ -148,6 +151,9 @@ def _find(args: argparse.Namespace, base: Any, once: Any, plans: list[Any]) -> i
         budget = float(args.slo.split("=", 1)[1]) / 1000.0
     except ValueError:
         raise TailraceError(f"--slo {args.slo!r}: expected p99_ms=MS") from None
+    if args.find == "nodes" and base.runtime == "ray":
+        raise TailraceError("--find nodes with --runtime ray: a Ray run's engines are one "
+                            "actor each, whatever the nodes; use --find replicas")
     engine = args.engine
     if args.find == "replicas" and engine is None:
         gens = [n for p in plans for n, s in p.pipeline.engines.items()

@@ -61,6 +61,12 @@ class Config:
     hop_ms:       one network hop (a stage to another node's stage, a call to an engine
                   and back): ``hop_ms`` x (1 + U(-jitter, jitter)); default 0 on one
                   node, 1.0 on several.
+    runtime:      ``local`` (the default: every node runs the whole plan, its engines'
+                  replicas are one pool per engine across the nodes) or ``ray``
+                  (``--runtime ray``'s topology: each stage's ``replicas`` placed once on
+                  the cluster, each engine one shared actor holding its spec's
+                  ``replicas``; every stage's input crosses an actor, one hop, and
+                  every engine call two; ``hop_ms`` defaults to 1.0).
     kills:        (time, engine, replica id): that replica's process dies at that time.
     slow:         (time, node, factor): from that time, that node's engines run
                   ``factor`` times slower.
@@ -74,6 +80,7 @@ class Config:
     dispatch: str | None = None
     hop_ms: float | None = None
     jitter: float = 0.2
+    runtime: str = "local"
     kills: list[tuple[float, str, int]] = field(default_factory=list)
     slow: list[tuple[float, int, float]] = field(default_factory=list)
     seed: int = 0
@@ -175,7 +182,7 @@ class SimStage:
         self.sim, self.pipe, self.stage, self.prof, self.pool = sim, pipe, stage, prof, pool
         ex = stage.execution
         assert ex is not None
-        nodes = sim.config.nodes
+        nodes = sim.config.nodes if sim.config.runtime == "local" else 1  # Ray places them
         self.workers = stage.replicas * max(ex.in_flight, 1) * nodes
         self.bound = stage.queue * stage.replicas * nodes
         self.max_batch = ex.max_batch if ex.call != "per_record" else 1
@@ -236,6 +243,8 @@ class SimStage:
     def _run(self, recs: list[SimRecord], start: float) -> None:
         tokens = sum(r.prompt_tokens for r in recs)
         own = self.prof.service.draw(self.sim.rng, records=len(recs), tokens=tokens)
+        if self.sim.stage_hops:  # its input came from another actor (held as a send is)
+            own += self.sim.hop()
         if self.pool is None:
             self.sim.loop.after(own, self._done, recs, start, False)
             return
@@ -333,13 +342,17 @@ class Simulation:
     def __init__(self, plans: Sequence[Plan], profiles: Sequence[Profile], config: Config):
         if config.nodes < 1:
             raise ValueError(f"nodes must be >= 1, got {config.nodes}")
+        if config.runtime not in ("local", "ray"):
+            raise ValueError(f"runtime must be local or ray, got {config.runtime!r}")
         self.config = config
+        ray = config.runtime == "ray"
+        self.stage_hops = ray
         self.loop = Loop()
         self.rng = random.Random(f"tailrace-simulate-{config.seed}")  # not the arrivals' stream
         self.shapes = Shapes()
         self.slow: dict[int, float] = {}
         self.hop_s = (config.hop_ms if config.hop_ms is not None
-                      else (1.0 if config.nodes > 1 else 0.0)) / 1000.0
+                      else (1.0 if config.nodes > 1 or ray else 0.0)) / 1000.0
         self.pools: dict[str, PoolDriver] = {}
         self._engines: dict[str, EngineProfile] = {}
         for prof in profiles:
@@ -403,7 +416,11 @@ class Simulation:
             # callers' calls into one (so none waits for another's requests to finish)
             options.setdefault("max_in_flight", 1 if eprof.kind == "calls" else 1024)
             options.setdefault("max_batch_size", 1)
-        driver = PoolDriver(self, name, base, eprof, per_node * self.config.nodes, options)
+        if "cluster" in base:
+            raise ProfileError(f"engine {name!r}: cluster: (a Ray Serve deployment with "
+                               "its own router) is not simulated; give it replicas: N")
+        total = per_node * (self.config.nodes if self.config.runtime == "local" else 1)
+        driver = PoolDriver(self, name, base, eprof, total, options)
         self.pools[name] = driver
         return driver
 
