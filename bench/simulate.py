@@ -3,6 +3,7 @@ machine, what it projects at scale, and how fast it simulates.
 
     python bench/simulate.py fidelity            # contention workload, real vs simulated
     python bench/simulate.py fidelity-rag        # the wiki-qa RAG pipeline, real vs simulated
+    python bench/simulate.py fidelity-ray        # the same on a 3-node Ray cluster
     python bench/simulate.py scale               # 1..1,024 nodes, dispatch and admission
     python bench/simulate.py speed               # simulated requests per wall second
     python bench/simulate.py all
@@ -20,6 +21,12 @@ durations drawn): the simulated figure is their median, printed with their [min 
 llama.cpp, 2 threads) on this 2-core machine with paced Poisson arrivals through
 `tr.run` with a trace (`--trace-out`'s writer), profiles it, and replays the recorded
 trace in the simulator.
+
+**fidelity-ray** runs the same pipeline on a 3-node ``ray.cluster_utils`` cluster (its
+raylets all on this machine) with ``tr.run(runtime="ray")`` and compares it with
+``simulate --runtime ray`` (stage replicas placed once, one engine actor each, a hop
+into every stage and two per engine call). The hop is calibrated first on 12 requests
+sent 2.5 s apart: their median real latency less the simulated one at hop 0, per hop.
 
 **scale** takes a profile (default: the wiki-qa profile fitted here, or --profile) and
 projects, for 1 to 1,024 nodes: the most requests per second each node count sustains
@@ -275,6 +282,102 @@ def fidelity_rag(args: argparse.Namespace) -> dict[str, list[float]]:
     return errs
 
 
+def ray_cluster(nodes: int, cpus: int) -> Any:
+    """Ray's own test cluster (``ray.cluster_utils.Cluster``: ``nodes`` raylets on this
+    machine, ``cpus`` logical CPUs each), this process connected to it."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus})
+    for _ in range(nodes - 1):
+        cluster.add_node(num_cpus=cpus)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, logging_level="WARNING")
+    return cluster
+
+
+def ray_paced(plan: Any, records: list[dict], offsets: list[float]) -> list[Arrival]:
+    """``records[i]`` sent at ``offsets[i]`` through ``tr.run(runtime="ray")``: each
+    request's arrival and latency, taken by its question (``--trace-out`` is refused on
+    Ray: the driver sees sends and sink records, not the hosts' requests)."""
+    from collections import deque
+
+    sent: dict[str, deque] = {}
+    done: list[Arrival] = []
+    start = time.perf_counter() + 0.2
+
+    async def paced():
+        for i, off in enumerate(offsets):
+            delay = start + off - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            rec = dict(records[i % len(records)])
+            sent.setdefault(rec["question"], deque()).append(time.perf_counter())
+            yield rec
+
+    def sink(rec: dict) -> None:
+        now = time.perf_counter()
+        t = sent[rec["question"]].popleft()
+        done.append(Arrival(t - start, plan.name, approx_prompt_tokens(
+            {"question": rec["question"]}), None, now - t, "ok"))
+
+    result = tr.run(plan, input=paced(), output=sink, runtime="ray")
+    for e in result.errors:
+        print(f"  error in {e.stage}: {e.message}", file=sys.stderr)
+    return sorted(done, key=lambda a: a.t)
+
+
+def fidelity_rag_ray(args: argparse.Namespace) -> dict[str, list[float]]:
+    """wiki-qa on a 3-node ``ray.cluster_utils`` cluster (all on this machine) against
+    ``simulate --runtime ray``. The hop is calibrated first, on requests sent 2.5 s apart
+    (each alone): the real latency less the simulated one at hop 0, per hop."""
+    import ray
+
+    path = Path(tr.__file__).parent / "demo" / "wiki-qa.yaml"
+    plan = compile_pipeline(tr.Pipeline.from_yaml(str(path)))
+    records = wiki_records(plan, max(64, args.rag_requests))
+    prof = load_profile(PROFILES / "wiki-qa.json")
+    cluster = ray_cluster(args.ray_nodes, 2)
+    try:
+        tr.run(plan, input=records[:4], runtime="ray")  # hosts and engine actors up
+        calib = ray_paced(plan, records[-12:], [2.5 * i for i in range(12)])
+        probe = Simulation([plan], [prof], Config(runtime="ray"))  # the hops it charges
+        hops = sum(1 + 2 * (st.pool is not None) for st in probe.pipelines[plan.name].stages)
+
+        def sim_at(hop_ms: float, arrivals: list[Arrival], seed: int) -> Simulation:
+            sim = Simulation([plan], [prof], Config(runtime="ray", nodes=args.ray_nodes,
+                                                   hop_ms=hop_ms, seed=seed))
+            sim.run(arrivals)
+            return sim
+
+        alone, _, _ = replayed(lambda s: sim_at(0.0, calib, s), args.replays, 1)
+        real_alone = statistics.median(a.latency_s for a in calib)
+        sim_alone = alone[plan.name]["p50"]
+        hop_ms = max(0.0, (real_alone - sim_alone) / hops * 1000)
+        print(f"calibration: {len(calib)} requests alone, median {real_alone:.3f} s real, "
+              f"{sim_alone:.3f} s simulated at hop 0 -> hop {hop_ms:.2f} ms x {hops} hops")
+        errs: dict[str, list[float]] = {}
+        for seed in args.seeds:
+            offsets = [a.t for a in poisson({"wiki-qa": args.rag_rate}, args.rag_requests,
+                                            seed)]
+            recorded = ray_paced(plan, records, offsets)
+            lat = [a.latency_s for a in recorded if a.latency_s is not None]
+            span = max(a.t + (a.latency_s or 0) for a in recorded) - min(a.t for a in recorded)
+            med, band, wall = replayed(
+                lambda s, recorded=recorded: sim_at(hop_ms, recorded, s), args.replays, seed)
+            print(f"\nseed {seed}, Ray ({args.ray_nodes} nodes): {len(recorded)} of "
+                  f"{len(offsets)} requests at {args.rag_rate}/s (simulated in {wall:.2f}s, "
+                  f"median of {args.replays} replays)")
+            error_table(figures({"wiki-qa": lat}, span), med, errs, band)
+        return errs
+    finally:
+        from tailrace.runtime.ray.engines import shutdown_engines
+
+        shutdown_engines()
+        ray.shutdown()
+        cluster.shutdown()
+
+
 # -- scale ---------------------------------------------------------------------------------
 
 def sustained(plans: list, profiles: list, config: Config, name: str, budget_s: float,
@@ -388,7 +491,9 @@ def speed(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["fidelity", "fidelity-rag", "scale", "speed", "all"])
+    ap.add_argument("what", choices=["fidelity", "fidelity-rag", "fidelity-ray", "scale",
+                                     "speed", "all"])
+    ap.add_argument("--ray-nodes", type=int, default=3, help="fidelity-ray: cluster nodes")
     ap.add_argument("--seeds", type=int, nargs="+", default=[7, 8, 9])
     ap.add_argument("--duration", type=float, default=30.0,
                     help="fidelity: seconds of arrivals per run")
@@ -412,10 +517,12 @@ def main() -> None:
                     help="scale: only the contention part")
     ap.add_argument("--json", help="scale: write the rows as JSON")
     args = ap.parse_args()
-    todo = ["fidelity", "fidelity-rag", "scale", "speed"] if args.what == "all" else [args.what]
+    todo = (["fidelity", "fidelity-rag", "fidelity-ray", "scale", "speed"] if args.what == "all"
+            else [args.what])
     for what in todo:
-        if what in ("fidelity", "fidelity-rag"):
-            errs = (fidelity if what == "fidelity" else fidelity_rag)(args)
+        if what.startswith("fidelity"):
+            errs = {"fidelity": fidelity, "fidelity-rag": fidelity_rag,
+                    "fidelity-ray": fidelity_rag_ray}[what](args)
             print(f"\n{what}: absolute relative error over {len(args.seeds)} seeds, "
                   "median [min - max]")
             for k, v in errs.items():
