@@ -22,7 +22,7 @@ from tailrace.simulate import (
     load_profile,
 )
 from tailrace.simulate.engines import sequence_features, step_features
-from tailrace.simulate.measure import fit_relative, fit_steps
+from tailrace.simulate.measure import fit_relative, fit_steps, order_statistics
 from tailrace.simulate.profile import CALL_DRIVERS, SEQUENCE_DRIVERS, STAGE_DRIVERS
 
 DEMO = Path(__file__).resolve().parents[2] / "src" / "tailrace" / "demo"
@@ -119,7 +119,7 @@ def sample_profile() -> Profile:
                                "embedder", LinearModel({})),
          "answer": StageProfile(LinearModel({"const": 0.002}, 0.2, 10, 0.3), "llm",
                                 LinearModel({"const": 150.0, "tokens": 1.0}, 0.05, 20), 30.5,
-                                29),
+                                29, (12, 30, 32, 32)),
          "output+sink": StageProfile(LinearModel({"const": 1e-5}))},
         {"llm": EngineProfile("continuous", LinearModel({"const": 0.003, "decoding": 0.004,
                                                           "prefill": 0.003}, 0.02, 48),
@@ -127,6 +127,12 @@ def sample_profile() -> Profile:
          "embedder": EngineProfile("calls", LinearModel({"const": 0.002, "items": 0.0005,
                                                          "tokens": 0.0001}), start_s=0.25)},
         "Linux, x86_64, 2 CPUs", "2026-01-01T00:00:00+00:00", ("measured",), 11.5)
+
+
+def test_order_statistics_keep_the_ends_and_thin_the_middle():
+    assert order_statistics([5, 1, 3]) == (1, 3, 5)
+    kept = order_statistics(list(range(1000)), 11)
+    assert kept == (0, 100, 200, 300, 400, 500, 599, 699, 799, 899, 999)
 
 
 def test_save_and_load_round_trip(tmp_path):
@@ -146,6 +152,8 @@ def test_save_and_load_round_trip(tmp_path):
     (lambda d: d["stages"]["answer"].update(engine="gpu"),
      "stages.answer.engine: 'gpu' is not among the profile's engines"),
     (lambda d: d["engines"]["llm"].update(kind="batch"), "engines.llm.kind: must be one of"),
+    (lambda d: d["stages"]["answer"].update(output_samples=[3, -1]),
+     "stages.answer.output_samples: must be a list of integers >= 0"),
 ])
 def test_load_names_the_file_and_the_bad_key(tmp_path, edit, message):
     path = tmp_path / "bad.json"
@@ -267,6 +275,9 @@ def test_profile_of_wiki_qa_on_the_real_engines(models, tailrace_home, tmp_path,
     answer = prof.stages["answer"]
     assert answer.engine == "llm" and answer.prompt_tokens is not None
     assert 0 < answer.output_tokens <= 32
+    assert len(answer.output_samples) >= 6 and answer.output_samples == tuple(sorted(
+        answer.output_samples)) and max(answer.output_samples) <= 32
+    assert min(answer.output_samples) <= answer.output_tokens <= max(answer.output_samples)
     # the system prompt and the template's head: shared by every request
     assert 10 < answer.shared_tokens < answer.prompt_tokens(tokens=prof.input_tokens)
     assert prof.stages["embed"].engine == "embedder"

@@ -273,6 +273,28 @@ def test_a_runtime_it_does_not_know_and_a_serve_deployment_are_refused():
         Simulation([plan], [rag_profile()], Config(runtime="ray"))
 
 
+def test_requests_draw_their_output_from_the_measured_samples(monkeypatch):
+    """A profile with measured output lengths: each simulated request generates one of
+    them (so a batched call lasts as its longest), not their mean."""
+    from dataclasses import replace
+
+    prof = rag_profile()
+    answer = replace(prof.stages["answer"], output_samples=(2, 2, 30))
+    prof = replace(prof, stages={**prof.stages, "answer": answer})
+    outputs: list[int] = []
+    real = Simulation.request
+
+    def spy(self, stage, rec):
+        req = real(self, stage, rec)
+        outputs.append(self.shapes.get(req).output)
+        return req
+
+    monkeypatch.setattr(Simulation, "request", spy)
+    sim = Simulation([rag()], [prof], Config(seed=3))
+    sim.run(poisson({"rag": 4.0}, 300, seed=3))
+    assert set(outputs) == {2, 30} and 0.2 < outputs.count(30) / len(outputs) < 0.5
+
+
 def test_the_sequences_model_shares_the_decode_among_its_slots():
     """Two slots, three requests of 100 prompt and 10 output tokens: two prefill side by
     side (0.11 s) and decode sharing the server (0.025 s a token), the third then alone;

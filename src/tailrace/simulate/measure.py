@@ -49,6 +49,7 @@ from ..operators import BuildContext
 from .engines import sequence_features, step_features
 from .profile import (
     CALL_DRIVERS,
+    OUTPUT_SAMPLES,
     SEQUENCE_DRIVERS,
     STAGE_DRIVERS,
     STEP_DRIVERS,
@@ -618,10 +619,19 @@ def fit_stage(sid: str, alone: list[list[tuple[float, StageRun]]],
         if pairs:
             prompt_model = LinearModel.fit([x for x, _ in pairs], [p for _, p in pairs],
                                            TOKEN_DRIVERS)
-        outs = [o for c in calls for _, o in c.shapes]
+        outs = sorted(o for c in calls for _, o in c.shapes)
         output = sum(outs) / len(outs) if outs else 0.0
-    return StageFit(StageProfile(service, engine, prompt_model, output, shared_tokens(calls)),
-                    notes, call_error)
+    return StageFit(StageProfile(service, engine, prompt_model, output, shared_tokens(calls),
+                                 order_statistics(outs) if output else ()), notes, call_error)
+
+
+def order_statistics(xs: list[int], n: int = OUTPUT_SAMPLES) -> tuple[int, ...]:
+    """``xs`` sorted, or ``n`` of its order statistics evenly spaced (first and last
+    kept) when it has more."""
+    xs = sorted(xs)
+    if len(xs) <= n:
+        return tuple(xs)
+    return tuple(xs[round(i * (len(xs) - 1) / (n - 1))] for i in range(n))
 
 
 def shared_tokens(calls: list[Seen]) -> int:

@@ -44,6 +44,7 @@ CALL_DRIVERS = ("const", "items", "tokens")
 SEQUENCE_DRIVERS = ("const", "prefill", "tokens", "crowd")
 TOKEN_DRIVERS = ("const", "tokens")
 MAX_CV = 1.0  # the widest spread a duration is drawn with (exponential)
+OUTPUT_SAMPLES = 101  # output token counts a profile keeps per stage (order statistics)
 
 
 #: engine kind -> the drivers of its model
@@ -128,7 +129,10 @@ class StageProfile:
     ``tokens``); for a stage calling an engine, that engine's name and the requests it
     sends: prompt tokens as a model of the record's (``prompt_tokens``, drivers
     ``tokens``), the output tokens measured (``output_tokens``, a mean) and the leading
-    prompt tokens all its requests share (``shared_tokens``)."""
+    prompt tokens all its requests share (``shared_tokens``). ``output_samples``: the output
+    tokens measured, sorted (at most ``OUTPUT_SAMPLES`` order statistics), which a
+    simulated request draws from: a call that waits for its longest answer lasts as the
+    longest, not as the mean (empty: every request gets the mean)."""
 
     service: LinearModel
     engine: str | None = None
@@ -136,6 +140,7 @@ class StageProfile:
     output_tokens: float = 0.0
     shared_tokens: int = 0  # leading prompt tokens every request of the stage shares
     # (its system prompt and template's head): what a prefix cache can reuse
+    output_samples: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -174,6 +179,8 @@ class Profile:
                 out["engine"] = s.engine
                 out["prompt_tokens"] = (s.prompt_tokens or LinearModel({})).to_dict()
                 out["output_tokens"] = s.output_tokens
+                if s.output_samples:
+                    out["output_samples"] = list(s.output_samples)
                 out["shared_tokens"] = s.shared_tokens
             return out
 
@@ -246,10 +253,16 @@ def parse_profile(raw: Any, where: str = "profile") -> Profile:
         shared = s.get("shared_tokens", 0)
         if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
             raise ProfileError(f"{w}.shared_tokens: must be an integer >= 0, got {shared!r}")
+        samples = s.get("output_samples", [])
+        if not isinstance(samples, list) or any(
+                isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in samples):
+            raise ProfileError(f"{w}.output_samples: must be a list of integers >= 0, got "
+                               f"{samples!r}"[:200])
         out_stages[sid] = StageProfile(
             _model(s["service"], f"{w}.service", STAGE_DRIVERS), engine,
             _model(s["prompt_tokens"], f"{w}.prompt_tokens", TOKEN_DRIVERS)
-            if engine is not None and "prompt_tokens" in s else None, float(out), shared)
+            if engine is not None and "prompt_tokens" in s else None, float(out), shared,
+            tuple(sorted(samples)))
     out_engines = {}
     for name, e in engines.items():
         w = f"{where}: engines.{name}"

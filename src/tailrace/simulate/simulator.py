@@ -429,9 +429,12 @@ class Simulation:
         import numpy as np
 
         prof = stage.prof
-        n = max(int(round(prof.prompt_tokens(tokens=rec.prompt_tokens)))
+        rng = self.rng
+        n = max(int(round(prof.prompt_tokens.draw(rng, tokens=rec.prompt_tokens)))
                 if prof.prompt_tokens is not None else rec.prompt_tokens, 1)
-        out = rec.output_tokens or max(int(round(prof.output_tokens)), 1)
+        out = rec.output_tokens or max(
+            prof.output_samples[int(rng.random() * len(prof.output_samples))]
+            if prof.output_samples else int(round(prof.output_tokens)), 1)
         shared = min(stage.shared, n)
         base = rec.id % (1 << 30)  # at any position, two records' own tokens differ
         tokens = np.concatenate([np.arange(shared, dtype=np.int32) - (1 << 30),
