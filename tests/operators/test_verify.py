@@ -90,6 +90,15 @@ def test_grounded():
     assert verdict({"grounded": {}}, "  ", rec).reason == "empty answer"
 
 
+def test_grounded_with_max_terms_fails_a_long_answer_however_grounded():
+    rec = {"passages": PASSAGES}
+    long = "Marie Curie won the Nobel Prize in 1911."  # 4 terms, all in the passages
+    assert verdict({"grounded": {"max_terms": 4}}, long, rec).ok
+    v = verdict({"grounded": {"max_terms": 3}}, long, rec)
+    assert not v.ok and v.reason.startswith("not a short answer: 4 terms > 3 (Marie Curie")
+    assert verdict({"grounded": {"max_terms": 1}}, "Yes.", rec).ok  # claims nothing
+
+
 def is_upper(answer, record):
     return answer.isupper()
 
@@ -199,6 +208,11 @@ def compile_yaml(stage: str):
      "stage 'c': verifier: python: cannot import module 'no_such_module'"),
     ("{id: c, op: verify, verifier: {grounded: {min_overlap: 2}}}",
      "stage 'c': verifier: grounded: 'min_overlap' must be a number from 0 to 1, got 2"),
+    ("{id: c, op: verify, verifier: {grounded: {max_terms: 0}}}",
+     "stage 'c': verifier: grounded: 'max_terms' must be an integer >= 1, got 0"),
+    ("{id: c, op: verify, verifier: {grounded: {max_words: 3}}}",
+     "stage 'c': verifier: grounded: unknown option 'max_words' (options: passages, "
+     "min_overlap, max_terms)"),
     ("{id: c, op: verify, verifier: {regex: x}, on_fail: drop}",
      "stage 'c': 'on_fail' must be keep or error, got 'drop'"),
     ("{id: c, op: verify}", "stage 'c': operator 'verify' needs 'verifier'"),

@@ -204,18 +204,31 @@ class Grounded(Verifier):
     """Passes when at least ``min_overlap`` of the answer's terms (numbers, capitalised
     entity spans, content words) appear in the record's retrieved passages; an entity
     span counts only as a whole phrase. An empty answer fails; an answer with no content
-    words ("Yes.") passes (it claims nothing)."""
+    words ("Yes.") passes (it claims nothing). ``max_terms``: an answer of more terms
+    fails too, whatever it overlaps (a short answer was asked for; a long one buries it).
+
+    >>> import asyncio
+    >>> asyncio.run(Grounded(max_terms=3)("Elizabeth Bennet, the heroine of Pride and "
+    ...     "Prejudice by Jane Austen.", {"passages": ["Pride and Prejudice by Jane Austen "
+    ...     "follows Elizabeth Bennet, its heroine."]})).reason
+    'not a short answer: 5 terms > 3 (Elizabeth Bennet, Pride, Prejudice, ...)'
+    """
 
     name = "grounded"
 
-    def __init__(self, passages: str = "passages", min_overlap: float = 0.6) -> None:
+    def __init__(self, passages: str = "passages", min_overlap: float = 0.6,
+                 max_terms: int | None = None) -> None:
         if not isinstance(passages, str) or not passages:
             raise ValueError(f"'passages' must be a field name, got {passages!r:.60}")
         if isinstance(min_overlap, bool) or not isinstance(min_overlap, int | float) \
                 or not 0 <= min_overlap <= 1:
             raise ValueError(f"'min_overlap' must be a number from 0 to 1, got "
                              f"{min_overlap!r:.60}")
+        if max_terms is not None and (isinstance(max_terms, bool) or not isinstance(
+                max_terms, int) or max_terms < 1):
+            raise ValueError(f"'max_terms' must be an integer >= 1, got {max_terms!r:.60}")
         self.passages, self.min_overlap = passages, float(min_overlap)
+        self.max_terms = max_terms
         self.fields = (passages,)
 
     async def __call__(self, answer: str, record: Mapping[str, Any]) -> Verdict:
@@ -224,6 +237,10 @@ class Grounded(Verifier):
         found = terms(answer)
         if not found:
             return self.verdict(True, "no content words to check")
+        if self.max_terms is not None and len(found) > self.max_terms:
+            shown = ", ".join(t for t, _ in found[:3])
+            return self.verdict(False, f"not a short answer: {len(found)} terms > "
+                                f"{self.max_terms} ({shown}, ...)")
         vocab, text = _vocabulary(passage_texts(field_of(record, self.passages, self.name)))
         missing = [shown for shown, words in found
                    if not (words[0] in vocab if len(words) == 1
@@ -238,7 +255,7 @@ class Grounded(Verifier):
                             + ", ".join(missing[:8]))
 
 
-GROUNDED_OPTIONS = ("passages", "min_overlap")
+GROUNDED_OPTIONS = ("passages", "min_overlap", "max_terms")
 
 
 def grounded_from_spec(spec: Any) -> Grounded:
