@@ -113,16 +113,6 @@ def test_plan_formats(files, capsys):
     assert capsys.readouterr().out.startswith("flowchart LR\n")
 
 
-@pytest.mark.engine
-def test_demo_answers_with_sources_and_stats(tailrace_home, capsys):
-    assert main(["demo", "--limit", "300"]) == 0
-    out = capsys.readouterr().out
-    assert "Q: Who directed the film 2001: A Space Odyssey?" in out
-    answer = out.split("Q: Who directed the film 2001: A Space Odyssey?\n", 1)[1]
-    assert answer.startswith("A: ") and "sources: 2001: A Space Odyssey" in answer
-    assert "stage" in out and "answer" in out and "6 in, 6 out, 0 errors" in out
-
-
 def test_ctrl_c_stops_cleanly_and_keeps_output(tmp_path):
     """SIGINT mid-run: exit 130, partial stats, no traceback, output flushed."""
     pipe = tmp_path / "slow.yaml"

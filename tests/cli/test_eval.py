@@ -1,12 +1,15 @@
 """tailrace eval: answer matching, and a small corpus slice with the real models."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from tailrace.cli.evaluate import _accuracy
 from tailrace.cli.main import main
 from tailrace.stores.corpus import EvalQuestion, answer_correct, normalize_answer
+
+WIKI_QA = str(Path(__file__).resolve().parents[2] / "src" / "tailrace" / "demo" / "wiki-qa.yaml")
 
 
 @pytest.mark.parametrize("generated,gold,ok", [
@@ -52,13 +55,41 @@ def test_accuracy_counts_whole_token_matches():
 @pytest.mark.engine
 def test_eval_reports_retrieval_and_answer_accuracy(tailrace_home, tmp_path, capsys):
     report = tmp_path / "r.json"
-    assert main(["eval", "--limit", "3", "--json", str(report)]) == 0
+    assert main(["eval", WIKI_QA, "--limit", "3", "--json", str(report)]) == 0
     out = capsys.readouterr().out
     assert "retrieval recall@10:" in out and "no-retrieval baseline" in out
     r = json.loads(report.read_text())
     assert r["questions"] == 3 and r["embedder"] == "minilm-l6-int8"
     assert 0 <= r["recall_at_k"] <= 1 and 0 <= r["baseline_accuracy"] <= 1
     assert len(r["details"]) == 3 and {"rag", "baseline", "gold"} <= set(r["details"][0])
+
+
+@pytest.mark.engine
+def test_eval_of_the_demo_reports_each_strategys_accuracy_and_spend(tailrace_home, tmp_path,
+                                                                   capsys):
+    """The default pipeline (the demo's) answers with a route stage: each provider alone,
+    then verify-then-escalate, each with its accuracy and what it spent."""
+    report = tmp_path / "r.json"
+    assert main(["eval", "--limit", "4", "--json", str(report)]) == 0
+    out = capsys.readouterr().out
+    for label in ("small only", "large only", "verify-then-escalate"):
+        assert f"  {label} " in out
+    rows = {r["strategy"]: r for r in json.loads(report.read_text())["strategies"]}
+    small, large, both = rows["small only"], rows["large only"], rows["verify-then-escalate"]
+    assert all(r["answered"] == 4 and 0 <= r["accuracy"] <= 1 for r in rows.values())
+    assert small["answered_by"] == {"small": 4} and large["answered_by"] == {"large": 4}
+    assert small["escalated"] == large["escalated"] == 0
+    # the large model costs more per token: alone it spends more than the small alone,
+    # and escalating spends at least what the small model does
+    assert 0 < small["spend"] < large["spend"] and both["spend"] >= small["spend"]
+    assert both["escalated"] == both["answered_by"].get("large", 0) / 4
+
+
+def test_eval_refuses_llm_on_a_routed_pipeline(tailrace_home, capsys):
+    assert main(["eval", "--limit", "2", "--llm", "gemma3-270m"]) == 2
+    err = capsys.readouterr().err
+    assert "--llm replaces a generate stage's model; stage 'answer' routes between small, " \
+           "large" in err and err.count("\n") == 1
 
 
 @pytest.mark.engine

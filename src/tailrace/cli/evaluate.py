@@ -1,7 +1,10 @@
 """``tailrace eval``: retrieval and answer quality on the FanOutQA dev sub-questions whose
 evidence page is in the index: recall@k and MRR@k of that page in each asked retrieve
 mode, and the answer accuracy (``stores.corpus.answer_correct``) of the RAG pipeline and
-of a no-retrieval baseline asking the same model. docs/retrieval.md has the figures.
+of a no-retrieval baseline asking the same model. A pipeline that answers with a
+``route`` stage's ``escalate:`` is measured per strategy instead: each provider alone and
+the pipeline's own verify-then-escalate, with what each spent (the providers' prices).
+docs/retrieval.md has the figures.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ class EvalReport:
     details: tuple[dict, ...] = ()
     modes: tuple[dict, ...] = ()  # {"mode", "recall_at_k", "mrr_at_k"} per evaluated mode
     fusion: dict | None = None  # the hybrid fusion used
+    # a route pipeline's strategies: {"strategy", "providers", "accuracy", "spend",
+    # "spend_per_question", "escalated", "answered_by"} each (``strategies``)
+    strategies: tuple[dict, ...] = ()
 
 
 def retrieval_metrics(index: Any, engine: Any, qs: list[EvalQuestion], k: int, *,
@@ -62,12 +68,16 @@ def retrieval_metrics(index: Any, engine: Any, qs: list[EvalQuestion], k: int, *
     return recall / len(qs), mrr / len(qs)
 
 
-def _answers(p: Pipeline, qs: list[EvalQuestion], label: str) -> dict[str, str]:
-    """Run ``p`` on the questions; question text -> generated answer."""
+def _answers(p: Pipeline, qs: list[EvalQuestion], label: str,
+             records: dict[str, dict] | None = None) -> dict[str, str]:
+    """Run ``p`` on the questions; question text -> generated answer (and -> the whole
+    output record in ``records``)."""
     out: dict[str, str] = {}
     with Progress(len(qs), label, unit="questions") as bar:
         def sink(rec: dict) -> None:
             out[rec["question"]] = rec.get("answer", "")
+            if records is not None:
+                records[rec["question"]] = rec
             bar.update(1)
 
         result = run(p, input=[{"question": q.question} for q in qs], output=sink)
@@ -88,6 +98,51 @@ def _details(qs: list[EvalQuestion], rag: dict[str, str], base: dict[str, str]) 
              "baseline": base.get(q.question, ""),
              "baseline_correct": answer_correct(base.get(q.question, ""), q.answers)}
             for q in qs]
+
+
+def strategy_pipeline(p: Pipeline, route: Any, providers: list[str]) -> Pipeline:
+    """``p`` with its route stage escalating over ``providers`` only (one: that provider
+    alone, its answer kept whatever the verdict)."""
+    import copy
+
+    q = copy.deepcopy(p)
+    stage = next(s for s in q.stages if s.id == route.id)
+    stage.params["escalate"] = list(providers)
+    if len(providers) == 1:
+        stage.params["on_fail"] = "keep"
+    return q
+
+
+def evaluate_strategies(p: Pipeline, route: Any, qs: list[EvalQuestion]) -> list[dict]:
+    """Accuracy and spend of each provider of ``route``'s ``escalate:`` alone, then of
+    the pipeline as written (verify, escalate on a failed verdict)."""
+    if route.params.get("on_fail", "error") != "keep":
+        raise PlanError(f"stage '{route.id}': eval needs on_fail: keep (an unverified "
+                        "answer is still an answer to score)")
+    field = route.params.get("route") or "route"
+    providers = list(route.params["escalate"])
+    runs = [(f"{name} only", [name]) for name in providers]
+    runs.append(("verify-then-escalate", providers))
+    rows: list[dict] = []
+    for label, chosen in runs:
+        recs: dict[str, dict] = {}
+        pipe = p if chosen is providers else strategy_pipeline(p, route, chosen)
+        answers = _answers(pipe, qs, f"{label} answers", recs)
+        spent = [float((recs.get(q.question) or {}).get(field, {}).get("spent") or 0.0)
+                 for q in qs]
+        tried = [len((recs.get(q.question) or {}).get(field, {}).get("tried") or ())
+                 for q in qs]
+        by: dict[str, int] = {}
+        for q in qs:
+            eng = (recs.get(q.question) or {}).get(field, {}).get("engine")
+            if eng:
+                by[eng] = by.get(eng, 0) + 1
+        rows.append({"strategy": label, "providers": chosen,
+                     "accuracy": _accuracy(answers, qs), "spend": sum(spent),
+                     "spend_per_question": sum(spent) / len(qs),
+                     "escalated": sum(1 for n in tried if n > 1) / len(qs),
+                     "answered_by": by, "answered": len(recs)})
+    return rows
 
 
 def baseline_pipeline(gen: Any, llm: dict[str, Any]) -> Pipeline:
@@ -147,8 +202,16 @@ def evaluate(pipeline_path: str, *, k: int = 10, limit: int | None = None,
     recall, mrr = per_mode[0]["recall_at_k"], per_mode[0]["mrr_at_k"]
     rag = base = llm = None
     details: list[dict] = []
+    strategies: list[dict] = []
     gen = next((s for s in p.stages if s.op == "generate"), None)
-    if answers and gen is not None:
+    route = next((s for s in p.stages if s.op == "route" and s.params.get("escalate")), None)
+    if answers and gen is None and route is not None:
+        if llm_model:
+            raise PlanError(f"--llm replaces a generate stage's model; stage '{route.id}' "
+                            f"routes between {', '.join(route.params['escalate'])}: edit "
+                            "its engines instead", where=pipeline_path)
+        strategies = evaluate_strategies(p, route, qs)
+    elif answers and gen is not None:
         spec = dict(p.engines[gen.params["engine"]])
         if llm_model:
             spec["model"] = llm_model
@@ -160,7 +223,7 @@ def evaluate(pipeline_path: str, *, k: int = 10, limit: int | None = None,
         details = _details(qs, rag_answers, base_answers)
     return EvalReport(len(qs), k, recall, mrr, rag, base, llm, index.model,
                       time.perf_counter() - t0, tuple(details), tuple(per_mode),
-                      asdict(fused) if "hybrid" in modes else None)
+                      asdict(fused) if "hybrid" in modes else None, tuple(strategies))
 
 
 def format_report(r: EvalReport) -> str:
@@ -173,6 +236,14 @@ def format_report(r: EvalReport) -> str:
         f = r.fusion
         lines.append(f"  (hybrid: reciprocal rank fusion k={f['k']}, weights dense "
                      f"{f['dense']:g} sparse {f['sparse']:g}, top {f['candidates']} of each)")
+    if r.strategies:
+        lines.append(f"  {'strategy':<22} {'accuracy':>8} {'spend':>9} {'per question':>13} "
+                     f"{'escalated':>9}  answered by")
+        for row in r.strategies:
+            by = ", ".join(f"{k} {v}" for k, v in row["answered_by"].items())
+            lines.append(f"  {row['strategy']:<22} {row['accuracy']:>8.3f} "
+                         f"{row['spend']:>9.4f} {row['spend_per_question']:>13.5f} "
+                         f"{row['escalated']:>9.0%}  {by}")
     if r.rag_accuracy is not None:
         lines.append(f"  answer accuracy ({r.llm}): RAG {r.rag_accuracy:.3f}   "
                      f"no-retrieval baseline {r.baseline_accuracy:.3f}")

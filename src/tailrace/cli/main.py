@@ -93,7 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--quiet", "-q", action="store_true", help="only the summary line")
 
     e = sub.add_parser("eval", help="retrieval recall/MRR and answer accuracy on FanOutQA")
-    e.add_argument("pipeline", nargs="?", help="pipeline YAML (default: the bundled wiki-qa)")
+    e.add_argument("pipeline", nargs="?", help="pipeline YAML (default: the demo's, "
+                   "wiki-qa-escalate: each strategy's accuracy and spend)")
     e.add_argument("--k", type=int, default=10, help="retrieval depth for recall/MRR")
     e.add_argument("--limit", type=int, help="evaluate only the first N questions")
     e.add_argument("--retrieval-only", action="store_true", help="skip answer generation")
@@ -216,7 +217,9 @@ def _eval(args: argparse.Namespace) -> int:
 
     path = args.pipeline
     if path is None:
-        with resources.as_file(resources.files("tailrace.demo") / "wiki-qa.yaml") as p:
+        from .demo import PIPELINE
+
+        with resources.as_file(resources.files("tailrace.demo") / PIPELINE) as p:
             path = str(p)
     modes = (("dense", "sparse", "hybrid") if args.mode == "all" else
              (args.mode,) if args.mode else None)
