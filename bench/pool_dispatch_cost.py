@@ -3,8 +3,9 @@
 Measured: the pool's own work to route one batch, as ``EnginePool._route`` does it for
 ``least_work``: every replica's load as dispatch sees it (``EnginePool._loads``), the
 policy's choice over them (``LoadTable.least`` where the tree has it, else a scan), and
-the chosen replica's bookkeeping (``_touch`` where the tree has it). No engine runs. Median [min - max] of 5 runs. Compare two trees by
-running it with each on ``PYTHONPATH``:
+the chosen replica's bookkeeping (``_touch`` where the tree has it). No engine runs.
+Median [min - max] of 5 runs. Compare two trees by running it with each on
+``PYTHONPATH``:
 
     python bench/pool_dispatch_cost.py [--replicas 4 64 1024]
     git archive BEFORE src | tar -x -C /tmp/before && \

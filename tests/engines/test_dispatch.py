@@ -8,9 +8,9 @@ import pytest
 
 from tailrace.engines.base import GenerationRequest
 from tailrace.engines.pool.dispatch import (
-    LoadTable,
     Affinity,
     LeastOutstandingWork,
+    LoadTable,
     PrefixAffinity,
     PrefixIndex,
     ReplicaLoad,

@@ -18,15 +18,15 @@ from tailrace.compiler.plan import compile_pipeline
 from tailrace.control import policies
 from tailrace.engines.llama_cpp import prefix_cache, scheduler
 from tailrace.engines.pool import batching, dispatch
-from tailrace.simulate import engines
 from tailrace.simulate import (
-    ProfileError,
     Config,
     EngineProfile,
     LinearModel,
     Profile,
+    ProfileError,
     Simulation,
     StageProfile,
+    engines,
     poisson,
 )
 
@@ -237,7 +237,8 @@ def test_decode_runs_planned_as_one_event_end_as_step_by_step(monkeypatch):
     monkeypatch.setattr(engines.ContinuousReplica, "_settled", lambda self: False)
     stepped, events_stepped, steps_stepped = run()
     assert [r[3] for r in planned] == [r[3] for r in stepped]
-    assert all(a[0] == b[0] and abs(a[2] - b[2]) < 1e-9 for a, b in zip(planned, stepped))
+    assert all(a[0] == b[0] and abs(a[2] - b[2]) < 1e-9
+               for a, b in zip(planned, stepped, strict=True))
     assert steps == steps_stepped  # the same decode steps, counted once each
     assert events < 0.6 * events_stepped  # in far fewer events
 
