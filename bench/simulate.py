@@ -255,16 +255,8 @@ def fidelity_rag(args: argparse.Namespace) -> dict[str, list[float]]:
         offsets = [a.t for a in poisson({"wiki-qa": args.rag_rate}, args.rag_requests, seed)]
         trace_file = Path(f"/tmp/tailrace-rag-trace-{seed}.jsonl")
         writer = TraceWriter.open(str(trace_file))
-        start = time.perf_counter() + 0.2
 
-        async def paced():
-            for i, off in enumerate(offsets):
-                delay = start + off - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                yield dict(records[i % len(records)])
-
-        tr.run(plan, input=paced(), trace=writer)
+        tr.run(plan, input=paced(records, offsets, time.perf_counter() + 0.2), trace=writer)
         writer.close()
         recorded = read_trace(trace_file)
         lat = [a.latency_s for a in recorded if a.outcome == "ok" and a.latency_s is not None]
@@ -280,6 +272,20 @@ def fidelity_rag(args: argparse.Namespace) -> dict[str, list[float]]:
               f"(simulated in {wall:.2f}s, median of {args.replays} replays)")
         error_table(real_figs, med, errs, band)
     return errs
+
+
+async def paced(records: list[dict], offsets: list[float], start: float,
+                on_send: Any = None) -> Any:
+    """A copy of ``records[i % len]`` at ``start + offsets[i]`` (perf_counter seconds),
+    each handed to ``on_send`` as it goes."""
+    for i, off in enumerate(offsets):
+        delay = start + off - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        rec = dict(records[i % len(records)])
+        if on_send is not None:
+            on_send(rec)
+        yield rec
 
 
 def ray_cluster(nodes: int, cpus: int) -> Any:
@@ -306,14 +312,8 @@ def ray_paced(plan: Any, records: list[dict], offsets: list[float]) -> list[Arri
     done: list[Arrival] = []
     start = time.perf_counter() + 0.2
 
-    async def paced():
-        for i, off in enumerate(offsets):
-            delay = start + off - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            rec = dict(records[i % len(records)])
-            sent.setdefault(rec["question"], deque()).append(time.perf_counter())
-            yield rec
+    def on_send(rec: dict) -> None:
+        sent.setdefault(rec["question"], deque()).append(time.perf_counter())
 
     def sink(rec: dict) -> None:
         now = time.perf_counter()
@@ -321,7 +321,8 @@ def ray_paced(plan: Any, records: list[dict], offsets: list[float]) -> list[Arri
         done.append(Arrival(t - start, plan.name, approx_prompt_tokens(
             {"question": rec["question"]}), None, now - t, "ok"))
 
-    result = tr.run(plan, input=paced(), output=sink, runtime="ray")
+    result = tr.run(plan, input=paced(records, offsets, start, on_send), output=sink,
+                    runtime="ray")
     for e in result.errors:
         print(f"  error in {e.stage}: {e.message}", file=sys.stderr)
     return sorted(done, key=lambda a: a.t)
