@@ -17,12 +17,12 @@ and friends ride along.
 
 from __future__ import annotations
 
-import ast
 import asyncio
 import functools
 import hashlib
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -166,6 +166,17 @@ def escalated(seed: int, stage: str, key: tuple) -> tuple[str, str | None, list]
     return "VerificationFailed", None, tried
 
 
+def parse_key(text: str) -> tuple:
+    """A record path formatted into a prompt (``(3, 0)`` or ``[3, 0]``) back as a tuple.
+    Not ``ast.literal_eval``: CPython 3.11's AST builder keeps a recursion counter that is
+    not thread-safe (gh-106905), and blocking replicas parse from several threads."""
+    nums = re.findall(r"-?\d+", text)
+    key = tuple(int(n) for n in nums)
+    if re.sub(r"[\s()\[\],]", "", text) != "".join(nums):
+        raise ValueError(f"not a record path: {text!r:.80}")
+    return key
+
+
 def escalate_fields(stage_index: int) -> tuple[str, str, str]:
     """The (answer, route, cost) fields the ``escalate`` stage of that index writes."""
     return f"answer{stage_index}", f"route{stage_index}", f"cost{stage_index}"
@@ -197,7 +208,7 @@ class ScriptedEngine:
         out = []
         for q in requests:
             seed, stage, path = q.prompt.split(" ", 2)
-            key = tuple(ast.literal_eval(path))
+            key = parse_key(path)
             word = "pass" if solves(int(seed), stage, key, self.model) else "fail"
             out.append(Generation(f"{word} {self.model} {stage} {json.dumps(list(key))}",
                                   *ESCALATE_USED, "stop"))
@@ -330,7 +341,7 @@ class ToolScriptedEngine:
         if q.prompt is not None or len(msgs) != 1 or msgs[0].get("role") != "user":
             raise ToolsBroken(f"expected one user message (the prompt), got {q!r:.300}")
         run, seed, stage, path = msgs[0]["content"].split(" ", 3)
-        key = tuple(ast.literal_eval(path))
+        key = parse_key(path)
         probe = PROBES.get(int(run))
         cancels = probe is not None and probe.visit(stage, {"path": key})
         fate = self.faults.fate(int(seed), stage, key)
