@@ -127,7 +127,7 @@ def pipeline(w: Workload, engine: dict, replicas: int) -> tr.Pipeline:
 
 def run_policy(policy_name: str, workloads: list[Workload], traces: dict, engine: dict,
                capacity: int, cost: CostModel, replicas: int, reserve: int,
-               overflow: int = 0) -> dict:
+               overflow: int = 0, runtime: str = "local") -> dict:
     slos = {w.name: PipelineSLO(w.slo_ms, w.priority, w.weight, w.name) for w in workloads}
     options: dict = {"cost_model": cost, "slos": slos}
     if policy_name != "simultaneous":
@@ -165,7 +165,7 @@ def run_policy(policy_name: str, workloads: list[Workload], traces: dict, engine
                 last_done[0] = max(last_done[0], now)
 
         result = tr.run(pipeline(w, engine, replicas), input=arrivals(), output=sink,
-                        admission=gate)
+                        admission=gate, runtime=runtime)
         for e in result.errors:
             if e.stage == "admission":
                 rejected[w.name] += 1

@@ -4,6 +4,7 @@ machine, what it projects at scale, and how fast it simulates.
     python bench/simulate.py fidelity            # contention workload, real vs simulated
     python bench/simulate.py fidelity-rag        # the wiki-qa RAG pipeline, real vs simulated
     python bench/simulate.py fidelity-ray        # the same on a 3-node Ray cluster
+    python bench/simulate.py fidelity-contention-ray   # the contention workload on Ray
     python bench/simulate.py scale               # 1..1,024 nodes, dispatch and admission
     python bench/simulate.py speed               # simulated requests per wall second
     python bench/simulate.py all
@@ -27,6 +28,13 @@ raylets all on this machine) with ``tr.run(runtime="ray")`` and compares it with
 ``simulate --runtime ray`` (stage replicas placed once, one engine actor each, a hop
 into every stage and two per engine call). The hop is calibrated first on 12 requests
 sent 2.5 s apart: their median real latency less the simulated one at hop 0, per hop.
+
+**fidelity-contention-ray** runs the contention workload with both pipelines on that
+cluster (``tr.run(runtime="ray", admission=gate)``, one gate in the driver, each generate
+stage at ``--ray-replicas`` replicas: 8, the server's capacity, where the local run has
+32 asyncio replicas and Ray would start 32 actor processes) and compares it with
+``simulate --runtime ray`` of the same plans; the hop is calibrated on 12 interactive
+requests sent alone.
 
 **scale** takes a profile (default: the wiki-qa profile fitted here, or --profile) and
 projects, for 1 to 1,024 nodes: the most requests per second each node count sustains
@@ -156,40 +164,82 @@ def contention_profile(plan: Any, texts: tuple[str, ...], capacity: int) -> Prof
     return fifo(report.profile)
 
 
-def fidelity(args: argparse.Namespace) -> dict[str, list[float]]:
+def fidelity(args: argparse.Namespace, runtime: str = "local") -> dict[str, list[float]]:
+    """The contention workload, real vs simulated, under each admission policy; on Ray
+    (``runtime="ray"``) with both pipelines on a ``--ray-nodes`` cluster, their generate
+    stages at ``--ray-replicas`` replicas, and the hop calibrated first."""
     import contention as c
 
     lat = c.latency_setup(args.load)
+    cluster = None
     try:
+        if runtime == "ray":
+            lat.replicas = args.ray_replicas
+            cluster = ray_cluster(args.ray_nodes, 2)
         plans, profiles = contention_plans(lat, args.reprofile)
         e = profiles[0].engines["llm"]
         print(f"engine step model fitted on the server: {dict(e.model.coef)} "
               f"(fit error {e.model.error:.1%}, cv {e.model.cv:.2f})")
+
+        def real(policy: str, traces: dict) -> tuple[dict, float]:
+            r = c.run_policy(policy, lat.workloads, traces, lat.engine, lat.capacity,
+                             lat.cost, lat.replicas, reserve=2, runtime=runtime)
+            return {n: {"p50": p["p50_ms"] / 1000, "p99": p["p99_ms"] / 1000,
+                        "rps": p["completed"] / r["span_s"]}
+                    for n, p in r["pipelines"].items()}, r["span_s"]
+
+        def arrivals_of(traces: dict) -> list[Arrival]:
+            return sorted((Arrival(t, w.name, approx_prompt_tokens(
+                {"text": (w.texts or (" ".join(["word"] * w.prompt_words),))[0]}),
+                w.max_tokens) for w in lat.workloads for t in traces[w.name]),
+                key=lambda a: a.t)
+
+        hop_ms = None
+        if runtime == "ray":
+            hop_ms = contention_hop(lat, plans, profiles, real, arrivals_of, args)
         errs: dict[str, list[float]] = {}
         for seed in args.seeds:
             traces = {w.name: c.trace(w, args.duration, seed) for w in lat.workloads}
             for policy in args.policies:
-                real = c.run_policy(policy, lat.workloads, traces, lat.engine, lat.capacity,
-                                    lat.cost, lat.replicas, reserve=2)
-                span = real["span_s"]
-                rl = {n: p for n, p in real["pipelines"].items()}
-                real_figs = {n: {"p50": p["p50_ms"] / 1000, "p99": p["p99_ms"] / 1000,
-                                 "rps": p["completed"] / span} for n, p in rl.items()}
-                arrivals = sorted(
-                    (Arrival(t, w.name, approx_prompt_tokens(
-                        {"text": (w.texts or (" ".join(["word"] * w.prompt_words),))[0]}),
-                        w.max_tokens) for w in lat.workloads for t in traces[w.name]),
-                    key=lambda a: a.t)
+                real_figs, span = real(policy, traces)
+                arrivals = arrivals_of(traces)
                 med, band, wall = replayed(
                     lambda s, policy=policy, arrivals=arrivals: simulate(
-                        plans, profiles, policy, lat, s, arrivals), args.replays, seed)
-                print(f"\nseed {seed}, admission {policy}: {len(arrivals)} requests "
-                      f"(real run {span:.1f}s; simulated in {wall:.2f}s, median of "
-                      f"{args.replays} replays)")
+                        plans, profiles, policy, lat, s, arrivals, runtime=runtime,
+                        hop_ms=hop_ms), args.replays, seed)
+                print(f"\nseed {seed}, admission {policy}{', Ray' if cluster else ''}: "
+                      f"{len(arrivals)} requests (real run {span:.1f}s; simulated in "
+                      f"{wall:.2f}s, median of {args.replays} replays)")
                 error_table(real_figs, med, errs, band)
         return errs
     finally:
         lat.server.stop()
+        if cluster is not None:
+            ray_down(cluster)
+
+
+def contention_hop(lat: Any, plans: list, profiles: list, real: Any, arrivals_of: Any,
+                   args: argparse.Namespace) -> float:
+    """The Ray hop for the contention workload: 12 interactive requests sent 2 s apart
+    (each alone, after a warm-up that places the hosts), their median real latency less
+    the simulated one at hop 0, per hop the simulator charges."""
+    inter = lat.workloads[0].name
+    empty = {w.name: [] for w in lat.workloads}
+    for w in lat.workloads:  # hosts and the engine actor up
+        real("simultaneous", {**empty, w.name: [0.1 * i for i in range(4)]})
+    calib = {**empty, inter: [2.0 * i for i in range(12)]}
+    figs, _ = real("simultaneous", calib)
+    arrivals = arrivals_of(calib)
+    alone, _, _ = replayed(lambda s: simulate(plans, profiles, "simultaneous", lat, s,
+                                              arrivals, runtime="ray", hop_ms=0.0),
+                           args.replays, 1)
+    probe = Simulation(plans[:1], profiles[:1], Config(runtime="ray"))
+    hops = sum(1 + 2 * (st.pool is not None) for st in probe.pipelines[inter].stages)
+    hop_ms = max(0.0, (figs[inter]["p50"] - alone[inter]["p50"]) / hops * 1000)
+    print(f"calibration: 12 {inter} requests alone, median {figs[inter]['p50']:.3f} s real, "
+          f"{alone[inter]['p50']:.3f} s simulated at hop 0 -> hop {hop_ms:.2f} ms x {hops} "
+          "hops")
+    return hop_ms
 
 
 def contention_plans(lat: Any, reprofile: bool) -> tuple[list, list[Profile]]:
@@ -211,7 +261,8 @@ def contention_plans(lat: Any, reprofile: bool) -> tuple[list, list[Profile]]:
 
 
 def simulate(plans: list, profiles: list, policy: str, lat: Any, seed: int,
-             arrivals: list[Arrival], nodes: int = 1) -> Simulation:
+             arrivals: list[Arrival], nodes: int = 1, runtime: str = "local",
+             hop_ms: float | None = None) -> Simulation:
     slos = {w.name: PipelineSLO(w.slo_ms, w.priority, w.weight, w.name) for w in lat.workloads}
     cost = CostModel(lat.cost.prefill_tps, lat.cost.decode_tps, lat.cost.overhead_s)
     options: dict[str, Any] = {"cost_model": cost, "slos": slos}
@@ -219,7 +270,7 @@ def simulate(plans: list, profiles: list, policy: str, lat: Any, seed: int,
         options["reserve"] = 2
     sim = Simulation(plans, profiles, Config(
         nodes=nodes, admission=policy, max_in_flight=lat.capacity * nodes,
-        admission_options=options, seed=seed))
+        admission_options=options, seed=seed, runtime=runtime, hop_ms=hop_ms))
     t0 = time.perf_counter()
     sim.run(arrivals)
     sim.wall = time.perf_counter() - t0  # type: ignore[attr-defined]
@@ -332,7 +383,6 @@ def fidelity_rag_ray(args: argparse.Namespace) -> dict[str, list[float]]:
     """wiki-qa on a 3-node ``ray.cluster_utils`` cluster (all on this machine) against
     ``simulate --runtime ray``. The hop is calibrated first, on requests sent 2.5 s apart
     (each alone): the real latency less the simulated one at hop 0, per hop."""
-    import ray
 
     path = Path(tr.__file__).parent / "demo" / "wiki-qa.yaml"
     plan = compile_pipeline(tr.Pipeline.from_yaml(str(path)))
@@ -372,11 +422,17 @@ def fidelity_rag_ray(args: argparse.Namespace) -> dict[str, list[float]]:
             error_table(figures({"wiki-qa": lat}, span), med, errs, band)
         return errs
     finally:
-        from tailrace.runtime.ray.engines import shutdown_engines
+        ray_down(cluster)
 
-        shutdown_engines()
-        ray.shutdown()
-        cluster.shutdown()
+
+def ray_down(cluster: Any) -> None:
+    import ray
+
+    from tailrace.runtime.ray.engines import shutdown_engines
+
+    shutdown_engines()
+    ray.shutdown()
+    cluster.shutdown()
 
 
 # -- scale ---------------------------------------------------------------------------------
@@ -492,9 +548,11 @@ def speed(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["fidelity", "fidelity-rag", "fidelity-ray", "scale",
-                                     "speed", "all"])
-    ap.add_argument("--ray-nodes", type=int, default=3, help="fidelity-ray: cluster nodes")
+    ap.add_argument("what", choices=["fidelity", "fidelity-rag", "fidelity-ray",
+                                     "fidelity-contention-ray", "scale", "speed", "all"])
+    ap.add_argument("--ray-nodes", type=int, default=3, help="fidelity-*ray: cluster nodes")
+    ap.add_argument("--ray-replicas", type=int, default=8,
+                    help="fidelity-contention-ray: replicas of each generate stage")
     ap.add_argument("--seeds", type=int, nargs="+", default=[7, 8, 9])
     ap.add_argument("--duration", type=float, default=30.0,
                     help="fidelity: seconds of arrivals per run")
@@ -518,12 +576,14 @@ def main() -> None:
                     help="scale: only the contention part")
     ap.add_argument("--json", help="scale: write the rows as JSON")
     args = ap.parse_args()
-    todo = (["fidelity", "fidelity-rag", "fidelity-ray", "scale", "speed"] if args.what == "all"
+    todo = (["fidelity", "fidelity-rag", "fidelity-ray", "fidelity-contention-ray", "scale",
+             "speed"] if args.what == "all"
             else [args.what])
     for what in todo:
         if what.startswith("fidelity"):
             errs = {"fidelity": fidelity, "fidelity-rag": fidelity_rag,
-                    "fidelity-ray": fidelity_rag_ray}[what](args)
+                    "fidelity-ray": fidelity_rag_ray,
+                    "fidelity-contention-ray": lambda a: fidelity(a, "ray")}[what](args)
             print(f"\n{what}: absolute relative error over {len(args.seeds)} seeds, "
                   "median [min - max]")
             for k, v in errs.items():
