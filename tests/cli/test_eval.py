@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tailrace.cli.evaluate import _accuracy
+from tailrace.cli.evaluate import _accuracy, check_bound
 from tailrace.cli.main import main
 from tailrace.stores.corpus import EvalQuestion, answer_correct, normalize_answer
 
@@ -83,6 +83,21 @@ def test_eval_of_the_demo_reports_each_strategys_accuracy_and_spend(tailrace_hom
     # and escalating spends at least what the small model does
     assert 0 < small["spend"] < large["spend"] and both["spend"] >= small["spend"]
     assert both["escalated"] == both["answered_by"].get("large", 0) / 4
+    c = both["check"]
+    assert c["passed"] + c["escalated"] == 4 and c["escalated"] == both["escalated"] * 4
+    assert c["passed_right"] <= c["passed"] and c["escalated_first_right"] <= c["escalated"]
+    bound = rows["perfect check (bound)"]
+    assert bound["accuracy"] >= max(small["accuracy"], large["accuracy"], both["accuracy"])
+    assert small["spend"] <= bound["spend"] <= small["spend"] + large["spend"]
+    assert "the check passed " in out and "(from the runs above, not a run)" in out
+
+
+def test_the_perfect_check_bound_walks_up_the_list_until_an_answer_is_right():
+    right = {"a only": [True, False, False], "b only": [False, True, False]}
+    cost = {"a only": [1.0, 1.0, 1.0], "b only": [4.0, 4.0, 4.0]}
+    row = check_bound(["a", "b"], right, cost, 3)
+    # q0: a right (1); q1: a wrong, b right (1 + 4); q2: neither (1 + 4), b's answer stands
+    assert row["accuracy"] == 2 / 3 and row["spend"] == 11.0 and row["escalated"] == 2 / 3
 
 
 def test_eval_refuses_llm_on_a_routed_pipeline(tailrace_home, capsys):

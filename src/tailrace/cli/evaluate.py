@@ -115,7 +115,9 @@ def strategy_pipeline(p: Pipeline, route: Any, providers: list[str]) -> Pipeline
 
 def evaluate_strategies(p: Pipeline, route: Any, qs: list[EvalQuestion]) -> list[dict]:
     """Accuracy and spend of each provider of ``route``'s ``escalate:`` alone, then of
-    the pipeline as written (verify, escalate on a failed verdict)."""
+    the pipeline as written (verify, escalate on a failed verdict), then the bound a
+    perfect check would reach (``check_bound``). The pipeline's row has ``check``: how
+    its verdicts split the questions, scored against the first provider's own answers."""
     if route.params.get("on_fail", "error") != "keep":
         raise PlanError(f"stage '{route.id}': eval needs on_fail: keep (an unverified "
                         "answer is still an answer to score)")
@@ -124,25 +126,58 @@ def evaluate_strategies(p: Pipeline, route: Any, qs: list[EvalQuestion]) -> list
     runs = [(f"{name} only", [name]) for name in providers]
     runs.append(("verify-then-escalate", providers))
     rows: list[dict] = []
+    right: dict[str, list[bool]] = {}  # strategy -> per question
+    cost: dict[str, list[float]] = {}
     for label, chosen in runs:
         recs: dict[str, dict] = {}
         pipe = p if chosen is providers else strategy_pipeline(p, route, chosen)
         answers = _answers(pipe, qs, f"{label} answers", recs)
-        spent = [float((recs.get(q.question) or {}).get(field, {}).get("spent") or 0.0)
-                 for q in qs]
-        tried = [len((recs.get(q.question) or {}).get(field, {}).get("tried") or ())
-                 for q in qs]
+        routes = [(recs.get(q.question) or {}).get(field) or {} for q in qs]
+        cost[label] = [float(r.get("spent") or 0.0) for r in routes]
+        right[label] = [answer_correct(answers.get(q.question, ""), q.answers) for q in qs]
+        tried = [len(r.get("tried") or ()) for r in routes]
         by: dict[str, int] = {}
-        for q in qs:
-            eng = (recs.get(q.question) or {}).get(field, {}).get("engine")
-            if eng:
-                by[eng] = by.get(eng, 0) + 1
-        rows.append({"strategy": label, "providers": chosen,
-                     "accuracy": _accuracy(answers, qs), "spend": sum(spent),
-                     "spend_per_question": sum(spent) / len(qs),
-                     "escalated": sum(1 for n in tried if n > 1) / len(qs),
-                     "answered_by": by, "answered": len(recs)})
+        for r in routes:
+            if r.get("engine"):
+                by[r["engine"]] = by.get(r["engine"], 0) + 1
+        row = {"strategy": label, "providers": chosen,
+               "accuracy": sum(right[label]) / len(qs), "spend": sum(cost[label]),
+               "spend_per_question": sum(cost[label]) / len(qs),
+               "escalated": sum(1 for n in tried if n > 1) / len(qs),
+               "answered_by": by, "answered": len(recs)}
+        if chosen is providers:
+            first = right[f"{providers[0]} only"]
+            kept = [i for i, n in enumerate(tried) if n == 1]
+            up = [i for i, n in enumerate(tried) if n > 1]
+            row["check"] = {"passed": len(kept),
+                            "passed_right": sum(right[label][i] for i in kept),
+                            "escalated": len(up),
+                            "escalated_first_right": sum(first[i] for i in up)}
+        rows.append(row)
+    rows.append(check_bound(providers, right, cost, len(qs)))
     return rows
+
+
+def check_bound(providers: list[str], right: dict[str, list[bool]],
+                cost: dict[str, list[float]], n: int) -> dict:
+    """What verify-then-escalate would reach with a perfect check, from the providers'
+    own runs: each question goes up the list until a provider's answer is right (that
+    provider's answer stands; none right: the last one's), paying each call on the way.
+    An upper bound on accuracy for this list of models, whatever the check."""
+    acc = spend = 0.0
+    up = 0
+    for i in range(n):
+        calls = 0
+        for name in providers:
+            calls += 1
+            spend += cost[f"{name} only"][i]
+            if right[f"{name} only"][i]:
+                acc += 1
+                break
+        up += calls > 1
+    return {"strategy": "perfect check (bound)", "providers": providers, "accuracy": acc / n,
+            "spend": spend, "spend_per_question": spend / n, "escalated": up / n,
+            "answered_by": {}, "answered": n, "bound": True}
 
 
 def baseline_pipeline(gen: Any, llm: dict[str, Any]) -> Pipeline:
@@ -226,6 +261,12 @@ def evaluate(pipeline_path: str, *, k: int = 10, limit: int | None = None,
                       asdict(fused) if "hybrid" in modes else None, tuple(strategies))
 
 
+def _se(r: EvalReport) -> float:
+    """The standard error of the strategies' largest accuracy (a binomial proportion)."""
+    p = max(row["accuracy"] for row in r.strategies)
+    return (p * (1 - p) / max(1, r.questions)) ** 0.5
+
+
 def format_report(r: EvalReport) -> str:
     lines = [f"{r.questions} FanOutQA dev sub-questions with their evidence page in the "
              f"index (embedder {r.embedder})"]
@@ -238,12 +279,24 @@ def format_report(r: EvalReport) -> str:
                      f"{f['dense']:g} sparse {f['sparse']:g}, top {f['candidates']} of each)")
     if r.strategies:
         lines.append(f"  {'strategy':<22} {'accuracy':>8} {'spend':>9} {'per question':>13} "
-                     f"{'escalated':>9}  answered by")
+                     f"{'per cost':>9} {'escalated':>9}  answered by")
         for row in r.strategies:
             by = ", ".join(f"{k} {v}" for k, v in row["answered_by"].items())
+            per = row["accuracy"] / row["spend_per_question"] if row["spend"] else float("nan")
             lines.append(f"  {row['strategy']:<22} {row['accuracy']:>8.3f} "
                          f"{row['spend']:>9.4f} {row['spend_per_question']:>13.5f} "
-                         f"{row['escalated']:>9.0%}  {by}")
+                         f"{per:>9.1f} {row['escalated']:>9.0%}  "
+                         + (by or "(from the runs above, not a run)"))
+        for row in r.strategies:
+            c = row.get("check")
+            if c:
+                first = row["providers"][0]
+                lines.append(f"  the check passed {c['passed']} of {first}'s answers "
+                             f"({c['passed_right']} right) and escalated {c['escalated']} "
+                             f"({c['escalated_first_right']} of which {first} alone answered "
+                             "right)")
+        lines.append("  (per cost: accuracy / spend per question; an accuracy on "
+                     f"{r.questions} questions is +/-{1.96 * _se(r):.3f} at 95%)")
     if r.rag_accuracy is not None:
         lines.append(f"  answer accuracy ({r.llm}): RAG {r.rag_accuracy:.3f}   "
                      f"no-retrieval baseline {r.baseline_accuracy:.3f}")
