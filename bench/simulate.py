@@ -233,12 +233,18 @@ def contention_hop(lat: Any, plans: list, profiles: list, real: Any, arrivals_of
     alone, _, _ = replayed(lambda s: simulate(plans, profiles, "simultaneous", lat, s,
                                               arrivals, runtime="ray", hop_ms=0.0),
                            args.replays, 1)
-    probe = Simulation(plans[:1], profiles[:1], Config(runtime="ray"))
-    hops = sum(1 + 2 * (st.pool is not None) for st in probe.pipelines[inter].stages)
-    hop_ms = max(0.0, (figs[inter]["p50"] - alone[inter]["p50"]) / hops * 1000)
-    print(f"calibration: 12 {inter} requests alone, median {figs[inter]['p50']:.3f} s real, "
-          f"{alone[inter]['p50']:.3f} s simulated at hop 0 -> hop {hop_ms:.2f} ms x {hops} "
-          "hops")
+    return hop_per_call(plans[0], profiles[0], 12, figs[inter]["p50"], alone[inter]["p50"])
+
+
+def hop_per_call(plan: Any, prof: Profile, n: int, real_s: float, sim_s: float) -> float:
+    """The hop (ms) that makes up the difference between the median real latency of ``n``
+    lone requests and the simulated one at hop 0, over the hops ``simulate --runtime
+    ray`` charges a request of ``plan`` (one into each stage, two per engine call)."""
+    probe = Simulation([plan], [prof], Config(runtime="ray"))
+    hops = sum(1 + 2 * (st.pool is not None) for st in probe.pipelines[plan.name].stages)
+    hop_ms = max(0.0, (real_s - sim_s) / hops * 1000)
+    print(f"calibration: {n} {plan.name} requests alone, median {real_s:.3f} s real, "
+          f"{sim_s:.3f} s simulated at hop 0 -> hop {hop_ms:.2f} ms x {hops} hops")
     return hop_ms
 
 
@@ -392,8 +398,6 @@ def fidelity_rag_ray(args: argparse.Namespace) -> dict[str, list[float]]:
     try:
         tr.run(plan, input=records[:4], runtime="ray")  # hosts and engine actors up
         calib = ray_paced(plan, records[-12:], [2.5 * i for i in range(12)])
-        probe = Simulation([plan], [prof], Config(runtime="ray"))  # the hops it charges
-        hops = sum(1 + 2 * (st.pool is not None) for st in probe.pipelines[plan.name].stages)
 
         def sim_at(hop_ms: float, arrivals: list[Arrival], seed: int) -> Simulation:
             sim = Simulation([plan], [prof], Config(runtime="ray", nodes=args.ray_nodes,
@@ -402,11 +406,9 @@ def fidelity_rag_ray(args: argparse.Namespace) -> dict[str, list[float]]:
             return sim
 
         alone, _, _ = replayed(lambda s: sim_at(0.0, calib, s), args.replays, 1)
-        real_alone = statistics.median(a.latency_s for a in calib)
-        sim_alone = alone[plan.name]["p50"]
-        hop_ms = max(0.0, (real_alone - sim_alone) / hops * 1000)
-        print(f"calibration: {len(calib)} requests alone, median {real_alone:.3f} s real, "
-              f"{sim_alone:.3f} s simulated at hop 0 -> hop {hop_ms:.2f} ms x {hops} hops")
+        hop_ms = hop_per_call(plan, prof, len(calib),
+                              statistics.median(a.latency_s for a in calib),
+                              alone[plan.name]["p50"])
         errs: dict[str, list[float]] = {}
         for seed in args.seeds:
             offsets = [a.t for a in poisson({"wiki-qa": args.rag_rate}, args.rag_requests,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import platform
 import sys
 import time
@@ -39,7 +40,7 @@ def main() -> int:
         print(out.getvalue())
         print("the demo failed: README.md left as it was", file=sys.stderr)
         return code
-    machine = f"{platform.machine()}, {__import__('os').cpu_count()} cores"
+    machine = f"{platform.machine()}, {os.cpu_count()} cores"
     block = (f"Real output ({machine}; {time.strftime('%Y-%m-%d')}, "
              f"{time.perf_counter() - t0:.0f} s with the index cached):\n\n```\n"
              f"{out.getvalue().rstrip()}\n```")

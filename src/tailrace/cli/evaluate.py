@@ -135,7 +135,7 @@ def evaluate_strategies(p: Pipeline, route: Any, qs: list[EvalQuestion]) -> list
         routes = [(recs.get(q.question) or {}).get(field) or {} for q in qs]
         cost[label] = [float(r.get("spent") or 0.0) for r in routes]
         right[label] = [answer_correct(answers.get(q.question, ""), q.answers) for q in qs]
-        tried = [len(r.get("tried") or ()) for r in routes]
+        up = [i for i, r in enumerate(routes) if len(r.get("tried") or ()) > 1]
         by: dict[str, int] = {}
         for r in routes:
             if r.get("engine"):
@@ -143,12 +143,10 @@ def evaluate_strategies(p: Pipeline, route: Any, qs: list[EvalQuestion]) -> list
         row = {"strategy": label, "providers": chosen,
                "accuracy": sum(right[label]) / len(qs), "spend": sum(cost[label]),
                "spend_per_question": sum(cost[label]) / len(qs),
-               "escalated": sum(1 for n in tried if n > 1) / len(qs),
-               "answered_by": by, "answered": len(recs)}
+               "escalated": len(up) / len(qs), "answered_by": by, "answered": len(recs)}
         if chosen is providers:
             first = right[f"{providers[0]} only"]
-            kept = [i for i, n in enumerate(tried) if n == 1]
-            up = [i for i, n in enumerate(tried) if n > 1]
+            kept = [i for i, r in enumerate(routes) if len(r.get("tried") or ()) == 1]
             row["check"] = {"passed": len(kept),
                             "passed_right": sum(right[label][i] for i in kept),
                             "escalated": len(up),
